@@ -1,0 +1,408 @@
+"""HF checkpoints (config.json + safetensors) <-> rl_tpu params, both ways, from one table.
+
+`load` reads each tensor through a memory map and hands every device only its own slice
+(`jax.make_array_from_callback`), so a model never sits whole on one device and, on a
+multi-host pod, each host reads only what its devices hold. `save` writes a directory that
+`transformers.AutoModelForCausalLM.from_pretrained` and SGLang load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from typing import Any, Optional
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from rl_tpu import parallel
+from rl_tpu.models.transformer import ModelConfig, RopeScaling, Transformer
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded as asked; the message says what and where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One HF tensor <-> one rl_tpu param.
+
+    Dims are comma-separated products of shape letters (D model, N heads, K kv heads, H head
+    dim, F mlp, V vocab): "NH,D" is a [N*H, D] matrix. `transpose` flips HF's [out, in]
+    matrices to our [in, ...out] kernels before reshaping. `{i}` in `hf` marks a per-layer rule
+    whose `path` is relative to the layer.
+    """
+
+    hf: str
+    path: str
+    hf_dims: str
+    our_dims: str
+    transpose: bool = False
+    when: str = "always"
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+_CONDITIONS = {
+    "always": lambda cfg: True,
+    "untied": lambda cfg: not cfg.tie_word_embeddings,
+    "qkv_bias": lambda cfg: cfg.qkv_bias,
+    "qk_norm": lambda cfg: cfg.qk_norm,
+}
+
+_L = "model.layers.{i}."
+WEIGHT_TABLE = (
+    WeightRule("model.embed_tokens.weight", "embed/embedding", "V,D", "V,D"),
+    WeightRule("model.norm.weight", "final_norm/scale", "D", "D"),
+    WeightRule("lm_head.weight", "lm_head/kernel", "V,D", "D,V", True, "untied"),
+    WeightRule(_L + "input_layernorm.weight", "input_norm/scale", "D", "D"),
+    WeightRule(_L + "post_attention_layernorm.weight", "post_attn_norm/scale", "D", "D"),
+    WeightRule(_L + "self_attn.q_proj.weight", "attn/q_proj/kernel", "NH,D", "D,N,H", True),
+    WeightRule(_L + "self_attn.k_proj.weight", "attn/k_proj/kernel", "KH,D", "D,K,H", True),
+    WeightRule(_L + "self_attn.v_proj.weight", "attn/v_proj/kernel", "KH,D", "D,K,H", True),
+    WeightRule(_L + "self_attn.o_proj.weight", "attn/o_proj/kernel", "D,NH", "N,H,D", True),
+    WeightRule(_L + "self_attn.q_proj.bias", "attn/q_proj/bias", "NH", "N,H", False, "qkv_bias"),
+    WeightRule(_L + "self_attn.k_proj.bias", "attn/k_proj/bias", "KH", "K,H", False, "qkv_bias"),
+    WeightRule(_L + "self_attn.v_proj.bias", "attn/v_proj/bias", "KH", "K,H", False, "qkv_bias"),
+    WeightRule(_L + "self_attn.q_norm.weight", "attn/q_norm/scale", "H", "H", False, "qk_norm"),
+    WeightRule(_L + "self_attn.k_norm.weight", "attn/k_norm/scale", "H", "H", False, "qk_norm"),
+    WeightRule(_L + "mlp.gate_proj.weight", "mlp/gate_proj/kernel", "F,D", "D,F", True),
+    WeightRule(_L + "mlp.up_proj.weight", "mlp/up_proj/kernel", "F,D", "D,F", True),
+    WeightRule(_L + "mlp.down_proj.weight", "mlp/down_proj/kernel", "D,F", "F,D", True),
+)
+# Present in some checkpoints, never needed: buffers HF recomputes, or a tied head saved anyway.
+_IGNORED = re.compile(r"(.*rotary_emb\.inv_freq$)")
+
+
+def _dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
+    size = {"D": cfg.hidden_size, "N": cfg.num_heads, "K": cfg.num_kv_heads,
+            "H": cfg.head_dim, "F": cfg.intermediate_size, "V": cfg.vocab_size}
+    return tuple(math.prod(size[letter] for letter in part) for part in spec.split(","))
+
+
+def active_rules(cfg: ModelConfig) -> list[WeightRule]:
+    return [r for r in WEIGHT_TABLE if _CONDITIONS[r.when](cfg)]
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, Optional[int]]]:
+    """HF tensor name -> (rule, layer index or None) for every tensor the checkpoint must hold."""
+    out = {}
+    for rule in active_rules(cfg):
+        for i in (range(cfg.num_layers) if rule.per_layer else (None,)):
+            out[rule.hf.format(i=i)] = (rule, i)
+    return out
+
+
+def hf_to_ours(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
+    return (x.T if rule.transpose else x).reshape(_dims(rule.our_dims, cfg))
+
+
+def ours_to_hf(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
+    hf_shape = _dims(rule.hf_dims, cfg)
+    if rule.transpose:
+        return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
+    return x.reshape(hf_shape)
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides) -> ModelConfig:
+    """ModelConfig from an HF config dict (old `rope_theta/rope_scaling` or new `rope_parameters`)."""
+    archs = hf.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    arch = arch or MODEL_TYPES.get(hf.get("model_type", ""))
+    if arch is None:
+        raise CheckpointError(
+            f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+            f"rl_tpu supports {sorted(HF_ARCHITECTURES)}")
+    for key, bad, what in (("hidden_act", lambda v: v not in (None, "silu"), "only silu"),
+                           ("mlp_bias", bool, "no MLP bias"),
+                           ("use_sliding_window", bool, "no sliding-window attention")):
+        if bad(hf.get(key)):
+            raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported ({what})")
+    if arch != "qwen2" and hf.get("attention_bias"):
+        raise CheckpointError(f"{source}: attention_bias=true is not supported for {arch}")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = RopeScaling(rope_type=rope_type, **{
+        f.name: rope[f.name] for f in dataclasses.fields(RopeScaling)
+        if f.name != "rope_type" and rope.get(f.name) is not None})
+    eos = hf.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    heads = hf["num_attention_heads"]
+    kwargs = dict(
+        arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos,
+    )
+    kwargs.update(overrides)
+    try:
+        return ModelConfig(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: {err}") from err
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+    """config.json for transformers (built by its own config class, so the format matches the
+    installed version) plus the pre-v5 rope keys, so older readers (e.g. SGLang's) agree."""
+    from transformers import AutoConfig
+
+    rope = {"rope_type": cfg.rope_scaling.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling.rope_type != "default":
+        rope.update({f.name: getattr(cfg.rope_scaling, f.name)
+                     for f in dataclasses.fields(RopeScaling) if f.name != "rope_type"})
+        if cfg.rope_scaling.rope_type == "linear":
+            rope = {k: rope[k] for k in ("rope_type", "rope_theta", "factor")}
+    eos = list(cfg.eos_token_ids)
+    hf_cfg = AutoConfig.for_model(
+        MODEL_TYPES[cfg.arch], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+        bos_token_id=cfg.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+    )
+    out = hf_cfg.to_dict()
+    out["architectures"] = [a for a, name in HF_ARCHITECTURES.items() if name == cfg.arch]
+    out["torch_dtype"] = out["dtype"] = torch_dtype
+    out.setdefault("rope_theta", cfg.rope_theta)
+    if cfg.rope_scaling.rope_type != "default":
+        out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    return out
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+
+class SafetensorsDir:
+    """Name -> memory-mapped numpy view over every *.safetensors file of a directory.
+
+    safetensors' own numpy reader cannot return bf16, the common checkpoint dtype; the format
+    (8-byte header size, JSON header of dtype/shape/offsets, raw bytes) is simple to map.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.entries: dict[str, tuple[str, dict]] = {}
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files (is this an HF model dir?)")
+        for name in files:
+            file = os.path.join(path, name)
+            for tensor, meta in self._read_header(file).items():
+                if tensor in self.entries:
+                    raise CheckpointError(f"{path}: tensor {tensor!r} is in both "
+                                          f"{self.entries[tensor][0]} and {file}")
+                self.entries[tensor] = (file, meta)
+        self._maps: dict[str, np.memmap] = {}
+
+    @staticmethod
+    def _read_header(file: str) -> dict[str, dict]:
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
+        header.pop("__metadata__", None)
+        for meta in header.values():
+            meta["data_start"] = 8 + size
+        return header
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name][1]["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        file, meta = self.entries[name]
+        if meta["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        begin, end = meta["data_offsets"]
+        raw = self._maps[file][meta["data_start"] + begin: meta["data_start"] + end]
+        return raw.view(_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+
+
+# ----------------------------------------------------------------------------- load / save
+
+
+def read_config(path: str, **overrides) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path}: no config.json (is this an HF model dir?)") from err
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: unreadable ({err})") from err
+    return config_from_hf(hf, source=file, **overrides)
+
+
+def _check_tensors(files: SafetensorsDir, cfg: ModelConfig, path: str):
+    expected = expected_tensors(cfg)
+    missing = sorted(set(expected) - set(files.entries))
+    extra = sorted(n for n in set(files.entries) - set(expected)
+                   if not _IGNORED.match(n) and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_few(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors {_few(extra)} (not a {cfg.arch} checkpoint?)")
+    for name in sorted(set(expected) & set(files.entries)):
+        rule, _ = expected[name]
+        want, got = _dims(rule.hf_dims, cfg), files.shape(name)
+        if want != got:
+            problems.append(f"tensor {name!r} has shape {list(got)}, config.json implies {list(want)}")
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    return expected
+
+
+def _few(names, limit=6):
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _locate(cfg: ModelConfig):
+    """Our param path (tuple) -> (rule, layer) where layer is an int, None, or 'stacked'."""
+    out = {}
+    for rule in active_rules(cfg):
+        parts = tuple(rule.path.split("/"))
+        if not rule.per_layer:
+            out[parts] = (rule, None)
+        elif cfg.scan_layers:
+            out[("layers",) + parts] = (rule, "stacked")
+        else:
+            for i in range(cfg.num_layers):
+                out[(f"layers_{i}",) + parts] = (rule, i)
+    return out
+
+
+def load(path: str, mesh=None, dtype: str = "float32", rules=parallel.DEFAULT_RULES,
+         **config_overrides):
+    """Reads an HF model dir into (ModelConfig, params), each param in its mesh sharding.
+
+    `dtype` is the dtype of params and compute (override either with `param_dtype=`/`dtype=` in
+    config_overrides, e.g. scan_layers=True, remat='dots'). Without a mesh, one device.
+    """
+    config_overrides.setdefault("param_dtype", dtype)
+    cfg = read_config(path, dtype=dtype, **config_overrides)
+    files = SafetensorsDir(path)
+    expected = _check_tensors(files, cfg, path)
+    if mesh is None:
+        mesh = parallel.make_mesh({}, devices=jax.devices()[:1])
+    model = Transformer(cfg)
+    abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
+    shardings = parallel.param_shardings(abstract, names, mesh, rules)
+    located = _locate(cfg)
+    hf_name = {(r, i): n for n, (r, i) in expected.items()}
+    np_dtype = np.dtype(cfg.params_dtype)
+
+    def host_value(rule, layer):
+        if layer == "stacked":
+            return np.stack([host_value(rule, i) for i in range(cfg.num_layers)])
+        return hf_to_ours(files.read(hf_name[(rule, layer)]), rule, cfg).astype(np_dtype)
+
+    def make(key_path, leaf, sharding):
+        key = tuple(k.key for k in key_path)
+        rule, layer = located[key]
+        value = host_value(rule, layer)
+        if value.shape != leaf.shape:  # table and model disagree: a bug here, not in the dir
+            raise AssertionError(f"{key}: table gives {value.shape}, model wants {leaf.shape}")
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda idx: value[idx])
+
+    params = jax.tree_util.tree_map_with_path(make, abstract, shardings)
+    return cfg, params
+
+
+def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[str] = None,
+         max_shard_bytes: int = 4 << 30):
+    """Writes an HF model dir (config.json, safetensors shards [+ index], tokenizer files).
+
+    Sharded and multi-host params are gathered one param at a time and written one shard at a
+    time, so host memory holds at most a shard. Every process must call this (the gathers are
+    collective); process 0 writes. The directory is written beside the target and renamed into
+    place, so a crash never leaves a half-written checkpoint where a loader (or an SGLang
+    server) would read it.
+    """
+    dtype = str(dtype or cfg.param_dtype)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"save dtype {dtype!r}: use float32, bfloat16 or float16")
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    located = _locate(cfg)
+    flat = {tuple(k.key for k in kp): v
+            for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    missing = sorted("/".join(k) for k in set(located) - set(flat))
+    if missing:
+        raise ValueError(f"params do not match the config: missing {_few(missing)}")
+
+    # Plan shards from the config alone, so each shard is gathered, written and dropped in turn.
+    itemsize = np.dtype(np_dtype).itemsize
+    shards, size = [[]], 0
+    for key, (rule, _) in located.items():
+        nbytes = flat[key].size * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    writer = jax.process_index() == 0
+    tmp = path.rstrip("/") + ".tmp"
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    weight_map, total = {}, 0
+    for k, keys in enumerate(shards, start=1):
+        tensors = {}
+        for key in keys:
+            rule, layer = located[key]
+            value = parallel.gather_to_host(flat[key]).astype(np_dtype)
+            for i in range(cfg.num_layers) if layer == "stacked" else (layer,):
+                tensors[rule.hf.format(i=i)] = ours_to_hf(
+                    value[i] if layer == "stacked" else value, rule, cfg)
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{k:05d}-of-{len(shards):05d}.safetensors")
+        if writer:
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        total += sum(v.nbytes for v in tensors.values())
+    if not writer:
+        return
+    if len(shards) > 1:
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config_to_hf(cfg, dtype), f, indent=2)
+    if tokenizer is not None:
+        getattr(tokenizer, "hf", tokenizer).save_pretrained(tmp)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)

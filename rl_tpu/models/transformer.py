@@ -1,0 +1,366 @@
+"""One decoder for the Llama 3, Qwen2/2.5 and Qwen3 families, in Flax Linen.
+
+The three families differ only in switches of `ModelConfig`: QKV bias (Qwen2), per-head RMSNorm
+of q and k before RoPE (Qwen3), RoPE scaling (Llama 3.1+), tied embeddings (small Qwens).
+
+Shape letters used in names, comments and einsums:
+  B batch, T query length, S key/value length (KV-cache slots), D model width,
+  N query heads, K kv heads, G = N // K query heads per kv head, H head dim,
+  F mlp width, V vocab, L layers.
+
+Two call modes, one code path:
+  * full sequence (training, scoring): `segment_ids` [B, T] separate packed sequences (0 marks
+    padding), attention is causal within a segment;
+  * cached (sampling): `cache` holds K/V for S slots per row; the token at position p is written
+    to slot p and attends to slots <= p, so prompts of mixed length are right-padded and each
+    row decodes at its own position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+REMAT_POLICIES = ("none", "full", "dots")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` / `rope_parameters` beyond the base frequency."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture plus numerics. Hashable, so it can be a static Linen attribute."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2/2.5 (and Llama with attention_bias=True)
+    qk_norm: bool = False  # Qwen3
+    max_position_embeddings: int = 4096
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown arch {self.arch!r}; supported: {ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.rope_scaling.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {self.rope_scaling.rope_type!r} is not supported; "
+                f"supported: {ROPE_TYPES}"
+            )
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")
+
+    def replace(self, **kwargs) -> "ModelConfig":
+        return dataclasses.replace(self, **kwargs)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def num_params(self) -> int:
+        """Parameter count, for MFU and memory estimates."""
+        d, f, n, k, h, v = (self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.num_kv_heads, self.head_dim, self.vocab_size)
+        attn = d * (n + 2 * k) * h + n * h * d
+        if self.qkv_bias:
+            attn += (n + 2 * k) * h
+        if self.qk_norm:
+            attn += 2 * h
+        layer = attn + 3 * d * f + 2 * d
+        embed = v * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + d
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[H/2] inverse frequencies, with the HF scaling rules of these families (float64 math)."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+        old_len = rs.original_max_position_embeddings
+        low_freq_wavelen = old_len / rs.low_freq_factor
+        high_freq_wavelen = old_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotates x [B, T, heads, H] by positions [B, T] (HF's rotate-half layout)."""
+    angles = positions[:, :, None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict[str, Array]:
+    """Empty KV cache: {'k', 'v'} each [L, B, S, K, H] with S = max_len slots."""
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype or cfg.compute_dtype
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def attention_mask(segment_ids: Array) -> Array:
+    """[B, T, T] bool: causal (by array order) and within the same packed segment."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same_segment
+
+
+def cache_attention_mask(positions: Array, num_slots: int) -> Array:
+    """[B, T, S] bool: the query at position p sees cache slots 0..p."""
+    return jnp.arange(num_slots)[None, None, :] <= positions[:, :, None]
+
+
+class RMSNorm(nn.Module):
+    """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],), self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=False):
+    init = nn.initializers.normal(stddev=0.02)
+    return nn.DenseGeneral(
+        features=features, axis=axis, use_bias=use_bias, name=name,
+        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+        kernel_init=nn.with_logical_partitioning(init, kernel_axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, kernel_axes[-len(
+            features if isinstance(features, tuple) else (features,)):]),
+    )
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE, optional QKV bias and q/k norm, optional KV cache."""
+
+    cfg: ModelConfig
+    mesh: Any = None
+    rules: Any = None
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array, mask: Array, cache: Optional[dict]):
+        cfg = self.cfg
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = _dense((n, h), -1, ("embed", "heads", "kv"), cfg, "q_proj", cfg.qkv_bias)(x)
+        key = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "k_proj", cfg.qkv_bias)(x)
+        value = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "v_proj", cfg.qkv_bias)(x)
+        if cfg.qk_norm:
+            norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
+                                        "kv", name=name)
+            q, key = norm("q_norm")(q), norm("k_norm")(key)
+        inv_freq = rope_inverse_frequencies(cfg)
+        q, key = apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq)
+        q = nn.with_logical_constraint(q, ("act_batch", "act_len", "act_heads", None),
+                                       rules=self.rules, mesh=self.mesh)
+
+        new_cache = None
+        if cache is not None:
+            rows = jnp.arange(x.shape[0])[:, None]
+            key = cache["k"].at[rows, positions].set(key.astype(cache["k"].dtype))
+            value = cache["v"].at[rows, positions].set(value.astype(cache["v"].dtype))
+            new_cache = {"k": key, "v": value}
+            key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
+
+        b, t = x.shape[:2]
+        q = q.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
+        logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=jnp.float32)
+        logits = logits / math.sqrt(h)
+        logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", weights, value).reshape(b, t, n, h)
+        out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    cfg: ModelConfig
+    mesh: Any = None
+    rules: Any = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        f = cfg.intermediate_size
+        gate = _dense(f, -1, ("embed", "mlp"), cfg, "gate_proj")(x)
+        up = _dense(f, -1, ("embed", "mlp"), cfg, "up_proj")(x)
+        hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("act_batch", "act_len", "act_mlp"),
+                                            rules=self.rules, mesh=self.mesh)
+        return _dense(cfg.hidden_size, -1, ("mlp", "embed"), cfg, "down_proj")(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer. Signature fits `nn.scan`: (carry, *xs) -> (carry, ys)."""
+
+    cfg: ModelConfig
+    mesh: Any = None
+    rules: Any = None
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache):
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
+        attn_out, new_cache = Attention(cfg, self.mesh, self.rules, name="attn")(
+            norm("input_norm")(x), positions, mask, cache)
+        x = x + attn_out
+        x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x))
+        x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
+                                       rules=self.rules, mesh=self.mesh)
+        return x, new_cache
+
+
+def _block_class(cfg: ModelConfig):
+    if cfg.remat == "none":
+        return Block
+    policy = None
+    if cfg.remat == "dots":
+        policy = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    # Under scan, CSE across iterations cannot happen, so prevent_cse only costs there.
+    return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `mesh`/`rules` (optional) turn logical activation names into constraints.
+
+    __call__(tokens [B, T], positions [B, T] = arange, segment_ids [B, T] = ones,
+             cache = None, return_hidden = False)
+      -> logits [B, T, V] float32 (or final-normed hidden [B, T, D] with return_hidden),
+         plus the updated cache when a cache is given.
+    """
+
+    cfg: ModelConfig
+    mesh: Any = None
+    rules: Any = None
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                        ("vocab", "embed")),
+        )
+        block = _block_class(cfg)
+        if cfg.scan_layers:
+            self.layers = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, self.mesh, self.rules)
+        else:
+            self.layers = [block(cfg, self.mesh, self.rules, name=f"layers_{i}")
+                           for i in range(cfg.num_layers)]
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _dense(cfg.vocab_size, -1, ("embed", "vocab"), cfg, "lm_head")
+
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, return_hidden=False):
+        cfg = self.cfg
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cache is None:
+            if segment_ids is None:
+                segment_ids = jnp.ones((b, t), jnp.int32)
+            mask = attention_mask(segment_ids)
+        else:
+            mask = cache_attention_mask(positions, cache["k"].shape[2])
+
+        x = self.embed(tokens)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
+                                       rules=self.rules, mesh=self.mesh)
+        if cfg.scan_layers:
+            x, new_cache = self.layers(x, positions, mask, cache)
+        else:
+            new_cache = cache
+            for i, layer in enumerate(self.layers):
+                layer_cache = None if cache is None else {n: c[i] for n, c in cache.items()}
+                x, layer_cache = layer(x, positions, mask, layer_cache)
+                if cache is not None:  # written back in place (XLA aliases the update)
+                    new_cache = {n: new_cache[n].at[i].set(layer_cache[n]) for n in new_cache}
+        x = self.final_norm(x)
+
+        out = x if return_hidden else self.logits(x)
+        return out if cache is None else (out, new_cache)
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden [B, T, D] (final-normed) -> logits [B, T, V] float32."""
+        if self.cfg.tie_word_embeddings:
+            logits = self.embed.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        logits = nn.with_logical_constraint(logits, ("act_batch", "act_len", "act_vocab"),
+                                            rules=self.rules, mesh=self.mesh)
+        return logits.astype(jnp.float32)
+
+
+def lm_head_kernel(cfg: ModelConfig, params) -> Array:
+    """[D, V] output projection, whether tied to the embedding or not (for chunked logits)."""
+    if cfg.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]

@@ -1,0 +1,215 @@
+"""Device mesh, logical-axis rules and shardings: the one place that knows about the hardware.
+
+Model code names the axes of every parameter and main activation logically (`embed`, `heads`,
+`vocab`, `act_batch`...). A short rule table maps logical names to the mesh axes
+`data` (pure data parallel), `fsdp` (data parallel with parameters sharded) and `tensor`
+(tensor/model parallel). The same model then runs on one CPU, a GPU, or a TPU pod slice,
+only the mesh config changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical name -> mesh axis (or tuple of axes, or None = replicated). First match wins.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    # activations
+    ("act_batch", ("data", "fsdp")),
+    ("act_len", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # parameters: fsdp shards the model width, tensor the heads / mlp / vocab
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
+
+log = logging.getLogger(__name__)
+
+
+def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """Mesh over `devices` (default: all, across hosts) with axes data, fsdp, tensor.
+
+    `axes` maps each of MESH_AXES to a size; missing axes are 1 and one axis may be -1
+    (= all remaining devices). Example: {'fsdp': -1, 'tensor': 2}.
+    """
+    unknown = set(axes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the mesh axes are {MESH_AXES}")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [int(axes.get(name, 1)) for name in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh {dict(axes)}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+            f"there are {len(devices)}; use -1 for one axis to take the rest")
+    try:  # topology-aware order on TPU/GPU (ICI rings); may refuse odd CPU layouts
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(sizes, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_rules(overrides: Optional[Iterable[Sequence[Any]]] = None) -> tuple:
+    """DEFAULT_RULES with `overrides` ((logical, mesh_axes), ...) taking precedence."""
+    overrides = tuple((name, _as_axes(axes)) for name, axes in (overrides or ()))
+    for _, axes in overrides:
+        for axis in axes or ():
+            if axis not in MESH_AXES:
+                raise ValueError(f"logical rule maps to unknown mesh axis {axis!r}; use {MESH_AXES}")
+    overridden = {name for name, _ in overrides}
+    return overrides + tuple(r for r in DEFAULT_RULES if r[0] not in overridden)
+
+
+def _as_axes(axes) -> Optional[tuple[str, ...]]:
+    if axes is None:
+        return None
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(names: Sequence[Optional[str]], mesh: Mesh, rules=DEFAULT_RULES,
+                    shape: Optional[Sequence[int]] = None) -> P:
+    """PartitionSpec for an array whose dims have logical `names`.
+
+    A mesh axis is used at most once per array, and only where it divides the dimension
+    (e.g. 2 kv heads on a tensor axis of 4 stay replicated instead of failing): the rules say
+    what is wanted, this says what is possible.
+    """
+    table = {name: _as_axes(axes) for name, axes in reversed(tuple(rules))}  # first match wins
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        chosen = []
+        size = None if shape is None else shape[dim]
+        for axis in (table.get(name) or ()) if name is not None else ():
+            if axis in used or mesh.shape[axis] == 1:
+                continue
+            width = math.prod(mesh.shape[a] for a in chosen) * mesh.shape[axis]
+            if size is not None and size % width:
+                continue
+            chosen.append(axis)
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return P(*spec)
+
+
+def logical_axes_of(model: nn.Module, *init_args, **init_kwargs):
+    """(abstract params, logical names per param) of a Linen model, without allocating."""
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *init_args, **init_kwargs))
+    names = nn.get_partition_spec(boxed)["params"]
+    return nn.meta.unbox(boxed)["params"], names
+
+
+def param_shardings(abstract_params, logical_names, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedSharding for every leaf of a params pytree."""
+    def one(leaf, names):
+        names = tuple(names) if names is not None else (None,) * len(leaf.shape)
+        return NamedSharding(mesh, logical_to_spec(names, mesh, rules, leaf.shape))
+    return jax.tree.map(one, abstract_params, logical_names,
+                        is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def init_params(model: nn.Module, mesh: Mesh, rules, rng, *init_args, **init_kwargs):
+    """Random params created directly in their shardings (never whole on one device)."""
+    abstract, names = logical_axes_of(model, *init_args, **init_kwargs)
+    shardings = param_shardings(abstract, names, mesh, rules)
+    init = jax.jit(lambda key: nn.meta.unbox(model.init(key, *init_args, **init_kwargs))["params"],
+                   out_shardings=shardings)
+    return init(rng)
+
+
+def bytes_per_device(tree) -> dict[jax.Device, int]:
+    """Bytes of a pytree of global arrays that each device holds (for memory reports)."""
+    held: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def maybe_initialize_distributed() -> bool:
+    """Join a multi-host job when the environment describes one; no-op on a single host.
+
+    Every host runs the same command. `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
+    `JAX_PROCESS_ID` (or a TPU pod's own metadata with `RL_TPU_DISTRIBUTED=1`) say how to join.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if coordinator:
+        try:
+            num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+            process_id = int(os.environ["JAX_PROCESS_ID"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(
+                "JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be "
+                f"integers too: {err}") from err
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    elif os.environ.get("RL_TPU_DISTRIBUTED") == "1":
+        jax.distributed.initialize()  # cluster auto-detection (TPU pods, SLURM)
+    else:
+        return False
+    log.info("process %d of %d, %d local / %d global devices", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count())
+    return True
+
+
+def batch_spec(ndim: int) -> P:
+    """Batch arrays are split on the leading dim over all data-parallel axes."""
+    return P(("data", "fsdp"), *([None] * (ndim - 1)))
+
+
+def host_to_global(batch, mesh: Mesh):
+    """Host-local numpy batch (this host's rows) -> global jax arrays sharded on the batch axes.
+
+    On one host this is a device_put; on N hosts each contributes its rows and the global
+    leading dim is N times the local one.
+    """
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(x.ndim)), x)
+    return jax.tree.map(one, batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def gather_to_host(tree):
+    """Global (possibly multi-host sharded) arrays -> full numpy arrays on every host."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def cast_floating(tree, dtype):
+    """Casts floating leaves to dtype (e.g. bf16 params), leaving integer leaves alone."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
