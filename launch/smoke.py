@@ -1,0 +1,52 @@
+"""Smoke demo: load an HF model dir, run a forward pass and greedy KV-cache generation.
+
+  python -m launch.make_tiny_model --arch qwen2 --out /tmp/tiny_qwen2
+  python -m launch.smoke --model_path /tmp/tiny_qwen2
+"""
+
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from rl_tpu import parallel
+from rl_tpu.models import hf
+from rl_tpu.models.decode import greedy_decode, right_pad
+from rl_tpu.models.tokenizer import load_tokenizer
+from rl_tpu.models.transformer import Transformer
+
+flags.DEFINE_string("model_path", None, "HF model directory.", required=True)
+flags.DEFINE_string("prompt", "What is 3 + 4?", "User message of the demo chat.")
+flags.DEFINE_integer("batch", 8, "Copies of the prompt decoded together.")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    parallel.maybe_initialize_distributed()
+    mesh = parallel.make_mesh({"fsdp": -1})
+    cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
+    tokenizer = load_tokenizer(f.model_path)
+    model = Transformer(cfg)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f.prompt}],
+                                           add_generation_prompt=True)
+    ids, lens = right_pad([prompt] * f.batch, tokenizer.pad_token_id or 0)
+
+    logits = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, ids)
+    print(f"forward: logits {logits.shape}, finite={bool(np.isfinite(np.asarray(logits)).all())}")
+    new = greedy_decode(model, params, ids, lens, f.max_new_tokens)  # compile
+    new.block_until_ready()
+    start = time.perf_counter()
+    new = np.asarray(greedy_decode(model, params, ids, lens, f.max_new_tokens))
+    seconds = time.perf_counter() - start
+    print(f"prompt: {tokenizer.decode(prompt)!r}")
+    print(f"greedy: {tokenizer.decode(new[0].tolist())!r}")
+    print(f"decode: {f.batch * f.max_new_tokens / seconds:,.0f} tokens/s "
+          f"(batch {f.batch}, {f.max_new_tokens} new tokens, {jax.device_count()} devices)")
+
+
+if __name__ == "__main__":
+    app.run(main)

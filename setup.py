@@ -1,0 +1,32 @@
+"""rl_tpu: JAX-first reinforcement learning for LLM policies and agents."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="rl_tpu",
+    version="0.1.0",
+    description="JAX-first RL for LLMs: pure sharded updates, SGLang or JAX rollouts, agent envs.",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rl_tpu", "rl_tpu.*", "launch", "launch.*"]),
+    install_requires=[
+        "jax>=0.6.2",
+        "flax>=0.11",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "grain>=0.2.10",
+        "tensorflow-datasets>=4.9.9",  # array_record builders; TensorFlow itself is not needed
+        "ml-collections>=1.0",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+        "ml-dtypes>=0.5",
+        "safetensors>=0.5",
+        "tokenizers>=0.21",
+        "transformers>=5.0,<6",  # tokenizers + chat templates; torch is not needed at run time
+        "jinja2>=3.1",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        # torch (CPU) is only for parity tests against transformers' own models.
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0"],
+    },
+)
