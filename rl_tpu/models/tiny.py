@@ -52,13 +52,13 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh=None, scale: float = 0.5
 
 
 def write_tiny_model(out_dir: str, arch: str = "qwen2", vocab_size: int = 512, seed: int = 0,
-                     dtype: str = "float32", **overrides) -> ModelConfig:
+                     dtype: str = "float32", init_scale: float = 0.5, **overrides) -> ModelConfig:
     """Writes a random tiny model + tokenizer as an HF directory; returns its config."""
     tokenizer = build_tokenizer(vocab_size)
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     cfg = tiny_config(arch, vocab_size, eos_token_ids=(eos,), param_dtype=dtype, dtype=dtype,
                       **overrides)
-    hf.save(out_dir, cfg, random_params(cfg, seed), tokenizer=tokenizer)
+    hf.save(out_dir, cfg, random_params(cfg, seed, scale=init_scale), tokenizer=tokenizer)
     return cfg
 
 

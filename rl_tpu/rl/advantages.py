@@ -163,6 +163,7 @@ def reinforce_pp(token_rewards: Array, loss_mask: Array, gamma: float = 1.0,
 # ----------------------------------------------------------------- group-relative (no critic) --
 
 
+@jax.jit  # one compiled kernel even when called eagerly: `unique` op by op is slow to dispatch
 def _group_stats(x: Array, ids: Array) -> tuple[Array, Array, Array, Array]:
     """Per-element (group sum, group count, group mean, group population variance) over [N].
 

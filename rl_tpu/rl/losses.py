@@ -267,7 +267,7 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     logprobs = jnp.asarray(logprobs, jnp.float32)
     old_logprobs = jnp.asarray(old_logprobs, jnp.float32)
     m = _float_mask(mask, logprobs)
-    adv = _per_token(advantages, logprobs)
+    adv = _inside(_per_token(advantages, logprobs), m)
     agg = lambda x: aggregate(x, m, config.aggregation, config.fixed_normalizer)  # noqa: E731
 
     ratio, lower, upper, metrics = POLICY_LOSSES.get(config.kind)(

@@ -27,7 +27,7 @@ def _as_weights(x: Array, mask: Array) -> Array:
 
 
 def masked_sum(x: Array, mask: Array, axis: Axis = None) -> Array:
-    """Sum of `x` over the entries where `mask` is set (x [B, T] or any shape mask broadcasts to)."""
+    """Sum of `x` [B, T] (or any shape `mask` broadcasts to) over the entries where mask is set."""
     w = _as_weights(x, mask)
     # `where` rather than `x * w`: a NaN/inf in a masked-out entry (e.g. padding) must not leak.
     return jnp.sum(jnp.where(w != 0, x * w, 0.0), axis=axis)

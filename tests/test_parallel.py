@@ -1,0 +1,122 @@
+"""Mesh, rules and sharded execution on 8 fake CPU devices (and two processes)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from rl_tpu import parallel
+from rl_tpu.models import hf, tiny
+from rl_tpu.models.transformer import Transformer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from multihost_logits import global_batch  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("m") / "qwen2")
+    # vocab 320, D 64, F 128, 4 heads / 2 kv heads: every big matrix splits 8 ways. Weights at
+    # std 0.05 keep logits O(1), as in a real LM, so 1e-5 measures sharding, not fp32 rounding.
+    tiny.write_tiny_model(out, "qwen2", vocab_size=320, init_scale=0.1)
+    return out
+
+
+def test_mesh_sizes_and_errors():
+    mesh = parallel.make_mesh({"fsdp": -1, "tensor": 2})
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="needs 6 devices, there are 8"):
+        parallel.make_mesh({"fsdp": 3, "tensor": 2})
+    with pytest.raises(ValueError, match="unknown mesh axes \\['model'\\]"):
+        parallel.make_mesh({"model": 2})
+    with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
+        parallel.make_mesh({"fsdp": -1, "tensor": -1})
+
+
+def test_logical_rules_respect_divisibility_and_reuse():
+    mesh = parallel.make_mesh({"fsdp": 2, "tensor": 4})
+    rules = parallel.DEFAULT_RULES
+    assert parallel.logical_to_spec(("embed", "heads", "kv"), mesh, rules, (64, 8, 16)) == P(
+        "fsdp", "tensor", None)
+    # 2 kv heads cannot split 4 ways: replicated on that dim instead of failing
+    assert parallel.logical_to_spec(("embed", "kv_heads", "kv"), mesh, rules, (64, 2, 16)) == P(
+        "fsdp", None, None)
+    # the batch takes both data axes; a later dim cannot reuse them
+    assert parallel.logical_to_spec(("act_batch", "embed"), mesh, rules, (8, 64)) == P(
+        "fsdp", None)
+    custom = parallel.logical_rules([("embed", None), ("mlp", ("fsdp", "tensor"))])
+    assert parallel.logical_to_spec(("embed", "mlp"), mesh, custom, (64, 128)) == P(
+        None, ("fsdp", "tensor"))
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        parallel.logical_rules([("embed", "model")])
+
+
+def test_sharded_forward_equals_single_device(model_dir):
+    ids = global_batch()
+    cfg, single = hf.load(model_dir)
+    expected = np.asarray(Transformer(cfg).apply({"params": single}, ids))
+
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg, params = hf.load(model_dir, mesh=mesh)
+    held = parallel.bytes_per_device(params)
+    total = sum(x.nbytes for x in jax.tree.leaves(single))
+    share = max(held.values()) / total
+    print(f"param bytes: total {total}, per device max {max(held.values())} ({share:.3f} of all)")
+    assert len(held) == 8 and share < 1 / 8 + 0.02  # only norms (tiny) are replicated
+
+    model = Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES)
+    logits = jax.jit(lambda p, x: model.apply({"params": p}, x))(
+        params, parallel.host_to_global(ids, mesh))
+    assert logits.sharding.spec[0] == ("data", "fsdp") or logits.sharding.spec[0] == "fsdp"
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
+
+
+def test_init_params_is_sharded():
+    cfg = tiny.tiny_config("qwen3", vocab_size=320, scan_layers=True)
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    params = parallel.init_params(Transformer(cfg), mesh, parallel.DEFAULT_RULES,
+                                  jax.random.key(0), np.zeros((1, 1), np.int32))
+    kernel = params["layers"]["mlp"]["up_proj"]["kernel"]  # [L, D, F]
+    assert kernel.sharding.spec == P(None, "fsdp", "tensor")
+    assert kernel.addressable_shards[0].data.shape == (2, 16, 64)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_form_one_mesh(model_dir, tmp_path):
+    """Two processes x 4 CPU devices on loopback = one 8-device mesh, as hosts of a TPU pod."""
+    cfg, single = hf.load(model_dir)
+    expected = np.asarray(Transformer(cfg).apply({"params": single}, global_batch()))
+    out = str(tmp_path / "logits.npy")
+    port = free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "multihost_logits.py"), model_dir, out],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    print("\n".join(line for log in logs for line in log.splitlines() if "holds" in line))
+    np.testing.assert_allclose(np.load(out), expected, atol=1e-5, rtol=0)
