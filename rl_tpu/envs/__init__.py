@@ -1,0 +1,14 @@
+"""Environments. Each env module registers itself with `rl_tpu.envs.base.register`."""
+
+# Env name -> module under rl_tpu/envs/ that registers it; `base.make` imports it on first use.
+ENV_MODULES: dict[str, str] = {
+    "babyai": "babyai",
+    "textcraft": "textcraft",
+    "sciworld": "sciworld",
+    "textworld": "textworld",
+    "search": "search",
+    "countdown": "reasoning",
+    "arithmetic": "reasoning",
+    "reasoning_gym": "reasoning",
+    "math": "math",
+}

@@ -1,0 +1,104 @@
+"""The environment interface: text in, text out. Envs know nothing of models or JAX.
+
+An `Env` plays one episode at a time: `reset(task)` returns the first observation, `step`
+takes the agent's action text and returns a `StepResult`. A malformed or illegal action is
+never an exception: it comes back as an observation that says what was wrong, so a policy can
+learn from it and the agent loop never dies on model output.
+
+A `TaskSource` lists an env's tasks per split, reproducibly (by seed or id), so the same
+eval set is seen at every evaluation and across runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import dataclasses
+from typing import Any, Callable, Optional
+
+
+@dataclasses.dataclass
+class StepResult:
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    info: dict = dataclasses.field(default_factory=dict)  # e.g. success, invalid_action
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One episode's specification: an id unique within its env and whatever the env needs."""
+
+    task_id: str
+    data: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+
+class TaskSource(abc.ABC):
+    """Reproducible tasks of one env, by split."""
+
+    splits: tuple[str, ...] = ("train", "eval")
+
+    @abc.abstractmethod
+    def size(self, split: str) -> Optional[int]:
+        """Number of tasks in the split, or None for a procedural (unbounded) source."""
+
+    @abc.abstractmethod
+    def get(self, split: str, index: int) -> Task:
+        """The index-th task of the split; the same task every time it is asked for."""
+
+    def check_split(self, split: str):
+        if split not in self.splits:
+            raise ValueError(f"unknown split {split!r}; this source has {self.splits}")
+
+
+class Env(abc.ABC):
+    """One episode at a time; reusable after `reset`."""
+
+    name: str = "env"
+    system_prompt: str = ""  # states the action format the env parses
+
+    @abc.abstractmethod
+    def reset(self, task: Task) -> str:
+        """Starts the task's episode; returns the first observation."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Applies the agent's action text. Bad actions are observations, never exceptions."""
+
+    def close(self) -> None:
+        """Releases processes, files or servers the env holds."""
+
+    def tasks(self) -> TaskSource:
+        """This env's task source (train/eval splits)."""
+        raise TypeError(f"env {self.name!r} has no built-in tasks; pass tasks explicitly")
+
+
+def invalid_action(message: str, **info) -> StepResult:
+    """The observation for an action the env could not apply; the episode goes on."""
+    return StepResult(observation=f"Invalid action: {message}", reward=0.0, done=False,
+                      info={"invalid_action": True, **info})
+
+
+_REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str):
+    """Decorator: `@register("babyai")` on an Env class or factory."""
+    def add(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"env {name!r} is registered twice")
+        _REGISTRY[name] = factory
+        return factory
+    return add
+
+
+def make(name: str, **kwargs: Any) -> Env:
+    """Builds an env by name, importing only its own module (one env's optional dependency,
+    a JVM for ScienceWorld say, never stops the others from loading)."""
+    from rl_tpu.envs import ENV_MODULES
+
+    if name not in _REGISTRY and name in ENV_MODULES:
+        importlib.import_module(f"rl_tpu.envs.{ENV_MODULES[name]}")
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown env {name!r}; known envs: {sorted(set(ENV_MODULES) | set(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)

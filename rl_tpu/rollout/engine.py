@@ -1,0 +1,92 @@
+"""The one interface every rollout backend implements: token ids in, token ids + logprobs out.
+
+Backends: the embedded JAX sampler (sampler.py), HTTP clients of SGLang-compatible servers
+(sglang.py: real SGLang on GPUs, or rl_tpu's own JAX server on TPU hosts), and scripted
+engines in tests. The agent loop and the recipes see only this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, with SGLang's meanings (temperature < 1e-6 means greedy)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all tokens
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (matched on the decoded output)
+    ignore_eos: bool = False
+    n: int = 1  # samples per prompt (results come prompt-major: p0s0, p0s1, p1s0...)
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams = SamplingParams()
+    request_id: Optional[str] = None
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """One sample. `logprobs[i]` is the engine's log-probability of `output_ids[i]`: log
+    softmax of the logits divided by the temperature (1 when greedy), before top-p/top-k
+    truncation, which is the quantity the trainer recomputes with the same temperature."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # stop | length | abort
+    weight_version: Optional[str] = None
+    matched_stop: Any = None  # the stop token id or string that ended it, if any
+    prompt_tokens: int = 0
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+
+
+class RolloutEngine(abc.ABC):
+    """A source of samples whose weights the trainer can replace."""
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Samples for every request, `n` per request, flat and request-major."""
+
+    @abc.abstractmethod
+    def update_weights(self, params, version: str) -> None:
+        """Serve `params` (the trainer's pytree) from now on, reported as `version`."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve a request now."""
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        return None
