@@ -249,14 +249,16 @@ def _behaviour_weights(old_logprobs, behaviour_logprobs, mask, config):
 
 def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array,
                 config: PolicyLossConfig, *, behaviour_logprobs: Optional[Array] = None,
-                ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None
+                ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None,
+                bapo_bounds: Optional[tuple[Array, Array]] = None
                 ) -> tuple[Array, dict[str, Array]]:
     """Clipped policy-gradient loss (+ kl_coef * KL - entropy_coef * entropy) and metrics.
 
     logprobs [B, T]: current policy (differentiated); old_logprobs [B, T]: trainer log-probs at
     rollout time; advantages [B, T] or [B]; mask [B, T]. Optional [B, T]: behaviour_logprobs
     (the sampling engine's, for `behaviour_is`), ref_logprobs (needed when kl_coef > 0),
-    entropy (per-token entropies, needed when entropy_coef != 0).
+    entropy (per-token entropies, needed when entropy_coef != 0). bapo_bounds: (c_low, c_high)
+    already adapted on the whole batch, for kind="bapo" over micro-batches.
 
     Metrics (scalars): loss, pg_loss, clip_frac_low, clip_frac_high, approx_kl, ratio_mean,
     ratio_max, ratio_min; dual_clip_frac with a dual clip; is_weight_mean, is_truncated_frac
@@ -270,8 +272,17 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     adv = _inside(_per_token(advantages, logprobs), m)
     agg = lambda x: aggregate(x, m, config.aggregation, config.fixed_normalizer)  # noqa: E731
 
-    ratio, lower, upper, metrics = POLICY_LOSSES.get(config.kind)(
-        logprobs, old_logprobs, adv, m, config)
+    if bapo_bounds is not None:
+        # Bounds adapted once over a batch larger than this call sees (accumulated
+        # micro-batches): every part of the batch must be clipped the same way.
+        if config.kind != "bapo":
+            raise ValueError(f"bapo_bounds given for policy loss kind {config.kind!r}")
+        ratio = jnp.exp(_inside(logprobs - old_logprobs, m))
+        lower, upper = bapo_bounds
+        metrics = {"bapo_c_low": lower, "bapo_c_high": upper}
+    else:
+        ratio, lower, upper, metrics = POLICY_LOSSES.get(config.kind)(
+            logprobs, old_logprobs, adv, m, config)
     per_token = clipped_surrogate(ratio, adv, lower, upper, config.dual_clip)
 
     if behaviour_logprobs is not None:

@@ -1,0 +1,530 @@
+"""The multi-turn agent loop: envs <-> engine -> trajectories (AgentGym-RL's rollout phase).
+
+`run_episodes` plays every episode of a rollout batch at once. Each turn it makes ONE batched
+`engine.generate` call over all live episodes (each request is that episode's whole token
+history), decodes each sample into an action, steps the envs in parallel threads, appends each
+observation to its history as a new user message, and repeats until every episode has ended.
+
+Token accounting, the part the trainer depends on:
+
+- The history is built token-exactly. The prompt is the chat template over
+  [system (env.system_prompt), user (first observation)] plus the generation prompt; after that
+  the model's sampled ids are appended as they are, and each observation is tokenized once
+  (`ChatTokenizer.append_message`) and appended. Nothing is ever re-tokenized, so the
+  behaviour logprobs stay attached to the very ids they were computed for.
+- `loss_mask` is True on exactly the ids the engine sampled; the prompt, the template text the
+  model did not write (e.g. the `<|im_end|>\\n` after a length-cut turn, the "\\n" after the
+  model's own `<|im_end|>`), and observations carry no loss.
+- `tokens` ends with the last generated id: the final observation (the env's answer to the last
+  action) conditions nothing the policy produced, so it is kept in `messages` for logging but
+  not tokenized.
+
+When `tokens` equals the chat template of the conversation: if every turn's sampled ids are
+the tokenizer's own encoding of their text followed by eos, then
+`tokens + encode(closing) == tokenizer.apply_chat_template(messages through the last assistant
+message)`, where `closing` is the template's text after the final eos ("\\n" for ChatML). It
+differs where the model sampled a non-canonical tokenization of its text (the history keeps
+the sampled ids; the template would re-tokenize them), and where a turn was cut by length: its
+missing `<|im_end|>` is appended as template text, unmasked (the same ids as the template's
+when the cut ids are canonical), and the action text sent to the env is the cut text.
+
+Episodes end (`Trajectory.finish`) with:
+  done           the env said done;
+  turn_limit     H actions were taken without the env saying done;
+  context_limit  no room is left for another token within `max_context_tokens` (a turn cut by
+                 the context room, or an observation that would not fit, which is then dropped);
+  env_error      make_env/reset/step raised, timed out, or returned something malformed (the
+                 message is in `info["error"]`); the other episodes go on;
+  abort          the engine aborted the request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
+from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("done", "turn_limit", "context_limit", "env_error", "abort")
+
+RewardReduce = Union[str, Callable[[Sequence[float]], float]]
+_REDUCERS: dict[str, Callable[[Sequence[float]], float]] = {
+    "sum": lambda r: float(sum(r)),
+    "last": lambda r: float(r[-1]) if r else 0.0,
+    "max": lambda r: float(max(r)) if r else 0.0,
+}
+
+
+def default_parse_action(text: str) -> str:
+    """The action is the generated text, stripped; the env parses it (and answers a bad one
+    with an "Invalid action" observation). A custom parser may raise ValueError instead: the
+    episode then gets an invalid-action observation without stepping the env."""
+    return text.strip()
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode, host side (see DESIGN.md, "Data that crosses module boundaries").
+
+    Turn ids: -1 on the initial prompt; k (0-based) on the k-th action's generated ids AND on
+    the text appended after them (the template's closing text, the env's observation, the next
+    generation prompt). So segment k is "action k and what it caused", and `rewards[k]` is the
+    env's reward for it. The loss mask, not the turn id, says which ids the policy produced.
+    """
+
+    tokens: np.ndarray  # int32[T]: prompt + all turns
+    loss_mask: np.ndarray  # bool[T]: exactly the ids the engine sampled
+    behaviour_logprobs: np.ndarray  # float32[T]: the engine's logprob of each sampled id, else 0
+    turn_ids: np.ndarray  # int32[T]: -1 prompt, k for turn k (see above)
+    rewards: list[float]  # per turn, len == num_turns (0.0 for a turn the env never scored)
+    reward: float  # reward_reduce(rewards), "sum" by default
+    success: bool
+    num_turns: int  # actions generated
+    weight_versions: list  # engine weight version per turn
+    task_id: str
+    group_id: int  # samples of the same task share it
+    finish: str  # one of FINISH_REASONS
+    messages: list[dict]  # chat transcript for logging (ends with the final observation, if any)
+    info: dict  # sample_index, env_steps, env_step_s, step_infos, error, final_observation...
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+class _Episode:
+    """Mutable state of one episode while the loop runs."""
+
+    def __init__(self, index: int, task: Task, group_id: int, sample_index: int):
+        self.index, self.task, self.group_id = index, task, group_id
+        self.env: Optional[Env] = None
+        self.abandoned = False  # its env is stuck in a timed-out call: never touch it again
+        self.tokens: list[int] = []
+        self.mask: list[bool] = []
+        self.logprobs: list[float] = []
+        self.turn_ids: list[int] = []
+        self.messages: list[dict] = []
+        self.rewards: list[float] = []
+        self.weight_versions: list = []
+        self.step_infos: list[dict] = []
+        self.success: Optional[bool] = None  # last `success` an env info reported
+        self.finish: Optional[str] = None
+        self.info: dict = {"sample_index": sample_index, "env_steps": 0, "env_step_s": 0.0}
+        self.pending_action: Optional[str] = None  # parsed action awaiting env.step
+        self.pending_invalid: Optional[StepResult] = None  # answer to an unparseable action
+
+    def extend(self, ids: Sequence[int], generated: bool, turn: int,
+               logprobs: Optional[Sequence[float]] = None):
+        self.tokens.extend(int(i) for i in ids)
+        self.mask.extend([generated] * len(ids))
+        self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(ids))
+        self.turn_ids.extend([turn] * len(ids))
+
+    def end(self, finish: str, error: Optional[str] = None):
+        self.finish = finish
+        if error is not None:
+            self.info["error"] = error
+
+
+@dataclasses.dataclass
+class _Outcome:
+    value: Any = None
+    error: Optional[str] = None
+    seconds: float = 0.0
+    timed_out: bool = False
+    future: Optional[cf.Future] = None
+
+
+class _EnvWorkers:
+    """Runs env calls in parallel threads, each with a timeout counted from when it starts
+    (not from when it was queued, so a small pool does not turn waiting into timeouts).
+
+    Python cannot kill a thread: a timed-out call keeps its thread until it returns. The pool
+    is then replaced, so a stuck call never starves later turns. `num_threads=0` runs calls
+    inline, without timeouts (for debugging and profiling).
+    """
+
+    def __init__(self, num_threads: int, timeout_s: Optional[float]):
+        self.num_threads, self.timeout_s = num_threads, timeout_s
+        self._pool = self._new_pool()
+
+    def _new_pool(self):
+        if self.num_threads == 0:
+            return None
+        return cf.ThreadPoolExecutor(self.num_threads, thread_name_prefix="rl_tpu-env")
+
+    def map(self, calls: Sequence[Callable[[], Any]]) -> list[_Outcome]:
+        if self._pool is None:
+            return [self._inline(c) for c in calls]
+        started: list[Optional[float]] = [None] * len(calls)
+        finished: list[float] = [0.0] * len(calls)
+
+        def timed(i, call):
+            started[i] = time.monotonic()
+            try:
+                return call()
+            finally:
+                finished[i] = time.monotonic()
+
+        futures = {self._pool.submit(timed, i, c): i for i, c in enumerate(calls)}
+        outcomes: list[Optional[_Outcome]] = [None] * len(calls)
+        pending = set(futures)
+        any_timed_out = False
+        while pending:
+            wait_s = None
+            if self.timeout_s is not None:
+                running = [started[futures[f]] for f in pending if started[futures[f]] is not None]
+                # Wake at the earliest deadline; poll while calls are still queued.
+                wait_s = (max(0.0, min(running) + self.timeout_s - time.monotonic())
+                          if running else 0.01)
+            done, pending = cf.wait(pending, timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                i = futures[f]
+                seconds = finished[i] - (started[i] or finished[i])
+                try:
+                    outcomes[i] = _Outcome(value=f.result(), seconds=seconds)
+                except Exception as e:  # noqa: BLE001 - any env failure ends only its episode
+                    outcomes[i] = _Outcome(error=f"{type(e).__name__}: {e}", seconds=seconds)
+            if self.timeout_s is not None:
+                now = time.monotonic()
+                for f in list(pending):
+                    i = futures[f]
+                    if started[i] is not None and now - started[i] >= self.timeout_s:
+                        pending.discard(f)
+                        any_timed_out = True
+                        outcomes[i] = _Outcome(
+                            error=f"timed out after {self.timeout_s:g} s", seconds=now - started[i],
+                            timed_out=True, future=f)
+        if any_timed_out:
+            self._pool.shutdown(wait=False)
+            self._pool = self._new_pool()
+        return outcomes  # type: ignore[return-value]
+
+    @staticmethod
+    def _inline(call) -> _Outcome:
+        start = time.monotonic()
+        try:
+            return _Outcome(value=call(), seconds=time.monotonic() - start)
+        except Exception as e:  # noqa: BLE001
+            return _Outcome(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - start)
+
+    def shutdown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _close_quietly(env: Optional[Env]):
+    if env is None:
+        return
+    try:
+        env.close()
+    except Exception as e:  # noqa: BLE001 - the episode is over; a failed close is only logged
+        log.warning("env.close() failed for %r: %s", getattr(env, "name", env), e)
+
+
+def _request_seed(seed: int, episode: int, turn: int) -> int:
+    # Every episode needs its own stream: G samples of one task send the same first prompt, and
+    # one shared seed would make them identical.
+    return int(np.random.SeedSequence([seed, episode, turn]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    make_env: Callable[[], Env],
+    tasks: Sequence[Task],
+    *,
+    tokenizer: ChatTokenizer,
+    max_turns: int,
+    max_new_tokens_per_turn: int,
+    max_context_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    samples_per_task: int = 1,
+    parse_action: Callable[[str], str] = default_parse_action,
+    step_timeout_s: Optional[float] = 60.0,
+    num_threads: Optional[int] = None,
+    reward_reduce: RewardReduce = "sum",
+    group_id_offset: int = 0,
+) -> list[Trajectory]:
+    """Plays `samples_per_task` episodes of every task, all at once; one Trajectory each.
+
+    Args:
+      engine: the policy; called once per turn with every live episode's history.
+      make_env: builds a fresh env; called once per episode (in a worker thread).
+      tasks: the tasks; trajectories come back task-major (t0s0, t0s1, ..., t1s0, ...).
+      tokenizer: the policy's chat tokenizer.
+      max_turns: H, the most actions an episode takes (a schedule may change it every step).
+      max_new_tokens_per_turn: L, the generation budget of one turn (SIRI schedules change it).
+      max_context_tokens: cap on a trajectory's total length; each turn generates at most
+        min(L, room left).
+      sampling: everything but `max_new_tokens` (set per request) and `n` (must be 1: use
+        `samples_per_task`); a `seed` is turned into a distinct seed per episode and turn
+        (the same across calls: fold the training step into it for fresh samples).
+      samples_per_task: G; the G episodes of a task share `group_id`.
+      parse_action: generated text (stop token removed) -> action text for `env.step`.
+      step_timeout_s: limit on each make_env+reset and each step call (None: no limit). A call
+        that times out or raises ends its episode with finish="env_error".
+      num_threads: env worker threads (default: one per episode, at most 64); 0 runs env calls
+        inline on this thread, without timeouts.
+      reward_reduce: "sum" | "last" | "max" | callable(rewards) -> float, giving `reward`.
+      group_id_offset: added to the task index to form `group_id` (keeps ids unique across
+        calls, e.g. when a replay buffer mixes batches).
+
+    Returns:
+      list[Trajectory], len(tasks) * samples_per_task.
+
+    Raises:
+      ValueError: a bad argument. Errors of the engine itself propagate (no episode can go on
+        without it); the envs are closed either way.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns (H) must be >= 1, got {max_turns}")
+    if max_new_tokens_per_turn < 1:
+        raise ValueError(f"max_new_tokens_per_turn (L) must be >= 1, got {max_new_tokens_per_turn}")
+    if max_context_tokens < 2:
+        raise ValueError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
+    if samples_per_task < 1:
+        raise ValueError(f"samples_per_task (G) must be >= 1, got {samples_per_task}")
+    if sampling.n != 1:
+        raise ValueError(f"sampling.n={sampling.n}: each episode's history diverges after its "
+                         f"first turn, so set samples_per_task={sampling.n} instead of n")
+    if isinstance(reward_reduce, str):
+        if reward_reduce not in _REDUCERS:
+            raise ValueError(f"reward_reduce={reward_reduce!r}; use one of {sorted(_REDUCERS)} "
+                             "or a callable(rewards) -> float")
+        reward_reduce = _REDUCERS[reward_reduce]
+    stop_ids = set(sampling.stop_token_ids)
+    if tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+
+    episodes = [_Episode(ti * samples_per_task + s, task, group_id_offset + ti, s)
+                for ti, task in enumerate(tasks) for s in range(samples_per_task)]
+    if num_threads is None:
+        num_threads = min(64, max(1, len(episodes)))
+    workers = _EnvWorkers(num_threads, step_timeout_s)
+    try:
+        _start(episodes, make_env, tokenizer, workers, max_context_tokens)
+        _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
+              max_context_tokens, sampling, parse_action, stop_ids)
+    finally:
+        live_envs = [ep.env for ep in episodes if ep.env is not None and not ep.abandoned]
+        for outcome, env in zip(workers.map([env.close for env in live_envs]), live_envs):
+            if outcome.error:
+                log.warning("env.close() failed for %r: %s", getattr(env, "name", env),
+                            outcome.error)
+        workers.shutdown()
+    return [_finalize(ep, reward_reduce) for ep in episodes]
+
+
+def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
+    """Builds and resets every env in parallel; tokenizes each first prompt."""
+
+    def start(ep):
+        def call():
+            ep.env = make_env()  # set before reset, so a timed-out reset can still be closed
+            return ep.env.reset(ep.task)
+        return call
+
+    for ep, outcome in zip(episodes, workers.map([start(ep) for ep in episodes])):
+        if _failed(ep, outcome, "make_env/reset"):
+            continue
+        if not isinstance(outcome.value, str):
+            ep.end("env_error", f"reset returned {type(outcome.value).__name__}, not the first "
+                                "observation (str)")
+            continue
+        system = getattr(ep.env, "system_prompt", "") or ""
+        ep.messages = ([{"role": "system", "content": system}] if system else [])
+        ep.messages.append({"role": "user", "content": outcome.value})
+        ep.extend(tokenizer.apply_chat_template(ep.messages, add_generation_prompt=True),
+                  generated=False, turn=-1)
+        if len(ep.tokens) >= max_context_tokens:
+            ep.end("context_limit", f"the first prompt has {len(ep.tokens)} tokens, no room "
+                                    f"left within max_context_tokens={max_context_tokens}")
+
+
+def _failed(ep: _Episode, outcome: _Outcome, what: str) -> bool:
+    """Ends the episode on a failed env call; a stuck env is closed once its call returns."""
+    if outcome.error is None:
+        return False
+    ep.end("env_error", f"{what}: {outcome.error}")
+    if outcome.timed_out:
+        ep.abandoned = True
+        outcome.future.add_done_callback(lambda _f, ep=ep: _close_quietly(ep.env))
+    return True
+
+
+def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context, sampling,
+          parse_action, stop_ids):
+    """The turn loop: one batched generate, then one parallel env step, per turn."""
+    turn = 0
+    while True:
+        live = [ep for ep in episodes if ep.finish is None]
+        if not live:
+            return
+        # --- generate: one call for every live episode --------------------------------------
+        requests = []
+        for ep in live:
+            room = max_context - len(ep.tokens)  # >= 1, checked when the history last grew
+            params = dataclasses.replace(
+                sampling, max_new_tokens=min(max_new, room),
+                seed=(None if sampling.seed is None
+                      else _request_seed(sampling.seed, ep.index, turn)))
+            requests.append(GenerateRequest(prompt_ids=list(ep.tokens), sampling=params,
+                                            request_id=f"ep{ep.index}-turn{turn}"))
+        results = engine.generate(requests)
+        if len(results) != len(requests):
+            raise RuntimeError(f"engine returned {len(results)} results for {len(requests)} "
+                               "requests with n=1; the engine breaks the RolloutEngine contract")
+
+        stepping = []
+        for ep, request, result in zip(live, requests, results):
+            _add_generation(ep, request, result, turn, tokenizer, stop_ids, parse_action,
+                            max_context)
+            if ep.finish is None:
+                stepping.append(ep)
+
+        # --- env steps, in parallel ---------------------------------------------------------
+        to_step = [ep for ep in stepping if ep.pending_invalid is None]
+        outcomes = dict(zip(map(id, to_step), workers.map(
+            [lambda ep=ep: ep.env.step(ep.pending_action) for ep in to_step])))
+        for ep in stepping:
+            outcome = outcomes.get(id(ep)) or _Outcome(value=ep.pending_invalid)
+            _add_observation(ep, outcome, turn, tokenizer, max_turns, max_context)
+        turn += 1
+
+
+def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResult, turn: int,
+                    tokenizer: ChatTokenizer, stop_ids: set, parse_action, max_context: int):
+    ids, logprobs = list(result.output_ids), list(result.logprobs)
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"engine returned {len(ids)} ids but {len(logprobs)} logprobs for "
+                           f"request {request.request_id}")
+    ep.extend(ids, generated=True, turn=turn, logprobs=logprobs)
+    ep.weight_versions.append(result.weight_version)
+    ep.rewards.append(0.0)  # replaced by the env's reward if the step happens
+    # The message content is the text without the stop token: the template writes its own.
+    # (Stripped whatever the finish reason: an engine may call a stop on the last budgeted
+    # token "length".)
+    content_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
+    text = tokenizer.decode(content_ids)
+    ep.messages.append({"role": "assistant", "content": text})
+    ep.pending_action = ep.pending_invalid = None
+    if result.finish_reason == "abort":
+        ep.end("abort", f"the engine aborted turn {turn}")
+        return
+    if result.finish_reason == "length" and len(ep.tokens) >= max_context:
+        # Cut by the context room, not by L: the action is unfinished and nothing fits after it.
+        ep.end("context_limit")
+        return
+    try:
+        ep.pending_action = parse_action(text)
+    except ValueError as e:
+        # An unparseable action is an observation, as in the envs themselves.
+        ep.pending_invalid = invalid_action(str(e))
+
+
+def _add_observation(ep: _Episode, outcome: _Outcome, turn: int, tokenizer: ChatTokenizer,
+                     max_turns: int, max_context: int):
+    if ep.pending_invalid is None:  # the env was stepped
+        ep.info["env_steps"] += 1
+        ep.info["env_step_s"] += outcome.seconds
+    if _failed(ep, outcome, f"step (turn {turn})"):
+        return
+    result = outcome.value
+    if not isinstance(result, StepResult) or not isinstance(result.observation, str):
+        ep.end("env_error", f"step returned {result!r:.200}, not a StepResult with a str "
+                            "observation")
+        return
+    ep.rewards[-1] = float(result.reward)
+    ep.step_infos.append(dict(result.info))
+    if "success" in result.info:
+        ep.success = bool(result.info["success"])
+    observation = {"role": "user", "content": result.observation}
+    if result.done or turn + 1 >= max_turns:
+        ep.messages.append(observation)
+        ep.info["final_observation"] = result.observation
+        ep.end("done" if result.done else "turn_limit")
+        return
+    new = tokenizer.append_message(ep.tokens, ep.messages, observation, add_generation_prompt=True)
+    ep.messages.append(observation)
+    if len(new) >= max_context:
+        # Appending would leave no room to generate; the observation stays in the transcript.
+        ep.info["final_observation"] = result.observation
+        ep.end("context_limit")
+        return
+    ep.extend(new[len(ep.tokens):], generated=False, turn=turn)
+
+
+def _finalize(ep: _Episode, reward_reduce) -> Trajectory:
+    ep.info["step_infos"] = ep.step_infos
+    reward = float(reward_reduce(ep.rewards))
+    if ep.success is not None:  # the env's own verdict wins
+        success = ep.success
+    else:
+        success = ep.finish == "done" and reward > 0
+    return Trajectory(
+        tokens=np.asarray(ep.tokens, np.int32),
+        loss_mask=np.asarray(ep.mask, bool),
+        behaviour_logprobs=np.asarray(ep.logprobs, np.float32),
+        turn_ids=np.asarray(ep.turn_ids, np.int32),
+        rewards=list(ep.rewards), reward=reward, success=bool(success),
+        num_turns=len(ep.rewards), weight_versions=list(ep.weight_versions),
+        task_id=ep.task.task_id, group_id=ep.group_id, finish=ep.finish or "env_error",
+        messages=ep.messages, info=ep.info)
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """Summary of a batch of trajectories, for logs and benchmarks."""
+
+    num_episodes: int
+    mean_reward: float
+    success_rate: float
+    mean_turns: float
+    tokens_generated: int
+    mean_length: float  # tokens per trajectory, prompt included
+    env_steps: int
+    env_step_s: float  # mean seconds one env step took
+    wall_s: Optional[float] = None
+    env_steps_per_s: Optional[float] = None  # env_steps / wall_s: the loop's throughput
+    finish_counts: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, trajectories: Sequence[Trajectory],
+           wall_s: Optional[float] = None) -> "EpisodeStats":
+        n = len(trajectories)
+        mean = (lambda xs: float(np.mean(xs)) if n else 0.0)
+        steps = sum(t.info.get("env_steps", 0) for t in trajectories)
+        step_s = sum(t.info.get("env_step_s", 0.0) for t in trajectories)
+        return cls(
+            num_episodes=n,
+            mean_reward=mean([t.reward for t in trajectories]),
+            success_rate=mean([float(t.success) for t in trajectories]),
+            mean_turns=mean([t.num_turns for t in trajectories]),
+            tokens_generated=int(sum(t.num_generated for t in trajectories)),
+            mean_length=mean([len(t) for t in trajectories]),
+            env_steps=int(steps),
+            env_step_s=step_s / steps if steps else 0.0,
+            wall_s=wall_s,
+            env_steps_per_s=steps / wall_s if wall_s else None,
+            finish_counts=dict(Counter(t.finish for t in trajectories)))
+
+    def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
+        """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates)."""
+        out = {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for reason, count in self.finish_counts.items():
+            out[f"{prefix}finish/{reason}"] = count / max(1, self.num_episodes)
+        return out

