@@ -1,0 +1,84 @@
+"""Shared bits of the benchmarks: model shapes by name, device peak FLOP/s, table printing."""
+
+from __future__ import annotations
+
+import jax
+
+from rl_tpu.models.transformer import ModelConfig
+
+# Named shapes with random weights (no checkpoint needed). Real families' dimensions.
+SHAPES = {
+    "tiny": dict(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),
+    "small": dict(arch="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=1024,
+                  num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
+    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, qkv_bias=True, tie_word_embeddings=True,
+                         rope_theta=1000000.0),
+    "qwen3-1.7b": dict(arch="qwen3", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, qk_norm=True, tie_word_embeddings=True,
+                       rope_theta=1000000.0),
+    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rope_theta=500000.0),
+}
+
+# Dense bf16 peak FLOP/s per chip, by substrings of jax's device_kind.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6": 918e12,
+}
+
+
+def model_config(shape: str, **overrides) -> ModelConfig:
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown --shape {shape!r}; choose one of {sorted(SHAPES)}")
+    return ModelConfig(**{**SHAPES[shape], **overrides})
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from)."""
+    if override_tflops:
+        return override_tflops * 1e12, "given"
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops, "spec bf16"
+    return measured_matmul_flops(), "measured fp32 matmul"
+
+
+def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    """What one device sustains on a large fp32 matmul: the practical peak of a CPU, which
+    has no published figure that its vector units reach."""
+    import time
+
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    out.block_until_ready()
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start)
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of forward + backward per token: 6 x (matmul params, LM head included)
+    + causal attention scores and values (6 x 2 x L x T x N x H / 2 for the causal half)."""
+    d, h = cfg.hidden_size, cfg.head_dim
+    matmul_params = cfg.num_layers * (d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h
+                                      + cfg.num_heads * h * d + 3 * d * cfg.intermediate_size)
+    matmul_params += cfg.vocab_size * d  # the LM head (an embedding lookup costs no FLOPs)
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * h
+    return 6 * matmul_params + attention
+
+
+def print_table(header: list[str], rows: list[list]):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")

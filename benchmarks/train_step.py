@@ -1,0 +1,95 @@
+"""Throughput of the jitted `policy_step`: tokens/s, seconds per step and MFU, as table rows.
+
+  python benchmarks/train_step.py --shape tiny --batch 8 --seq_len 256
+  python benchmarks/train_step.py --shape qwen2.5-0.5b --batch 16 --seq_len 1024 \
+      --dtype bfloat16 --remat dots --micro_batches 2        # on an accelerator
+
+Random weights at the named shape (benchmarks/common.py), a PPO loss over a random batch with
+a realistic loss mask, the step compiled once and timed over --steps calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from benchmarks.common import (model_config, peak_flops_per_device, print_table,  # noqa: E402
+                               train_flops_per_token)
+from rl_tpu import parallel  # noqa: E402
+from rl_tpu.models.transformer import Transformer  # noqa: E402
+from rl_tpu.rl.losses import PolicyLossConfig  # noqa: E402
+from rl_tpu.train import steps  # noqa: E402
+from rl_tpu.train.state import OptimConfig, create_state, make_optimizer  # noqa: E402
+
+flags.DEFINE_string("shape", "tiny", "Model shape (benchmarks/common.py SHAPES).")
+flags.DEFINE_integer("batch", 8, "Sequences per step (global).")
+flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
+flags.DEFINE_integer("micro_batches", 1, "Gradient accumulation steps.")
+flags.DEFINE_integer("steps", 5, "Timed steps (after one compile + warm-up step).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Rematerialisation policy.")
+flags.DEFINE_bool("scan_layers", True, "Scan over layers (one compiled layer).")
+flags.DEFINE_integer("logprob_chunk", 256, "Positions per logits chunk.")
+flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axes, e.g. 'fsdp=4,tensor=2'.")
+flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (auto on GPU/TPU).")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (part.split("=") for part in text.split(",") if part)}
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    cfg = model_config(f.shape, dtype=f.dtype, param_dtype=f.dtype, remat=f.remat,
+                       scan_layers=f.scan_layers)
+    mesh = parallel.make_mesh(parse_mesh(f.mesh))
+    model = Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES)
+    params = parallel.init_params(model, mesh, parallel.DEFAULT_RULES, jax.random.key(0),
+                                  np.zeros((1, 1), np.int32))
+    state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)))
+    step = steps.compile_step(
+        steps.make_policy_step(model, PolicyLossConfig(clip_high=0.28),
+                               steps.StepConfig(micro_batches=f.micro_batches,
+                                                logprob_chunk=f.logprob_chunk)), state, mesh)
+
+    rng = np.random.RandomState(0)
+    b, t = f.batch, f.seq_len
+    mask = np.zeros((b, t), bool)
+    mask[:, t // 4:] = True  # a quarter prompt, the rest response
+    batch = parallel.host_to_global(dict(
+        tokens=rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32), loss_mask=mask,
+        old_logprobs=np.full((b, t), -2.0, np.float32),
+        advantages=rng.randn(b).astype(np.float32)), mesh)
+
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(f.steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - start) / f.steps
+
+    tokens_per_s = b * t / step_s
+    peak, peak_source = peak_flops_per_device(f.peak_tflops)
+    flops = train_flops_per_token(cfg, t) * tokens_per_s
+    mfu = f"{flops / (peak * jax.device_count()):.1%} (of {peak_source})"
+    device = f"{jax.device_count()}x {jax.devices()[0].device_kind}"
+    print_table(["shape", "params", "device", "mesh", "dtype", "B x T", "micro", "remat",
+                 "compile s", "s/step", "tokens/s", "model TFLOP/s", "MFU"],
+                [[f.shape, f"{cfg.num_params() / 1e6:.1f}M", device, f.mesh, f.dtype,
+                  f"{b} x {t}", f.micro_batches, f.remat, f"{compile_s:.1f}", f"{step_s:.3f}",
+                  f"{tokens_per_s:,.0f}", f"{flops / 1e12:.3f}", mfu]])
+
+
+if __name__ == "__main__":
+    app.run(main)
