@@ -1,0 +1,249 @@
+"""The embedded JAX rollout engine: batched prefill + KV-cache decode in one compiled loop.
+
+Shape letters: B batch (rows = samples), P prompt length (bucketed), L new tokens (bucketed),
+S = P + L cache slots, V vocab, X stop ids per row.
+
+One compiled function per (B, P, L) bucket serves every mix of sampling parameters: greedy,
+temperature, top-p and top-k, stop token ids and max_new_tokens are per-row *arrays*, not
+compile-time constants. Prompts are right-padded; row r's token at position p sits in cache
+slot p, so rows of different prompt lengths decode side by side with no left padding. The
+loop is a `lax.while_loop` that ends as soon as every row has stopped.
+
+Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
+final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from rl_tpu import parallel
+from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
+from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache
+from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
+
+GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
+
+
+def _next_power_of_two(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def sample_next(logits, temperature, top_p, top_k, key):
+    """One token per row. logits [B, V] fp32; temperature/top_p [B] f32; top_k [B] i32
+    (-1 = all); key [B] keys. Returns (token [B], logprob [B] of the temperature-scaled
+    distribution before truncation, the quantity the trainer recomputes)."""
+    greedy = temperature < GREEDY_BELOW
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+
+    def truncated():
+        # Sort once; keep the top-k and the smallest prefix whose mass reaches top-p.
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        rank = jnp.arange(scaled.shape[-1])[None, :]
+        keep = (mass_before < top_p[:, None]) & ((top_k[:, None] < 0) | (rank < top_k[:, None]))
+        filtered = jnp.full_like(scaled, -jnp.inf)
+        return jax.vmap(lambda f, o, v: f.at[o].set(v))(
+            filtered, order, jnp.where(keep, sorted_logits, -jnp.inf))
+
+    needs_truncation = jnp.any((top_p < 1.0) | (top_k > 0))
+    candidates = jax.lax.cond(needs_truncation, truncated, lambda: scaled)
+    sampled = jax.vmap(jax.random.categorical)(key, candidates)
+    token = jnp.where(greedy, jnp.argmax(scaled, axis=-1), sampled).astype(jnp.int32)
+    logprob, _ = logprobs_of(scaled, token, with_entropy=False)
+    return token, logprob
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def generate_tokens(model: Transformer, params, prompt_ids, prompt_lens, max_new, temperature,
+                    top_p, top_k, stop_ids, keys, max_steps: int):
+    """Compiled sampling loop.
+
+    prompt_ids [B, P] right-padded; prompt_lens, max_new [B] i32; temperature, top_p [B] f32;
+    top_k [B] i32; stop_ids [B, X] i32 (-1 = none); keys [B] PRNG keys.
+    Returns tokens [B, L], logprobs [B, L], num_generated [B], stopped [B] (True when a stop
+    id ended the row, False when it ran out of max_new).
+    """
+    cfg = model.cfg
+    b, p = prompt_ids.shape
+    cache = init_cache(cfg, b, p + max_steps)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
+                                return_hidden=True)
+    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+
+    def emit(h, step, keys_now):
+        logits = logits_from_hidden(cfg, params, h)
+        token, logprob = sample_next(logits, temperature, top_p, top_k, keys_now)
+        is_stop = jnp.any(token[:, None] == stop_ids, axis=-1)
+        return token, logprob, is_stop
+
+    step_keys = lambda step: jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)  # noqa: E731
+    token, logprob, is_stop = emit(last, 0, step_keys(0))
+    tokens = jnp.zeros((b, max_steps), jnp.int32).at[:, 0].set(token)
+    logprobs = jnp.zeros((b, max_steps), jnp.float32).at[:, 0].set(logprob)
+    count = jnp.ones((b,), jnp.int32)
+    done = is_stop | (count >= max_new)
+
+    def cond(state):
+        step, _, _, _, _, done, _, _ = state
+        return (step < max_steps) & ~jnp.all(done)
+
+    def body(state):
+        step, token, cache, tokens, logprobs, done, stopped, count = state
+        pos = (prompt_lens + step - 1)[:, None]
+        hidden, cache = model.apply({"params": params}, token[:, None], pos, cache=cache,
+                                    return_hidden=True)
+        new, logprob, is_stop = emit(hidden[:, 0], step, step_keys(step))
+        live = ~done
+        tokens = tokens.at[:, step].set(jnp.where(live, new, 0))
+        logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
+        count = count + live
+        stopped = stopped | (live & is_stop)
+        done = done | (live & (is_stop | (count >= max_new)))
+        return step + 1, new, cache, tokens, logprobs, done, stopped, count
+
+    state = (jnp.int32(1), token, cache, tokens, logprobs, done, is_stop, count)
+    _, _, _, tokens, logprobs, _, stopped, count = jax.lax.while_loop(cond, body, state)
+    return tokens, logprobs, count, stopped
+
+
+class JaxSampler(RolloutEngine):
+    """RolloutEngine over `generate_tokens`, batching requests into bucketed shapes.
+
+    params live on `mesh` (sharded by the logical rules); `update_weights` moves the trainer's
+    params there device to device (a no-op when they already are) with no host round trip.
+    """
+
+    def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
+                 rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
+                 min_prompt_bucket: int = 16, min_new_bucket: int = 16, seed: int = 0,
+                 version: str = "0"):
+        self.cfg = cfg
+        self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
+        self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
+        abstract, names = parallel.logical_axes_of(self.model, np.zeros((1, 1), np.int32))
+        self._shardings = parallel.param_shardings(abstract, names, self.mesh, rules)
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.min_prompt_bucket, self.min_new_bucket = min_prompt_bucket, min_new_bucket
+        self._seed = seed
+        self._counter = itertools.count()
+        self._lock = threading.Lock()  # one compiled loop at a time; weights swap between
+        self._params = jax.device_put(params, self._shardings)
+        self._version = version
+        default_stops = tuple(cfg.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            default_stops = tuple(dict.fromkeys(default_stops + (tokenizer.eos_token_id,)))
+        self.eos_ids = default_stops
+
+    # -- RolloutEngine -------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> Optional[str]:
+        return self._version
+
+    def health(self) -> bool:
+        return self._params is not None
+
+    def update_weights(self, params, version: str) -> None:
+        params = jax.device_put(params, self._shardings)  # reshard if the trainer's mesh differs
+        with self._lock:
+            self._params, self._version = params, str(version)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        rows = [(req, k) for req in requests for k in range(req.sampling.n)]
+        for req, _ in rows:
+            self._check(req)
+        results: list[GenerateResult] = []
+        for start in range(0, len(rows), self.max_batch):
+            results.extend(self._generate_batch(rows[start:start + self.max_batch]))
+        return results
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check(self, req: GenerateRequest):
+        if len(req.prompt_ids) == 0:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocab "
+                             f"[0, {self.cfg.vocab_size})")
+        if req.sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
+
+    def _generate_batch(self, rows) -> list[GenerateResult]:
+        n = len(rows)
+        b = _next_power_of_two(n, 1)
+        longest = max(len(req.prompt_ids) for req, _ in rows)
+        p = _next_power_of_two(longest, self.min_prompt_bucket)
+        steps = _next_power_of_two(max(max(req.sampling.max_new_tokens, 1) for req, _ in rows),
+                                   self.min_new_bucket)
+        ids = np.zeros((b, p), np.int32)
+        lens = np.ones((b,), np.int32)
+        max_new = np.ones((b,), np.int32)
+        temperature = np.zeros((b,), np.float32)
+        top_p = np.ones((b,), np.float32)
+        top_k = np.full((b,), -1, np.int32)
+        stops = [self._stop_ids(req) for req, _ in rows]
+        stop_ids = np.full((b, max(1, max(len(s) for s in stops))), -1, np.int32)
+        seeds = np.zeros((b,), np.uint32)
+        for i, (req, k) in enumerate(rows):
+            s = req.sampling
+            ids[i, :len(req.prompt_ids)] = req.prompt_ids
+            lens[i], max_new[i] = len(req.prompt_ids), max(s.max_new_tokens, 1)
+            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
+            stop_ids[i, :len(stops[i])] = stops[i]
+            seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
+            seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
+        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        with self._lock:
+            params, version = self._params, self._version
+            out = generate_tokens(self.model, params, ids, lens, max_new, temperature, top_p,
+                                  top_k, stop_ids, keys, max_steps=steps)
+        tokens, logprobs, count, stopped = (np.asarray(x) for x in out)
+        return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
+                             bool(stopped[i]), version) for i in range(n)]
+
+    def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
+        s = req.sampling
+        return tuple(dict.fromkeys(tuple(s.stop_token_ids) + (() if s.ignore_eos else self.eos_ids)))
+
+    def _result(self, req, tokens, logprobs, stopped, version) -> GenerateResult:
+        s = req.sampling
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        if s.max_new_tokens == 0:
+            tokens, logprobs, stopped = [], [], False
+        finish, matched = ("stop", tokens[-1]) if stopped else ("length", None)
+        if s.stop:
+            cut = self._first_stop_string(tokens, s.stop)
+            if cut is not None:
+                end, text = cut
+                tokens, logprobs, finish, matched = tokens[:end], logprobs[:end], "stop", text
+        return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
+                              weight_version=version, matched_stop=matched,
+                              prompt_tokens=len(req.prompt_ids))
+
+    def _first_stop_string(self, tokens, stops) -> Optional[tuple[int, str]]:
+        """(number of tokens up to and including the one completing the earliest stop string,
+        that string), or None. Tokens past it are dropped: they were sampled after the stop."""
+        text = self.tokenizer.decode(tokens)
+        hits = [(text.find(stop), stop) for stop in stops if stop and stop in text]
+        if not hits:
+            return None
+        position, stop = min(hits)
+        need = position + len(stop)
+        for end in range(1, len(tokens) + 1):
+            if len(self.tokenizer.decode(tokens[:end])) >= need:
+                return end, stop
+        return len(tokens), stop

@@ -1,0 +1,104 @@
+"""rl_tpu's SGLang-compatible server, in-process over loopback HTTP: shapes, errors, control."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rl_tpu.models import hf, tiny
+from rl_tpu.models.tokenizer import load_tokenizer
+from rl_tpu.rollout.sampler import JaxSampler
+from rl_tpu.rollout.server import RolloutService, serve
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    tiny.write_tiny_model(str(root / "a"), "qwen2", vocab_size=320, seed=0)
+    tiny.write_tiny_model(str(root / "b"), "qwen2", vocab_size=320, seed=1)
+    tiny.write_tiny_model(str(root / "deep"), "qwen2", vocab_size=320, num_layers=3)
+    cfg, params = hf.load(str(root / "a"))
+    tok = load_tokenizer(str(root / "a"))
+    service = RolloutService(JaxSampler(cfg, params, tokenizer=tok), str(root / "a"), tok)
+    http = serve(service, "127.0.0.1", 0, api_key="secret")
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    yield dict(url=f"http://127.0.0.1:{http.server_address[1]}", root=root, tok=tok)
+    http.shutdown()
+
+
+def call(server, path, body=None, key="secret", raw=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(server["url"] + path, data=data,
+                                 headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = resp.read().decode()
+            return resp.status, (json.loads(text) if text.startswith(("{", "[")) else text)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode())
+
+
+def test_generate_reply_shapes(server):
+    status, reply = call(server, "/generate", {
+        "input_ids": [[5, 6, 7], [8, 9]], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2, "ignore_eos": True}})
+    assert status == 200 and isinstance(reply, list) and len(reply) == 4  # p0s0 p0s1 p1s0 p1s1
+    assert [r["meta_info"]["prompt_tokens"] for r in reply] == [3, 3, 2, 2]
+    meta = reply[0]["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["completion_tokens"] == 4 and meta["weight_version"] == "0"
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 4}]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == reply[0]["output_ids"]
+    assert all(lp <= 0 and text is None for lp, _, text in meta["output_token_logprobs"])
+    status, one = call(server, "/generate", {"text": "hello there", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and isinstance(one, dict) and len(one["output_ids"]) == 3
+    assert one["text"] == server["tok"].decode(one["output_ids"], skip_special_tokens=True)
+
+
+def test_bad_requests_get_400_and_the_server_lives(server):
+    assert call(server, "/generate", {})[0] == 400
+    status, reply = call(server, "/generate", raw=b"{nope")
+    assert status == 400 and "not JSON" in reply["error"]["message"]
+    status, reply = call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {
+        "top_p": 3}})
+    assert status == 400 and "top_p" in reply["error"]["message"]
+    status, reply = call(server, "/generate", {"input_ids": [1, 99999]})
+    assert status == 400 and "outside the vocab" in reply["error"]["message"]
+    assert call(server, "/generate", {"input_ids": [1]}, key="wrong")[0] == 401
+    assert call(server, "/nowhere", {})[0] == 404
+    assert call(server, "/health_generate")[0] == 200
+
+
+def test_update_weights_from_disk(server):
+    status, reply = call(server, "/update_weights_from_disk",
+                         {"model_path": str(server["root"] / "deep"), "weight_version": "x"})
+    assert status == 400 and not reply["success"] and "different architecture" in reply["message"]
+    status, reply = call(server, "/update_weights_from_disk",
+                         {"model_path": "/no/such/dir", "weight_version": "x"})
+    assert status == 400 and "no config.json" in reply["message"]
+    status, reply = call(server, "/update_weights_from_disk",
+                         {"model_path": str(server["root"] / "b"), "weight_version": "v7"})
+    assert status == 200 and reply["success"]
+    assert call(server, "/model_info")[1]["weight_version"] == "v7"
+    assert call(server, "/get_model_info")[1]["model_path"].endswith("b")
+    _, out = call(server, "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
+    assert out["meta_info"]["weight_version"] == "v7"
+
+
+def test_pause_continue_and_abort(server):
+    assert call(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(reply=call(server, "/generate", {
+        "input_ids": [5], "sampling_params": {"max_new_tokens": 2}})))
+    worker.start()
+    worker.join(timeout=1.0)
+    assert worker.is_alive()  # held while paused
+    assert call(server, "/continue_generation", {})[0] == 200
+    worker.join(timeout=60)
+    assert result["reply"][0] == 200
+    assert call(server, "/abort_request", {})[0] == 400
+    assert call(server, "/abort_request", {"abort_all": True})[0] == 200
+    assert call(server, "/flush_cache", {})[0] == 200
