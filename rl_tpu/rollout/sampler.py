@@ -56,10 +56,23 @@ def sample_next(logits, temperature, top_p, top_k, key):
         return jax.vmap(lambda f, o, v: f.at[o].set(v))(
             filtered, order, jnp.where(keep, sorted_logits, -jnp.inf))
 
-    needs_truncation = jnp.any((top_p < 1.0) | (top_k > 0))
-    candidates = jax.lax.cond(needs_truncation, truncated, lambda: scaled)
-    sampled = jax.vmap(jax.random.categorical)(key, candidates)
-    token = jnp.where(greedy, jnp.argmax(scaled, axis=-1), sampled).astype(jnp.int32)
+    def sample():
+        needs_truncation = jnp.any((top_p < 1.0) | (top_k > 0))
+        candidates = jax.lax.cond(needs_truncation, truncated, lambda: scaled)
+        # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocab entry
+        # (B x V random bits per step would cost more than the model on small batches).
+        probs = jax.nn.softmax(candidates, axis=-1)
+        cdf = jnp.cumsum(probs, axis=-1)
+        u = jax.vmap(lambda k: jax.random.uniform(k))(key) * cdf[:, -1]
+        index = jnp.sum(cdf <= u[:, None], axis=-1)
+        # never land on a token the filter removed (possible only through rounding at the edge)
+        return jnp.where(jnp.take_along_axis(probs, jnp.minimum(index, scaled.shape[-1] - 1)[:, None],
+                                             -1)[:, 0] > 0,
+                         jnp.minimum(index, scaled.shape[-1] - 1), jnp.argmax(candidates, -1))
+
+    argmax = jnp.argmax(scaled, axis=-1)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, sample)
+    token = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
     logprob, _ = logprobs_of(scaled, token, with_entropy=False)
     return token, logprob
 
