@@ -146,8 +146,12 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict[str, Array]:
-    """Empty KV cache: {'k', 'v'} each [L, B, S, K, H] with S = max_len slots."""
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    """Empty KV cache: {'k', 'v'} each [L, B, K, S, H] with S = max_len slots.
+
+    Heads before slots: the attention dots batch over (B, K), so this layout feeds them
+    without a transposed copy of the whole cache at every decode step.
+    """
+    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = dtype or cfg.compute_dtype
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
@@ -163,6 +167,18 @@ def attention_mask(segment_ids: Array) -> Array:
 def cache_attention_mask(positions: Array, num_slots: int) -> Array:
     """[B, T, S] bool: the query at position p sees cache slots 0..p."""
     return jnp.arange(num_slots)[None, None, :] <= positions[:, :, None]
+
+
+def _write_cache(cache: Array, new: Array, positions: Array) -> Array:
+    """cache [B, K, S, H] with new [B, T, K, H] written at slots positions [B, T]."""
+    new = new.astype(cache.dtype)
+    if new.shape[1] == 1:
+        # Decode: a select against a one-hot slot mask is one fused elementwise pass, where a
+        # scatter is a serial loop on CPU and a slow path on TPU.
+        hit = (jnp.arange(cache.shape[2])[None, :] == positions)[:, None, :, None]
+        return jnp.where(hit, new.transpose(0, 2, 1, 3), cache)
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, :, positions].set(new)
 
 
 class RMSNorm(nn.Module):
@@ -220,19 +236,19 @@ class Attention(nn.Module):
 
         new_cache = None
         if cache is not None:
-            rows = jnp.arange(x.shape[0])[:, None]
-            key = cache["k"].at[rows, positions].set(key.astype(cache["k"].dtype))
-            value = cache["v"].at[rows, positions].set(value.astype(cache["v"].dtype))
+            key, value = (_write_cache(cache[name], new, positions)
+                          for name, new in (("k", key), ("v", value)))
             new_cache = {"k": key, "v": value}
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
 
         b, t = x.shape[:2]
         q = q.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
-        logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=jnp.float32)
+        kv = "bksh" if cache is not None else "bskh"  # the cache keeps heads before slots
+        logits = jnp.einsum(f"btkgh,{kv}->bkgts", q, key, preferred_element_type=jnp.float32)
         logits = logits / math.sqrt(h)
         logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", weights, value).reshape(b, t, n, h)
+        out = jnp.einsum(f"bkgts,{kv}->btkgh", weights, value).reshape(b, t, n, h)
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
@@ -329,7 +345,7 @@ class Transformer(nn.Module):
                 segment_ids = jnp.ones((b, t), jnp.int32)
             mask = attention_mask(segment_ids)
         else:
-            mask = cache_attention_mask(positions, cache["k"].shape[2])
+            mask = cache_attention_mask(positions, cache["k"].shape[3])
 
         x = self.embed(tokens)
         x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
