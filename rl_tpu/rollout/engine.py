@@ -22,7 +22,7 @@ class SamplingParams:
     top_k: int = -1  # -1 = all tokens
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings (matched on the decoded output)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # as in SGLang: also turns off stop_token_ids (not stop strings)
     n: int = 1  # samples per prompt (results come prompt-major: p0s0, p0s1, p1s0...)
     seed: Optional[int] = None
 
@@ -70,6 +70,17 @@ class GenerateResult:
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+
+
+class RolloutError(RuntimeError):
+    """A rollout backend failed or refused; the message names the server and what went wrong.
+    `url` is the server (None when several failed or the engine is in-process), `status` the
+    HTTP code (None: no reply)."""
+
+    def __init__(self, message: str, url: Optional[str] = None, status: Optional[int] = None):
+        super().__init__(message)
+        self.url = url
+        self.status = status
 
 
 class RolloutEngine(abc.ABC):

@@ -230,7 +230,9 @@ class JaxSampler(RolloutEngine):
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling
-        return tuple(dict.fromkeys(tuple(s.stop_token_ids) + (() if s.ignore_eos else self.eos_ids)))
+        if s.ignore_eos:  # SGLang: ignore_eos turns off every token-based stop, not just eos
+            return ()
+        return tuple(dict.fromkeys(tuple(s.stop_token_ids) + self.eos_ids))
 
     def _result(self, req, tokens, logprobs, stopped, version) -> GenerateResult:
         s = req.sampling

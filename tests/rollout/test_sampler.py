@@ -55,15 +55,20 @@ def test_stop_token_ids_and_eos(setup):
     free = gen(setup, PROMPTS[:1], max_new_tokens=8, **GREEDY)[0].output_ids
     stop = free[2]
     first = free.index(stop)
-    res = gen(setup, PROMPTS[:1], max_new_tokens=8, stop_token_ids=(stop,), **GREEDY)[0]
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    run = lambda **kw: sampler.generate([GenerateRequest(  # noqa: E731
+        PROMPTS[0], SamplingParams(max_new_tokens=8, temperature=0.0, **kw))])[0]
+    sampler.eos_ids = ()
+    res = run(stop_token_ids=(stop,))
     assert res.output_ids == free[:first + 1]  # the stop token is kept, as SGLang does
     assert (res.finish_reason, res.matched_stop) == ("stop", stop)
-    # the tokenizer's eos stops a sample unless ignore_eos
-    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    # ignore_eos turns off every token stop, stop_token_ids included (SGLang's semantics)
+    assert run(stop_token_ids=(stop,), ignore_eos=True).output_ids == free
+    # the eos ids (model config + tokenizer) stop a sample unless ignore_eos
     sampler.eos_ids = (stop,)
-    res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(
-        max_new_tokens=8, temperature=0.0))])[0]
+    res = run()
     assert res.output_ids == free[:first + 1] and res.finish_reason == "stop"
+    assert run(ignore_eos=True).output_ids == free
 
 
 def test_stop_strings_cut_at_the_completing_token(setup):
