@@ -1,13 +1,15 @@
-"""The embedded JAX rollout engine: batched prefill + KV-cache decode in one compiled loop.
+"""The embedded JAX rollout engine: batched prefill + KV-cache decode in compiled chunks.
 
 Shape letters: B batch (rows = samples), P prompt length (bucketed), L new tokens (bucketed),
 S = P + L cache slots, V vocab, X stop ids per row.
 
-One compiled function per (B, P, L) bucket serves every mix of sampling parameters: greedy,
-temperature, top-p and top-k, stop token ids and max_new_tokens are per-row *arrays*, not
-compile-time constants. Prompts are right-padded; row r's token at position p sits in cache
-slot p, so rows of different prompt lengths decode side by side with no left padding. The
-loop is a `lax.while_loop` that ends as soon as every row has stopped.
+One compiled prefill and one compiled decode per (B, P, L) bucket serve every mix of sampling
+parameters: greedy, temperature, top-p and top-k, stop token ids and max_new_tokens are
+per-row *arrays*, not compile-time constants. Prompts are right-padded; row r's token at
+position p sits in cache slot p, so rows of different prompt lengths decode side by side with
+no left padding. Decode is a `lax.while_loop` over up to `decode_chunk` tokens that ends as
+soon as every row has stopped; between chunks the host applies aborts, pauses and weight
+updates.
 
 Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
 final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax.
@@ -23,6 +25,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh
 
 from rl_tpu import parallel
@@ -77,15 +80,43 @@ def sample_next(logits, temperature, top_p, top_k, key):
     return token, logprob
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
-def generate_tokens(model: Transformer, params, prompt_ids, prompt_lens, max_new, temperature,
-                    top_p, top_k, stop_ids, keys, max_steps: int):
-    """Compiled sampling loop.
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, per row r of the batch: the sampling settings, the
+    KV cache, the output so far. Lives on device between chunks."""
 
-    prompt_ids [B, P] right-padded; prompt_lens, max_new [B] i32; temperature, top_p [B] f32;
-    top_k [B] i32; stop_ids [B, X] i32 (-1 = none); keys [B] PRNG keys.
-    Returns tokens [B, L], logprobs [B, L], num_generated [B], stopped [B] (True when a stop
-    id ended the row, False when it ran out of max_new).
+    step: jax.Array  # next output index (all rows advance together)
+    token: jax.Array  # [B] last sampled token
+    cache: dict  # {'k', 'v'} [L, B, K, S, H]
+    tokens: jax.Array  # [B, L] output ids
+    logprobs: jax.Array  # [B, L]
+    count: jax.Array  # [B] tokens generated
+    done: jax.Array  # [B]
+    stopped: jax.Array  # [B] ended by a stop id (else by max_new, or not yet)
+    prompt_lens: jax.Array  # [B]
+    max_new: jax.Array  # [B]
+    temperature: jax.Array  # [B]
+    top_p: jax.Array  # [B]
+    top_k: jax.Array  # [B]
+    stop_ids: jax.Array  # [B, X]
+    keys: jax.Array  # [B] PRNG keys
+
+
+def _emit(model: Transformer, params, hidden, state: DecodeState, step):
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(state.keys)
+    logits = logits_from_hidden(model.cfg, params, hidden)
+    token, logprob = sample_next(logits, state.temperature, state.top_p, state.top_k, keys)
+    is_stop = jnp.any(token[:, None] == state.stop_ids, axis=-1)
+    return token, logprob, is_stop
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, temperature, top_p,
+            top_k, stop_ids, keys, max_steps: int) -> DecodeState:
+    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
+
+    prompt_lens, max_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 = all);
+    stop_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the output capacity.
     """
     cfg = model.cfg
     b, p = prompt_ids.shape
@@ -94,54 +125,66 @@ def generate_tokens(model: Transformer, params, prompt_ids, prompt_lens, max_new
     hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
                                 return_hidden=True)
     last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    state = DecodeState(
+        step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
+        tokens=jnp.zeros((b, max_steps), jnp.int32),
+        logprobs=jnp.zeros((b, max_steps), jnp.float32), count=jnp.ones((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
+        max_new=max_new, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
+        keys=keys)
+    token, logprob, is_stop = _emit(model, params, last, state, 0)
+    return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
+                         logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
+                         done=is_stop | (max_new <= 1))
 
-    def emit(h, step, keys_now):
-        logits = logits_from_hidden(cfg, params, h)
-        token, logprob = sample_next(logits, temperature, top_p, top_k, keys_now)
-        is_stop = jnp.any(token[:, None] == stop_ids, axis=-1)
-        return token, logprob, is_stop
 
-    step_keys = lambda step: jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)  # noqa: E731
-    token, logprob, is_stop = emit(last, 0, step_keys(0))
-    tokens = jnp.zeros((b, max_steps), jnp.int32).at[:, 0].set(token)
-    logprobs = jnp.zeros((b, max_steps), jnp.float32).at[:, 0].set(logprob)
-    count = jnp.ones((b,), jnp.int32)
-    done = is_stop | (count >= max_new)
+@functools.partial(jax.jit, static_argnames=("model", "chunk"), donate_argnames=("state",))
+def decode(model: Transformer, params, state: DecodeState, chunk: int) -> DecodeState:
+    """Up to `chunk` more tokens per live row; returns early once every row is done.
 
-    def cond(state):
-        step, _, _, _, _, done, _, _ = state
-        return (step < max_steps) & ~jnp.all(done)
+    Decoding in chunks lets the host look in between (aborts, pauses, a weight swap) at the
+    cost of one tiny device->host read per chunk.
+    """
+    capacity = state.tokens.shape[1]
+    end = jnp.minimum(state.step + chunk, capacity)
 
-    def body(state):
-        step, token, cache, tokens, logprobs, done, stopped, count = state
-        pos = (prompt_lens + step - 1)[:, None]
-        hidden, cache = model.apply({"params": params}, token[:, None], pos, cache=cache,
+    def cond(st: DecodeState):
+        return (st.step < end) & ~jnp.all(st.done)
+
+    def body(st: DecodeState):
+        pos = (st.prompt_lens + st.step - 1)[:, None]
+        hidden, cache = model.apply({"params": params}, st.token[:, None], pos, cache=st.cache,
                                     return_hidden=True)
-        new, logprob, is_stop = emit(hidden[:, 0], step, step_keys(step))
-        live = ~done
-        tokens = tokens.at[:, step].set(jnp.where(live, new, 0))
-        logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
-        count = count + live
-        stopped = stopped | (live & is_stop)
-        done = done | (live & (is_stop | (count >= max_new)))
-        return step + 1, new, cache, tokens, logprobs, done, stopped, count
+        new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.step)
+        live = ~st.done
+        count = st.count + live
+        return st.replace(
+            step=st.step + 1, token=new, cache=cache,
+            tokens=st.tokens.at[:, st.step].set(jnp.where(live, new, 0)),
+            logprobs=st.logprobs.at[:, st.step].set(jnp.where(live, logprob, 0.0)),
+            count=count, stopped=st.stopped | (live & is_stop),
+            done=st.done | (live & (is_stop | (count >= st.max_new))))
 
-    state = (jnp.int32(1), token, cache, tokens, logprobs, done, is_stop, count)
-    _, _, _, tokens, logprobs, _, stopped, count = jax.lax.while_loop(cond, body, state)
-    return tokens, logprobs, count, stopped
+    state = jax.lax.while_loop(cond, body, state)
+    # Rows cut by capacity (the bucket of max_new) count as done too.
+    return state.replace(done=state.done | (state.step >= capacity))
 
 
 class JaxSampler(RolloutEngine):
-    """RolloutEngine over `generate_tokens`, batching requests into bucketed shapes.
+    """RolloutEngine over `prefill` + chunked `decode`, batching requests into bucketed shapes.
 
     params live on `mesh` (sharded by the logical rules); `update_weights` moves the trainer's
-    params there device to device (a no-op when they already are) with no host round trip.
+    params there device to device (a no-op when they already are) with no host round trip. A
+    weight update lands between decode chunks: samples in flight continue on the new weights
+    and report both versions (`info['weight_versions']` spans, as SGLang's `retract` does).
+    `abort` ends samples between chunks, returning what they generated so far (finish
+    'abort'), the basis of partial rollouts; `pause`/`resume` hold decoding between chunks.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
                  rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
-                 min_prompt_bucket: int = 16, min_new_bucket: int = 16, seed: int = 0,
-                 version: str = "0"):
+                 min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
+                 seed: int = 0, version: str = "0"):
         self.cfg = cfg
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
         self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
@@ -150,11 +193,18 @@ class JaxSampler(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.min_prompt_bucket, self.min_new_bucket = min_prompt_bucket, min_new_bucket
+        self.decode_chunk = decode_chunk
         self._seed = seed
         self._counter = itertools.count()
-        self._lock = threading.Lock()  # one compiled loop at a time; weights swap between
+        self._weights_lock = threading.Lock()
+        self._device_lock = threading.Lock()  # one batch on the device at a time
         self._params = jax.device_put(params, self._shardings)
-        self._version = version
+        self._version = str(version)
+        self._resume = threading.Event()
+        self._resume.set()
+        self._control_lock = threading.Lock()
+        self._aborted_ids: set[str] = set()
+        self._abort_epoch = 0  # batches admitted in an earlier epoch are aborted
         default_stops = tuple(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             default_stops = tuple(dict.fromkeys(default_stops + (tokenizer.eos_token_id,)))
@@ -171,17 +221,35 @@ class JaxSampler(RolloutEngine):
 
     def update_weights(self, params, version: str) -> None:
         params = jax.device_put(params, self._shardings)  # reshard if the trainer's mesh differs
-        with self._lock:
+        with self._weights_lock:
             self._params, self._version = params, str(version)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
             self._check(req)
+        with self._control_lock:
+            epoch = self._abort_epoch
         results: list[GenerateResult] = []
         for start in range(0, len(rows), self.max_batch):
-            results.extend(self._generate_batch(rows[start:start + self.max_batch]))
+            results.extend(self._generate_batch(rows[start:start + self.max_batch], epoch))
         return results
+
+    # -- control (between decode chunks) --------------------------------------------------
+
+    def abort(self, request_id: Optional[str] = None) -> None:
+        """Ends the request with this id, or every request admitted so far (None)."""
+        with self._control_lock:
+            if request_id is None:
+                self._abort_epoch += 1
+            else:
+                self._aborted_ids.add(str(request_id))
+
+    def pause(self) -> None:
+        self._resume.clear()
+
+    def resume(self) -> None:
+        self._resume.set()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -195,7 +263,20 @@ class JaxSampler(RolloutEngine):
         if req.sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
 
-    def _generate_batch(self, rows) -> list[GenerateResult]:
+    def _weights(self):
+        with self._weights_lock:
+            return self._params, self._version
+
+    def _aborted_rows(self, rows, epoch: int, b: int) -> np.ndarray:
+        with self._control_lock:
+            all_aborted = epoch < self._abort_epoch
+            ids = set(self._aborted_ids)
+        out = np.zeros((b,), bool)
+        for i, (req, _) in enumerate(rows):
+            out[i] = all_aborted or (req.request_id is not None and req.request_id in ids)
+        return out
+
+    def _generate_batch(self, rows, epoch: int) -> list[GenerateResult]:
         n = len(rows)
         b = _next_power_of_two(n, 1)
         longest = max(len(req.prompt_ids) for req, _ in rows)
@@ -220,13 +301,31 @@ class JaxSampler(RolloutEngine):
             seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
-        with self._lock:
-            params, version = self._params, self._version
-            out = generate_tokens(self.model, params, ids, lens, max_new, temperature, top_p,
-                                  top_k, stop_ids, keys, max_steps=steps)
-        tokens, logprobs, count, stopped = (np.asarray(x) for x in out)
+        aborted = np.zeros((b,), bool)
+        with self._device_lock:
+            self._resume.wait()
+            params, version = self._weights()
+            state = prefill(self.model, params, ids, lens, max_new, temperature, top_p, top_k,
+                            stop_ids, keys, max_steps=steps)
+            spans = [(version, 0)]  # (version, first output index decoded with it)
+            while True:
+                done = np.asarray(state.done)
+                newly = self._aborted_rows(rows, epoch, b) & ~done
+                if newly.any():
+                    aborted |= newly
+                    done = done | newly
+                    state = state.replace(done=jnp.asarray(done))
+                if done[:n].all():
+                    break
+                self._resume.wait()
+                params, version = self._weights()
+                if version != spans[-1][0]:
+                    spans.append((version, int(state.step)))
+                state = decode(self.model, params, state, chunk=self.decode_chunk)
+        tokens, logprobs, count, stopped = (np.asarray(x) for x in (
+            state.tokens, state.logprobs, state.count, state.stopped))
         return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
-                             bool(stopped[i]), version) for i in range(n)]
+                             bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling
@@ -234,20 +333,27 @@ class JaxSampler(RolloutEngine):
             return ()
         return tuple(dict.fromkeys(tuple(s.stop_token_ids) + self.eos_ids))
 
-    def _result(self, req, tokens, logprobs, stopped, version) -> GenerateResult:
+    def _result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
         s = req.sampling
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         if s.max_new_tokens == 0:
             tokens, logprobs, stopped = [], [], False
-        finish, matched = ("stop", tokens[-1]) if stopped else ("length", None)
+        if stopped:
+            finish, matched = "stop", tokens[-1]
+        else:
+            finish, matched = ("abort" if aborted else "length"), None
         if s.stop:
             cut = self._first_stop_string(tokens, s.stop)
             if cut is not None:
                 end, text = cut
                 tokens, logprobs, finish, matched = tokens[:end], logprobs[:end], "stop", text
+        # The versions this sample was decoded with, as SGLang's meta_info.weight_versions.
+        used = [{"version": v, "start": start, "end": min(end, len(tokens))}
+                for (v, start), end in zip(spans, [e for _, e in spans[1:]] + [len(tokens)])
+                if start < len(tokens)] or [{"version": spans[0][0], "start": 0, "end": 0}]
         return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
-                              weight_version=version, matched_stop=matched,
-                              prompt_tokens=len(req.prompt_ids))
+                              weight_version=used[-1]["version"], matched_stop=matched,
+                              prompt_tokens=len(req.prompt_ids), info={"weight_versions": used})
 
     def _first_stop_string(self, tokens, stops) -> Optional[tuple[int, str]]:
         """(number of tokens up to and including the one completing the earliest stop string,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
@@ -60,12 +59,6 @@ class RolloutService:
         self.sampler = sampler
         self.model_path = model_path
         self.tokenizer = tokenizer
-        self._resume = threading.Event()
-        self._resume.set()
-        self._aborted: set[str] = set()
-        self._abort_all_before = 0  # generation counter: requests admitted earlier are aborted
-        self._admitted = 0
-        self._lock = threading.Lock()
 
     # -- /generate -----------------------------------------------------------------------
 
@@ -86,17 +79,12 @@ class RolloutService:
         rids = [r or uuid.uuid4().hex for r in rids]
         requests = [GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)]
 
-        self._resume.wait()  # paused: wait for /continue_generation
-        with self._lock:
-            self._admitted += 1
-            ticket = self._admitted
         try:
             results = self.sampler.generate(requests)
         except ValueError as err:
             raise BadRequest(str(err)) from err
         expanded = [(req, r or {}) for req, r in zip(requests, raw) for _ in range(req.sampling.n)]
-        replies = [self._reply(req, res, body, r, ticket)
-                   for (req, r), res in zip(expanded, results)]
+        replies = [self._reply(req, res, body, r) for (req, r), res in zip(expanded, results)]
         return replies[0] if single and len(replies) == 1 else replies
 
     def _prompts(self, body) -> tuple[list[list[int]], bool]:
@@ -117,20 +105,20 @@ class RolloutService:
             raise BadRequest("text must be a string or a list of strings")
         return [self.tokenizer.encode(t) for t in texts], single
 
-    def _reply(self, req: GenerateRequest, res: GenerateResult, body: dict, raw_params: dict,
-               ticket: int) -> dict:
-        finish = {"type": res.finish_reason}
-        if res.finish_reason == "stop":
-            finish["matched"] = res.matched_stop
-        else:
-            finish["length"] = len(res.output_ids)
-        if req.request_id in self._aborted or ticket <= self._abort_all_before:
-            finish = {"type": "abort", "message": "aborted by /abort_request"}
+    def _reply(self, req: GenerateRequest, res: GenerateResult, body: dict, raw_params: dict
+               ) -> dict:
         n = len(res.output_ids)
+        if res.finish_reason == "stop":
+            finish = {"type": "stop", "matched": res.matched_stop}
+        elif res.finish_reason == "abort":
+            finish = {"type": "abort", "message": "Aborted"}
+        else:
+            finish = {"type": "length", "length": n}
         meta = {
             "id": req.request_id, "finish_reason": finish, "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": n, "cached_tokens": 0, "weight_version": res.weight_version,
-            "weight_versions": [{"version": res.weight_version, "start": 0, "end": n}],
+            "weight_versions": res.info.get("weight_versions") or [
+                {"version": res.weight_version, "start": 0, "end": n}],
         }
         if body.get("return_logprob"):
             as_text = bool(body.get("return_text_in_logprobs")) and self.tokenizer is not None
@@ -178,22 +166,27 @@ class RolloutService:
         return len(result) == 1
 
     def abort(self, body: dict):
+        """Ends requests between decode chunks; they return what they have (finish abort)."""
         if body.get("abort_all"):
-            with self._lock:
-                self._abort_all_before = self._admitted
+            self.sampler.abort()
         elif body.get("rid"):
-            self._aborted.add(str(body["rid"]))
+            self.sampler.abort(str(body["rid"]))
         else:
             raise BadRequest("abort_request needs 'rid' or 'abort_all': true")
 
     def pause(self, body: dict):
+        """Holds decoding between chunks. 'abort' also ends what runs; 'retract' and 'in_place'
+        both resume the held samples on whatever weights are loaded by then (their
+        weight_versions then show two spans)."""
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"pause mode {mode!r}: use abort, retract or in_place")
-        self._resume.clear()
+        self.sampler.pause()
+        if mode == "abort":
+            self.sampler.abort()
 
     def resume(self):
-        self._resume.set()
+        self.sampler.resume()
 
 
 def make_handler(service: RolloutService, api_key: Optional[str]):

@@ -9,7 +9,7 @@ from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
-from rl_tpu.rollout.sampler import JaxSampler, generate_tokens
+from rl_tpu.rollout.sampler import JaxSampler, decode, prefill
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100, 101, 102, 103, 104]]
@@ -112,11 +112,11 @@ def test_update_weights_switches_model_and_version(setup):
 
 
 def test_shapes_are_bucketed(setup):
-    before = generate_tokens._cache_size()
+    before = prefill._cache_size(), decode._cache_size()
     for n_prompts, length in ((1, 3), (2, 5), (3, 9), (2, 14)):
         gen(setup, [list(range(1, length + 1))] * n_prompts, max_new_tokens=7, **GREEDY)
     # batch buckets 1, 2, 4 with one prompt bucket (16) and one length bucket (16)
-    assert generate_tokens._cache_size() - before <= 3
+    assert prefill._cache_size() - before[0] <= 3 and decode._cache_size() - before[1] <= 3
 
 
 def test_bad_requests_are_clear(setup):
@@ -126,3 +126,53 @@ def test_bad_requests_are_clear(setup):
         gen(setup, [[]], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0)
+
+
+def test_weight_update_mid_sample_and_abort_between_chunks(setup):
+    """A weight update between decode chunks: the sample continues on the new weights and
+    reports both versions; an abort returns the partial sample with finish 'abort'."""
+    cfg_b, params_b = hf.load(str(setup["root"] / "b"))
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"], decode_chunk=4,
+                         version="a")
+    swapped = {}
+    real_decode = decode
+
+    def decode_then_swap(*args, **kwargs):
+        out = real_decode(*args, **kwargs)
+        if not swapped:  # after the first chunk (tokens 0..4), publish new weights
+            swapped["at"] = int(out.step)
+            sampler.update_weights(params_b, "b")
+        return out
+
+    import rl_tpu.rollout.sampler as sampler_module
+    sampler_module.decode, original = decode_then_swap, sampler_module.decode
+    try:
+        res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=12,
+                                                                           **GREEDY))])[0]
+    finally:
+        sampler_module.decode = original
+    at = swapped["at"]
+    assert res.info["weight_versions"] == [{"version": "a", "start": 0, "end": at},
+                                           {"version": "b", "start": at, "end": 12}]
+    assert res.weight_version == "b"
+    # the first `at` tokens are model a's greedy choices
+    assert res.output_ids[:at] == full_forward_greedy(setup, setup["params"], PROMPTS[0], at)
+
+    sampler.abort()  # aborts what was admitted before: nothing now, so this one runs in full
+    full = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=12,
+                                                                        **GREEDY))])[0]
+    assert full.finish_reason == "length" and len(full.output_ids) == 12
+    sampler.pause()
+    import threading
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=sampler.generate([GenerateRequest(
+        PROMPTS[0], SamplingParams(max_new_tokens=12, **GREEDY), request_id="r1")])))
+    worker.start()
+    worker.join(timeout=0.5)
+    assert worker.is_alive()  # held by the pause
+    sampler.abort("r1")
+    sampler.resume()
+    worker.join(timeout=60)
+    [partial] = out["r"]
+    assert partial.finish_reason == "abort" and len(partial.output_ids) < 12
+    assert partial.output_ids == full.output_ids[:len(partial.output_ids)]

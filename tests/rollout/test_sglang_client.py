@@ -166,7 +166,7 @@ def test_ignore_eos_also_turns_off_stop_token_ids(engine, models):
     assert result.output_ids == tokens and result.finish_reason == "length"
 
 
-def test_abort_all_returns_partial_samples(engine, backend):
+def test_abort_all_returns_partial_samples(engine):
     out = {}
     request = GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=1800, ignore_eos=True))
     thread = threading.Thread(target=lambda: out.update(r=engine.generate([request])))
@@ -176,9 +176,7 @@ def test_abort_all_returns_partial_samples(engine, backend):
     thread.join(timeout=60)
     [result] = out["r"]
     assert result.finish_reason == "abort"
-    assert 0 < len(result.output_ids) <= 1800 and len(result.logprobs) == len(result.output_ids)
-    if backend == "sglang":  # stops at once; rl_tpu's server finishes its compiled decode loop
-        assert len(result.output_ids) < 1800
+    assert 0 < len(result.output_ids) < 1800 and len(result.logprobs) == len(result.output_ids)
 
 
 # ----------------------------------------------------------------------------- weight sync
