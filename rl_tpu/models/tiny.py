@@ -7,7 +7,6 @@ tokenizer with `hf.save`, so the directory loads in rl_tpu, transformers and SGL
 
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import numpy as np

@@ -12,7 +12,6 @@ from rl_tpu.models import tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel, value_params_from
-from rl_tpu.rl.bapo import adapt_clip_bounds
 from rl_tpu.rl.losses import PolicyLossConfig
 from rl_tpu.train import batching, steps
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer

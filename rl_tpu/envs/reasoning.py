@@ -1,0 +1,208 @@
+"""Single-turn verifiable reasoning tasks from reasoning-gym generators, scored by their own
+`score_answer`.
+
+    make("countdown")                      # reach a target number with + - * /
+    make("arithmetic")                     # reasoning-gym's basic_arithmetic
+    make("reasoning_gym", dataset="maze", config={"min_dist": 3})   # any registered dataset
+
+An episode is one question and one reply: `reset` returns the question, `step` pulls the last
+<answer>...</answer> out of the reply, scores it with the dataset's scorer (1.0 is right;
+some datasets give partial credit, e.g. countdown's 0.05 for using the right numbers) and ends.
+
+Tasks are reproducible by (seed, index): reasoning-gym builds item i of a dataset from
+`Random(seed + i)`, so the train items (seeds `train_seed + i`) and eval items (seeds
+`eval_seed + j`) come from disjoint generator seeds as long as the two ranges do not overlap,
+which the constructor checks. Identical *text* can still occur in both splits for datasets with
+few distinct items (small sums, say): disjoint seeds, not de-duplicated content.
+
+Scorers run in an isolated worker process with a hard deadline by default (`isolate=True`),
+because some never return on hostile input: countdown's evaluates `10**10**10` outright, a
+C-level big-integer loop no signal or thread timeout can stop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
+from rl_tpu.envs.isolated import IsolatedWorkers, WorkerError
+
+SYSTEM_PROMPT = """Solve the task. Think it through, then give only the final answer inside
+<answer>...</answer>, in exactly the format the task asks for, e.g. <answer>42</answer>.
+Your reply is scored once: the episode ends after it."""
+
+DEFAULT_TRAIN_SEED = 1_000_000
+DEFAULT_EVAL_SEED = 0
+
+
+def _import_reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("the reasoning envs need reasoning-gym: pip install reasoning-gym") from e
+    return reasoning_gym
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, config_items: tuple, seed: int, size: int):
+    """A reasoning-gym dataset; cached because some build lookup tables on construction."""
+    reasoning_gym = _import_reasoning_gym()
+    return reasoning_gym.create_dataset(name, seed=seed, size=size, **dict(config_items))
+
+
+def score_entry(name: str, config_items: tuple, seed: int, size: int, entry: dict,
+                answer: Optional[str]) -> float:
+    """The dataset's own score for `answer` (top-level, so worker processes can run it)."""
+    return float(_dataset(name, config_items, seed, size).score_answer(answer, entry))
+
+
+def extract_answer(reply: str) -> Optional[str]:
+    """The last <answer>...</answer> of a reply, stripped; None when there is none."""
+    from reasoning_gym.utils import extract_answer as rg_extract
+
+    return rg_extract(reply, tag_name="answer")
+
+
+class ReasoningGymTasks(TaskSource):
+    """Items of one reasoning-gym dataset: train = seed `train_seed`, eval = `eval_seed`."""
+
+    def __init__(self, env: "ReasoningGymEnv"):
+        self._env = env
+
+    def size(self, split: str) -> int:
+        self.check_split(split)
+        return self._env.split_args(split)[1]
+
+    def get(self, split: str, index: int) -> Task:
+        self.check_split(split)
+        seed, size = self._env.split_args(split)
+        if not 0 <= index < size:
+            raise IndexError(f"{split} has {size} tasks; index {index} is out of range")
+        entry = _dataset(self._env.dataset, self._env.config_items, seed, size)[index]
+        return Task(task_id=f"{self._env.dataset}/{split}/{index}",
+                    data={"question": entry["question"], "answer": entry.get("answer"),
+                          "metadata": entry.get("metadata", {}), "split": split, "index": index})
+
+
+class ReasoningGymEnv(Env):
+    """One reasoning-gym question per episode, scored once."""
+
+    name = "reasoning_gym"
+    system_prompt = SYSTEM_PROMPT
+
+    def __init__(self, dataset: str, config: Optional[dict] = None,
+                 train_seed: int = DEFAULT_TRAIN_SEED, train_size: int = 100_000,
+                 eval_seed: int = DEFAULT_EVAL_SEED, eval_size: int = 500,
+                 isolate: bool = True, score_timeout_s: float = 10.0,
+                 max_answer_chars: int = 10_000, workers: Optional[IsolatedWorkers] = None):
+        _import_reasoning_gym()  # a clear ImportError before anything else
+        from reasoning_gym.factory import DATASETS
+
+        if dataset not in DATASETS:
+            raise ValueError(f"unknown reasoning-gym dataset {dataset!r}; known: {sorted(DATASETS)}")
+        config = dict(config or {})
+        for key in ("seed", "size"):
+            if key in config:
+                raise ValueError(f"set {key} through train_/eval_{key}, not config")
+        train_range = range(train_seed, train_seed + train_size)
+        eval_range = range(eval_seed, eval_seed + eval_size)
+        if train_range and eval_range and (train_range.start < eval_range.stop
+                                           and eval_range.start < train_range.stop):
+            raise ValueError(f"train seeds {train_range} and eval seeds {eval_range} overlap: "
+                             "reasoning-gym item i uses seed+i, so the splits would share items")
+        # Build once here so a bad config fails at construction, naming the dataset.
+        _dataset(dataset, tuple(sorted(config.items())), eval_seed, max(eval_size, 1))
+        self.dataset, self.config_items = dataset, tuple(sorted(config.items()))
+        self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
+        self.isolate, self.score_timeout_s = isolate, score_timeout_s
+        self.max_answer_chars = max_answer_chars
+        self._workers = workers
+        self._tasks = ReasoningGymTasks(self)
+        self._task: Optional[Task] = None
+        self._done = True
+
+    def split_args(self, split: str) -> tuple[int, int]:
+        return self._splits[split]
+
+    def tasks(self) -> ReasoningGymTasks:
+        return self._tasks
+
+    def reset(self, task: Task) -> str:
+        if "question" not in task.data:
+            task = self._task_from_id(task.task_id)
+        self._task, self._done = task, False
+        return task.data["question"]
+
+    def _task_from_id(self, task_id: str) -> Task:
+        try:
+            dataset, split, index = task_id.rsplit("/", 2)
+            assert dataset == self.dataset and split in self._splits
+            return self._tasks.get(split, int(index))
+        except (ValueError, AssertionError, IndexError):
+            raise ValueError(f"task {task_id!r} has no question in its data and is not an id "
+                             f"like '{self.dataset}/eval/3'") from None
+
+    def _entry(self) -> dict[str, Any]:
+        d = self._task.data
+        return {"question": d["question"], "answer": d.get("answer"), "metadata": d.get("metadata", {})}
+
+    def _score(self, answer: str) -> float:
+        split = self._task.data.get("split", "eval")
+        seed, size = self._splits.get(split, self._splits["eval"])
+        args = (self.dataset, self.config_items, seed, size, self._entry(), answer)
+        if not self.isolate:
+            return score_entry(*args)
+        if self._workers is None:
+            from rl_tpu.envs.isolated import shared_workers
+            self._workers = shared_workers()
+        # Building the dataset (and importing reasoning-gym) happens once per worker, outside
+        # the scoring deadline.
+        return self._workers.call(score_entry, *args, timeout_s=self.score_timeout_s,
+                                  prepare=(_dataset, args[:4]))
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None or self._done:
+            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
+                              {"invalid_action": True})
+        self._done = True  # single turn: the reply is scored once, whatever it holds
+        action = action if isinstance(action, str) else str(action)
+        answer = extract_answer(action)
+        info = {"format_ok": answer is not None, "success": False,
+                "gold": self._task.data.get("answer")}
+        if answer is None:
+            return StepResult("No <answer>...</answer> found in the reply; scored 0.", 0.0, True, info)
+        if len(answer) > self.max_answer_chars:
+            return StepResult(f"The answer is {len(answer)} characters; the limit is "
+                              f"{self.max_answer_chars}. Scored 0.", 0.0, True, info)
+        try:
+            score = self._score(answer)
+        except (TimeoutError, WorkerError) as e:
+            info["score_error"] = str(e)
+            return StepResult("The answer could not be scored in time; scored 0.", 0.0, True, info)
+        except Exception as e:  # noqa: BLE001 - an in-process scorer failing on odd input
+            info["score_error"] = f"{type(e).__name__}: {e}"
+            return StepResult("The scorer rejected the answer; scored 0.", 0.0, True, info)
+        info["success"] = score >= 1.0
+        verdict = "Correct." if score >= 1.0 else f"Not correct (score {score:.2f})."
+        return StepResult(verdict, score, True, info)
+
+
+@register("reasoning_gym")
+def make_reasoning_gym(dataset: str, **kwargs) -> ReasoningGymEnv:
+    """Any reasoning-gym dataset by name: `make("reasoning_gym", dataset="maze")`."""
+    return ReasoningGymEnv(dataset=dataset, **kwargs)
+
+
+@register("countdown")
+def make_countdown(**kwargs) -> ReasoningGymEnv:
+    env = ReasoningGymEnv(dataset="countdown", **kwargs)
+    env.name = "countdown"
+    return env
+
+
+@register("arithmetic")
+def make_arithmetic(**kwargs) -> ReasoningGymEnv:
+    env = ReasoningGymEnv(dataset="basic_arithmetic", **kwargs)
+    env.name = "arithmetic"
+    return env

@@ -1,0 +1,152 @@
+"""ScienceWorld env: needs Java; one JVM for the whole module (it takes seconds to start)."""
+
+import random
+import shutil
+
+import pytest
+
+pytest.importorskip("scienceworld")
+
+from rl_tpu.envs import base
+from rl_tpu.envs import sciworld as sciworld_module
+from rl_tpu.envs.sciworld import SciWorldEnv
+
+needs_java = pytest.mark.skipif(
+    shutil.which("java") is None,
+    reason="ScienceWorld needs a Java runtime on PATH (e.g. apt-get install openjdk-17-jre-headless)")
+
+
+@pytest.fixture(scope="module")
+def env():
+    if shutil.which("java") is None:
+        pytest.skip("ScienceWorld needs a Java runtime on PATH (e.g. apt-get install "
+                    "openjdk-17-jre-headless)")
+    e = base.make("sciworld")
+    yield e
+    e.close()
+
+
+def _play(env, task) -> dict:
+    demo = env.demonstration(task)
+    # Some gold paths (grow-fruit, genetics, inclined planes) take over 100 steps, the
+    # default max_steps: lift the limit while replaying them.
+    saved, env.max_steps = env.max_steps, None
+    try:
+        env.reset(task)
+        total, result = 0.0, None
+        for action in demo:
+            result = env.step(action)
+            total += result.reward
+            if result.done:
+                break
+    finally:
+        env.max_steps = saved
+    return {**result.info, "total": total, "done": result.done}
+
+
+def test_missing_java_is_a_clear_error(monkeypatch):
+    """Runs without Java too: the error names what to install."""
+    monkeypatch.setattr(sciworld_module.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="openjdk"):
+        SciWorldEnv()
+
+
+@needs_java
+def test_tasks_cover_the_package_splits(env):
+    ts = env.tasks()
+    sizes = {s: ts.size(s) for s in ("train", "eval", "test")}
+    assert all(n > 1000 for n in sizes.values()), sizes
+    first = [ts.get("eval", i).data["task_name"] for i in range(30)]
+    assert len(set(first)) == 30  # round-robin: every task family in the first 30
+    train = {ts.get("train", i).task_id for i in range(0, sizes["train"], 7)}
+    evals = {ts.get("eval", i).task_id for i in range(sizes["eval"])}
+    assert not train & evals
+    assert ts.get("eval", 5) == ts.get("eval", 5)
+
+
+@needs_java
+def test_reset_and_step(env):
+    task = env.tasks().get("eval", 0)
+    obs = env.reset(task)
+    assert obs.startswith("Your task is") and "This room is called" in obs
+    r = env.step("look around")
+    assert not r.done and r.reward == 0.0 and "This room" in r.observation
+    r = env.step("fly to the moon")
+    assert r.info["invalid_action"] and r.observation.startswith("Invalid action:") and not r.done
+    r = env.step("inventory")
+    assert "inventory" in r.observation.lower()
+
+
+@needs_java
+def test_failing_focus_ends_with_zero_reward(env):
+    env.reset(env.tasks().get("eval", 0))  # boil: focusing on the agent fails the task
+    r = env.step("focus on agent")
+    assert r.done and r.info["failed"] and r.reward == 0.0 and not r.info["success"]
+    assert env.step("look around").done  # after the end: an observation, no exception
+
+
+@needs_java
+def test_max_steps_truncates():
+    small = SciWorldEnv(task_names=["find-animal"], max_steps=2)
+    try:
+        small.reset(small.tasks().get("train", 0))
+        assert not small.step("look around").done
+        r = small.step("look around")
+        assert r.done and r.info["truncated"]
+        assert {small.tasks().get("train", i).data["task_name"] for i in range(5)} == {"find-animal"}
+    finally:
+        small.close()
+
+
+@needs_java
+def test_demonstration_solves_first_eval_tasks(env):
+    """Gold paths on 6 eval tasks (6 families); the 50-task version is marked slow."""
+    for i in range(6):
+        info = _play(env, env.tasks().get("eval", i))
+        assert info["success"] and info["total"] == pytest.approx(1.0) and info["done"], (i, info)
+
+
+@needs_java
+@pytest.mark.slow
+def test_demonstration_solves_50_eval_tasks(env):
+    infos = [_play(env, env.tasks().get("eval", i)) for i in range(50)]
+    rate = sum(i["success"] for i in infos) / 50
+    assert rate >= 0.9, rate
+
+
+def _garbage(rng: random.Random) -> str:
+    kind = rng.randrange(8)
+    if kind == 0:
+        return ""
+    if kind == 1:
+        return "".join(rng.choice("abc xyz") for _ in range(10_240))
+    if kind == 2:
+        return "".join(chr(rng.randrange(0x20, 0x2FFF)) for _ in range(rng.randrange(1, 200)))
+    if kind == 3:
+        return "".join(chr(rng.randrange(0, 32)) for _ in range(rng.randrange(1, 20)))
+    if kind == 4:  # valid-looking but illegal
+        return rng.choice(["pick up the sun", "open", "go to moon", "connect agent to agent",
+                           "pour air in air", "move door to door", "use thermometer on",
+                           "read", "look in agent", "0", "1", "99", "teleport to kitchen"])
+    if kind == 5:  # legal commands that keep the episode going
+        return rng.choice(["look around", "inventory", "task", "open door to hallway", "wait1"])
+    if kind == 6:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(rng.randrange(1, 300)))
+    return "open door" if rng.random() < 0.5 else "look at " + "very " * rng.randrange(1, 80)
+
+
+def _fuzz(env, n: int, seed: int):
+    rng = random.Random(seed)
+    ts = env.tasks()
+    env.reset(ts.get("eval", 5))
+    for i in range(n):
+        r = env.step(_garbage(rng))
+        assert isinstance(r.observation, str) and 0.0 <= r.reward <= 1.0
+        if r.done:
+            env.reset(ts.get("eval", 5 + i % 3))
+    assert _play(env, ts.get("eval", 6))["success"]  # still usable
+
+
+@needs_java
+def test_garbage_actions_never_raise(env):
+    _fuzz(env, 1000, seed=4)  # ~2 s: steps are cheap once the JVM is up
