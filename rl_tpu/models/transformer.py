@@ -145,15 +145,26 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return x * cos + rotated * sin
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict[str, Array]:
-    """Empty KV cache: {'k', 'v'} each [L, B, K, S, H] with S = max_len slots.
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> dict:
+    """Empty KV cache with S = max_len slots: {'k', 'v'}, each a tuple of L arrays
+    [B, K, S, H], or one stacked [L, B, K, S, H] array when the layers are scanned.
 
     Heads before slots: the attention dots batch over (B, K), so this layout feeds them
-    without a transposed copy of the whole cache at every decode step.
+    without a transposed copy. One array per layer (unscanned) lets each decode step update
+    its slots in place; slicing a layer out of a stacked array and writing it back would copy
+    the whole cache every step.
     """
-    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = dtype or cfg.compute_dtype
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if cfg.scan_layers:
+        return {n: jnp.zeros((cfg.num_layers,) + shape, dtype) for n in ("k", "v")}
+    return {n: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for n in ("k", "v")}
+
+
+def cache_slots(cache: dict) -> int:
+    """S, the number of slots per row of a cache from `init_cache`."""
+    k = cache["k"]
+    return (k[0] if isinstance(k, (tuple, list)) else k).shape[-2]
 
 
 def attention_mask(segment_ids: Array) -> Array:
@@ -173,12 +184,33 @@ def _write_cache(cache: Array, new: Array, positions: Array) -> Array:
     """cache [B, K, S, H] with new [B, T, K, H] written at slots positions [B, T]."""
     new = new.astype(cache.dtype)
     if new.shape[1] == 1:
-        # Decode: a select against a one-hot slot mask is one fused elementwise pass, where a
-        # scatter is a serial loop on CPU and a slow path on TPU.
-        hit = (jnp.arange(cache.shape[2])[None, :] == positions)[:, None, :, None]
-        return jnp.where(hit, new.transpose(0, 2, 1, 3), cache)
+        # Decode: one [K, 1, H] slice per row, updated in place; touches O(B K H), where a
+        # masked select over all slots would rewrite the whole cache every step.
+        write = lambda c, n, p: jax.lax.dynamic_update_slice(c, n, (0, p, 0))  # noqa: E731
+        return jax.vmap(write)(cache, new.transpose(0, 2, 1, 3), positions[:, 0])
     rows = jnp.arange(cache.shape[0])[:, None]
     return cache.at[rows, :, positions].set(new)
+
+
+def grouped_attention(q: Array, key: Array, value: Array, mask: Array) -> Array:
+    """q [B, T, N, H], key/value [B, K, S, H], mask [B, T, S] -> [B, T, N, H].
+
+    The G = N / K query heads of a kv head are folded into the rows of one matmul per (B, K),
+    with both operands already in batch-leading layout: no transposed copy of the (cached)
+    keys, which on a decode step would cost more than the attention itself.
+    """
+    b, t, n, h = q.shape
+    k = key.shape[1]
+    g = n // k
+    rows = q.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)
+    batch = ((0, 1), (0, 1))
+    logits = jax.lax.dot_general(rows, key, (((3,), (3,)), batch),
+                                 preferred_element_type=jnp.float32)  # [B, K, G*T, S]
+    logits = logits.reshape(b, k, g, t, -1) / math.sqrt(h)
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype).reshape(b, k, g * t, -1)
+    out = jax.lax.dot_general(weights, value, (((3,), (2,)), batch))  # [B, K, G*T, H]
+    return out.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class RMSNorm(nn.Module):
@@ -240,15 +272,9 @@ class Attention(nn.Module):
                           for name, new in (("k", key), ("v", value)))
             new_cache = {"k": key, "v": value}
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
-
-        b, t = x.shape[:2]
-        q = q.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
-        kv = "bksh" if cache is not None else "bskh"  # the cache keeps heads before slots
-        logits = jnp.einsum(f"btkgh,{kv}->bkgts", q, key, preferred_element_type=jnp.float32)
-        logits = logits / math.sqrt(h)
-        logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum(f"bkgts,{kv}->btkgh", weights, value).reshape(b, t, n, h)
+        else:
+            key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
+        out = grouped_attention(q, key, value, mask)
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
@@ -345,7 +371,7 @@ class Transformer(nn.Module):
                 segment_ids = jnp.ones((b, t), jnp.int32)
             mask = attention_mask(segment_ids)
         else:
-            mask = cache_attention_mask(positions, cache["k"].shape[3])
+            mask = cache_attention_mask(positions, cache_slots(cache))
 
         x = self.embed(tokens)
         x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
@@ -353,12 +379,13 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             x, new_cache = self.layers(x, positions, mask, cache)
         else:
-            new_cache = cache
+            written = []
             for i, layer in enumerate(self.layers):
                 layer_cache = None if cache is None else {n: c[i] for n, c in cache.items()}
                 x, layer_cache = layer(x, positions, mask, layer_cache)
-                if cache is not None:  # written back in place (XLA aliases the update)
-                    new_cache = {n: new_cache[n].at[i].set(layer_cache[n]) for n in new_cache}
+                written.append(layer_cache)
+            new_cache = None if cache is None else {
+                n: tuple(c[n] for c in written) for n in ("k", "v")}
         x = self.final_norm(x)
 
         out = x if return_hidden else self.logits(x)

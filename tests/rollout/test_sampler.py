@@ -176,3 +176,12 @@ def test_weight_update_mid_sample_and_abort_between_chunks(setup):
     [partial] = out["r"]
     assert partial.finish_reason == "abort" and len(partial.output_ids) < 12
     assert partial.output_ids == full.output_ids[:len(partial.output_ids)]
+
+
+def test_scanned_layers_sample_the_same(setup):
+    """The stacked [L, ...] cache of scanned layers decodes exactly as per-layer caches do."""
+    cfg, params = hf.load(str(setup["root"] / "a"), scan_layers=True)
+    scanned = JaxSampler(cfg, params, tokenizer=setup["tok"])
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in PROMPTS]
+    expected = [r.output_ids for r in setup["sampler"].generate(requests)]
+    assert [r.output_ids for r in scanned.generate(requests)] == expected
