@@ -16,7 +16,6 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -196,20 +195,9 @@ def host_to_global(batch, mesh: Mesh):
     return jax.tree.map(one, batch)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
 def gather_to_host(tree):
     """Global (possibly multi-host sharded) arrays -> full numpy arrays on every host."""
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
     from jax.experimental import multihost_utils
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
-
-
-def cast_floating(tree, dtype):
-    """Casts floating leaves to dtype (e.g. bf16 params), leaving integer leaves alone."""
-    dtype = jnp.dtype(dtype)
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

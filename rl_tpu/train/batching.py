@@ -48,12 +48,3 @@ def pad_to_bucket(batch: Mapping[str, np.ndarray], buckets: Sequence[int]) -> di
         segment[:, :t] = 1
         out["segment_ids"] = segment
     return out
-
-
-def stack_ragged(rows: Sequence[np.ndarray], pad_value=0, dtype=None) -> np.ndarray:
-    """Equal-length [B, T] array from rows of different lengths (right-padded)."""
-    width = max(len(r) for r in rows)
-    out = np.full((len(rows), width), pad_value, dtype or np.asarray(rows[0]).dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out

@@ -201,3 +201,18 @@ def test_bucket_errors_and_padding():
     padded = batching.pad_to_bucket(policy_batch(t=10), (16, 32))
     assert padded["tokens"].shape == (B, 16) and not padded["loss_mask"][:, 10:].any()
     assert padded["segment_ids"][:, 10:].sum() == 0 and padded["advantages"].shape == (B,)
+
+
+def test_compiled_logprob_fn_matches_token_logprobs_on_a_mesh():
+    """Old/reference log-probs of a rollout batch: sharded, micro-batched, same numbers."""
+    params = fresh_params()
+    batch = policy_batch()
+    expected, _ = token_logprobs(MODEL, params, batch)
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    model = Transformer(CFG, mesh=mesh, rules=parallel.DEFAULT_RULES)
+    fn = steps.compile_logprob_fn(
+        steps.make_logprob_fn(model, steps.StepConfig(micro_batches=2)), fresh_params(mesh), mesh)
+    lp, entropy = fn(fresh_params(mesh), parallel.host_to_global(
+        {k: batch[k] for k in ("tokens",)}, mesh))
+    assert entropy is None
+    np.testing.assert_allclose(lp, expected, atol=1e-5)
