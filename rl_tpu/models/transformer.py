@@ -233,13 +233,15 @@ class RMSNorm(nn.Module):
 
 
 def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=False):
-    init = nn.initializers.normal(stddev=0.02)
+    """DenseGeneral whose kernel dims carry `kernel_axes` (input dims, then output dims); the
+    bias, over the output dims, carries the trailing names."""
+    out_dims = len(features) if isinstance(features, tuple) else 1
     return nn.DenseGeneral(
         features=features, axis=axis, use_bias=use_bias, name=name,
         dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-        kernel_init=nn.with_logical_partitioning(init, kernel_axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, kernel_axes[-len(
-            features if isinstance(features, tuple) else (features,)):]),
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
+                                                 kernel_axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, kernel_axes[-out_dims:]),
     )
 
 
