@@ -266,6 +266,10 @@ class SciWorldEnv(Env):
             return f"the command is {len(action)} characters; keep it under {MAX_ACTION_CHARS}"
         if re.search(r"[\x00-\x1f\x7f]", action):
             return "one command per turn, on one line, without control characters"
+        try:
+            action.encode("utf-8")  # py4j sends UTF-8; lone surrogates would break the bridge
+        except UnicodeEncodeError:
+            return "the command is not valid text (it contains unpaired surrogate characters)"
         return None
 
     def _play(self, action: str) -> StepResult:

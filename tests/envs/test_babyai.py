@@ -6,6 +6,8 @@ import pytest
 
 pytest.importorskip("minigrid")
 
+from garbage import garbage_actions, one_of, step_through  # noqa: E402
+
 from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.envs.babyai import (ACTIONS, BabyAIEnv, BabyAITasks, demonstrate,  # noqa: E402
                                 expert_actions, parse_action)
@@ -136,38 +138,25 @@ def test_step_outside_an_episode_is_an_observation():
     assert after.done and after.reward == 0.0 and after.info["episode_over"]
 
 
-def _garbage_actions(rng: random.Random, n: int) -> list:
-    valid_but_futile = ["Action: drop", "Action: toggle", "Action: pick up", "Action: done",
-                        "Action: move forward"]
-    makers = [
-        lambda: "",
-        lambda: " " * rng.randint(1, 50),
-        lambda: "x" * 10_240,
-        lambda: "Action: " + "move forward " * 800,
-        lambda: "".join(chr(rng.randint(0, 0x2FFFF)) for _ in range(rng.randint(1, 64))),
-        lambda: "".join(chr(rng.randint(0, 31)) for _ in range(rng.randint(1, 32))),
-        lambda: "Action: turn left\x00\x1b[31m",
-        lambda: "\ud800 Action: \udfff",
-        lambda: "Action: " + rng.choice(["fly", "jump", "turn around", "pick", "42", "{}"]),
-        lambda: rng.choice(valid_but_futile),
-        lambda: "Action: " + rng.choice(ACTIONS),
-        lambda: "\n" * 100 + "Action:\n",
-    ]
-    return [rng.choice(makers)() for _ in range(n)]
+# BabyAI's own kinds: actions it parses but cannot do, legal ones, inputs aimed at its parser.
+GARBAGE = [
+    one_of("Action: fly", "Action: jump", "Action: turn around", "Action: pick", "Action: 42",
+           "Action: {}"),
+    one_of("Action: drop", "Action: toggle", "Action: pick up", "Action: done",
+           "Action: move forward"),  # valid but futile
+    lambda rng: "Action: " + rng.choice(ACTIONS),
+    "Action: " + "move forward " * 800,
+    "Action: turn left\x00\x1b[31m",
+    "\ud800 Action: \udfff",
+    "\n" * 100 + "Action:\n",
+]
 
 
 def test_garbage_actions_never_raise_and_env_stays_usable():
     env = BabyAIEnv()
     tasks = env.tasks()
-    rng = random.Random(0)
-    env.reset(tasks.get("train", 0))
-    episodes = 0
-    for action in _garbage_actions(rng, 1000):
-        result = env.step(action)
-        assert isinstance(result.observation, str) and isinstance(result.reward, float)
-        if result.done:
-            episodes += 1
-            env.reset(tasks.get("train", episodes))
+    step_through(env, garbage_actions(random.Random(0), 1000, GARBAGE),
+                 [tasks.get("train", i) for i in range(200)])
     # A valid episode afterwards still works.
     task = tasks.get("eval", 1)
     env.reset(task)

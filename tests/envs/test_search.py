@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from garbage import garbage_actions, one_of, step_through, text
+
 from rl_tpu.envs import base
 from rl_tpu.envs.search import (DATA_DIR, BM25Index, SearchEnv, SearchOracle, exact_match,
                                 parse_action, token_f1)
@@ -134,37 +136,21 @@ def test_oracle_solves_eval_tasks(env):
     assert rate >= 0.9, rate
 
 
-def _garbage(rng: random.Random) -> str:
-    kind = rng.randrange(10)
-    if kind == 0:
-        return ""
-    if kind == 1:
-        return "".join(rng.choice("ab[]()<> \n\t") for _ in range(10_240))
-    if kind == 2:
-        return "".join(chr(rng.randrange(0x20, 0x2FFF)) for _ in range(rng.randrange(1, 200)))
-    if kind == 3:
-        return "".join(chr(rng.randrange(0, 32)) for _ in range(rng.randrange(1, 50)))
-    if kind == 4:  # valid-looking but illegal
-        return rng.choice(["search[", "answer[", "search[]]", "search [ ]", "search()", "SEARCH{x}",
-                           "answer[\x00]", "search[\u202e\u200b]", "answer:[x]", "[search]"])
-    if kind == 5:
-        return f"search[{''.join(rng.choice('xyz ☃') for _ in range(rng.randrange(1, 600)))}]"
-    if kind == 6:
-        return "search[" * rng.randrange(1, 50) + "]" * rng.randrange(0, 50)
-    if kind == 7:
-        return json.dumps({"action": "search", "query": "x" * rng.randrange(100)})
-    if kind == 8:
-        return f"answer[{rng.random()}]"
-    return "search[" + "".join(rng.choice("abcdefghij ") for _ in range(rng.randrange(1, 40))) + "]"
+# The search env's own kinds: broken, nested or oversized search[...] and answer[...] actions.
+GARBAGE = [
+    lambda rng: text(rng, "ab[]()<> \n\t", 10_240),
+    one_of("search[", "answer[", "search[]]", "search [ ]", "search()", "SEARCH{x}",
+           "answer[\x00]", "search[\u202e\u200b]", "answer:[x]", "[search]"),
+    lambda rng: f"search[{text(rng, 'xyz ☃', 1, 600)}]",
+    lambda rng: "search[" * rng.randrange(1, 50) + "]" * rng.randrange(0, 50),
+    lambda rng: json.dumps({"action": "search", "query": "x" * rng.randrange(100)}),
+    lambda rng: f"answer[{rng.random()}]",
+    lambda rng: "search[" + text(rng, "abcdefghij ", 1, 40) + "]",
+]
 
 
 def test_garbage_actions_never_raise(env):
-    rng = random.Random(0)
     ts = env.tasks()
-    env.reset(ts.get("train", 0))
-    for i in range(1000):
-        r = env.step(_garbage(rng))
-        assert isinstance(r.observation, str) and 0.0 <= r.reward <= 1.0
-        if r.done:
-            env.reset(ts.get("train", i % ts.size("train")))
+    step_through(env, garbage_actions(random.Random(0), 1000, GARBAGE),
+                 [ts.get("train", i) for i in range(ts.size("train"))])
     assert _play_oracle(env, ts.get("eval", 0)).info["success"]  # still usable

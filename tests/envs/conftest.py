@@ -1,0 +1,8 @@
+"""Env tests: make this directory importable, for the shared helper module `garbage`."""
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
