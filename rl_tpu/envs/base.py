@@ -90,6 +90,13 @@ def action_line(text: str) -> Optional[str]:
     return lines[-1] if lines else None
 
 
+def out_of_steps(result: StepResult, max_steps: int) -> StepResult:
+    """`result` of the step that used up the episode's step budget: it ends the episode,
+    unsuccessfully, and says why."""
+    return StepResult(result.observation + f"\n\nOut of steps ({max_steps}).", result.reward,
+                      True, {**result.info, "success": False, "truncated": True})
+
+
 def invalid_action(message: str, **info) -> StepResult:
     """The observation for an action the env could not apply; the episode goes on."""
     return StepResult(observation=f"Invalid action: {message}", reward=0.0, done=False,

@@ -30,7 +30,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
+                              register)
 
 SYSTEM_PROMPT = """You are an agent in ScienceWorld, a text simulation of elementary science tasks.
 Each turn, reply with exactly one command. Commands (OBJ is an object or place you can see):
@@ -253,9 +254,7 @@ class SciWorldEnv(Env):
             result = self._play(action)
         if not self._done and self.max_steps is not None and self._steps >= self.max_steps:
             self._done = True
-            result = StepResult(result.observation + f"\n\nOut of steps ({self.max_steps}).",
-                                result.reward, True,
-                                {**result.info, "success": False, "truncated": True})
+            result = out_of_steps(result, self.max_steps)
         return result
 
     @staticmethod

@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
+                              register)
 
 SYSTEM_PROMPT = """You play a text adventure. Each turn, reply with one short command in plain
 English, such as:
@@ -239,9 +240,7 @@ class TextWorldEnv(Env):
                                              "score": score, "max_score": self._max_score})
         if not self._done and self.max_steps is not None and self._steps >= self.max_steps:
             self._done = True
-            result = StepResult(result.observation + f"\n\nOut of steps ({self.max_steps}).",
-                                result.reward, True,
-                                {**result.info, "success": False, "truncated": True})
+            result = out_of_steps(result, self.max_steps)
         return result
 
     def close(self) -> None:
