@@ -409,3 +409,14 @@ def lm_head_kernel(cfg: ModelConfig, params) -> Array:
     if cfg.tie_word_embeddings:
         return params["embed"]["embedding"].T
     return params["lm_head"]["kernel"]
+
+
+def unstack_layers(params, num_layers: int) -> dict:
+    """Params of scanned layers ('layers': leaves [L, ...]) -> one entry per layer
+    ('layers_0'...), the layout of `scan_layers=False`. Other params pass through."""
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+    return out

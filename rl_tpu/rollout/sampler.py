@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from rl_tpu import parallel
 from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
-from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache
+from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache, unstack_layers
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
 
 GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
@@ -185,6 +185,10 @@ class JaxSampler(RolloutEngine):
                  rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
                  seed: int = 0, version: str = "0"):
+        # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
+        # is then its own buffer, updated in place, where a scan would slice the stacked cache
+        # in and out every step. Scanned params are unstacked on the way in.
+        cfg = cfg.replace(scan_layers=False, remat="none")
         self.cfg = cfg
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
         self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
@@ -198,7 +202,7 @@ class JaxSampler(RolloutEngine):
         self._counter = itertools.count()
         self._weights_lock = threading.Lock()
         self._device_lock = threading.Lock()  # one batch on the device at a time
-        self._params = jax.device_put(params, self._shardings)
+        self._params = jax.device_put(unstack_layers(params, cfg.num_layers), self._shardings)
         self._version = str(version)
         self._resume = threading.Event()
         self._resume.set()
@@ -220,7 +224,8 @@ class JaxSampler(RolloutEngine):
         return self._params is not None
 
     def update_weights(self, params, version: str) -> None:
-        params = jax.device_put(params, self._shardings)  # reshard if the trainer's mesh differs
+        # unstack scanned layers, and reshard if the trainer's mesh differs: device to device
+        params = jax.device_put(unstack_layers(params, self.cfg.num_layers), self._shardings)
         with self._weights_lock:
             self._params, self._version = params, str(version)
 
