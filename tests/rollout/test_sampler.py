@@ -185,3 +185,22 @@ def test_scanned_layers_sample_the_same(setup):
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in PROMPTS]
     expected = [r.output_ids for r in setup["sampler"].generate(requests)]
     assert [r.output_ids for r in scanned.generate(requests)] == expected
+
+
+def test_update_weights_from_a_trainer_mesh_reshards(setup):
+    """Params sharded fsdp x tensor over 8 devices (a trainer's) land on the sampler's own
+    one-device mesh, and scanned (stacked) params are unstacked, with no host round trip."""
+    from rl_tpu import parallel
+
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg, trainer_params = hf.load(str(setup["root"] / "b"), mesh=mesh, scan_layers=True)
+    leaf = trainer_params["layers"]["mlp"]["up_proj"]["kernel"]
+    assert len(leaf.sharding.device_set) == 8
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    sampler.update_weights(trainer_params, "trainer-1")
+    held = sampler._params["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert held.sharding.device_set == {jax.devices()[0]}
+    _, params_b = hf.load(str(setup["root"] / "b"))
+    res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=6,
+                                                                       **GREEDY))])[0]
+    assert res.output_ids == full_forward_greedy(setup, params_b, PROMPTS[0], 6)
