@@ -1,9 +1,8 @@
 """Env steps per second of the agent loop (rl_tpu.agent.run_episodes), engine cost excluded.
 
 A scripted engine answers instantly, so the numbers measure the loop itself: batching, chat
-templating and incremental tokenization, and the parallel env steps. Two rows: a registered
-env (`--env`, default babyai) driven by a fixed cycle of actions, and the toy guess-the-number
-env of tests/test_agent.py (almost free to step, so it shows the loop's own overhead).
+templating and incremental tokenization, and the parallel env steps, for a registered env
+(`--env`, default babyai) driven by a fixed cycle of actions.
 
     python benchmarks/agent_loop.py --env babyai --tasks 16 --samples 4 --turns 10
     python benchmarks/agent_loop.py --env textcraft --actions "inventory,craft 1 stick"
@@ -12,7 +11,6 @@ env of tests/test_agent.py (almost free to step, so it shows the loop's own over
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -25,6 +23,7 @@ from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.models.tiny_tokenizer import build_tokenizer  # noqa: E402
 from rl_tpu.models.tokenizer import ChatTokenizer  # noqa: E402
 from rl_tpu.rollout.engine import SamplingParams  # noqa: E402
+from rl_tpu.rollout.scripted import ScriptedEngine  # noqa: E402
 
 # BabyAI's env executes the last "Action: ..." line; other envs parse their own formats.
 DEFAULT_ACTIONS = {
@@ -32,15 +31,6 @@ DEFAULT_ACTIONS = {
                "Action: turn right", "Action: pick up"],
 }
 GENERIC_ACTIONS = ["look", "inventory", "move forward", "turn left"]
-
-
-def _load_test_helpers():
-    """The toy env and the scripted engine live in tests/test_agent.py; load them from there."""
-    path = os.path.join(ROOT, "tests", "test_agent.py")
-    spec = importlib.util.spec_from_file_location("rl_tpu_test_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _registered_env(name: str, num_tasks: int):
@@ -90,7 +80,6 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=60.0, help="per env call, seconds")
     args = p.parse_args(argv)
 
-    helpers = _load_test_helpers()
     tokenizer = ChatTokenizer(build_tokenizer(1024))
     print("| env        | episodes |   H | gen calls | env steps |  wall s | env steps/s "
           "| ms per step | mean len | finish |")
@@ -104,13 +93,8 @@ def main(argv=None):
             args.env, GENERIC_ACTIONS)
         # The prompt length varies across episodes, so mixing it in varies the action sequence.
         policy = lambda text, turn: actions[(turn + len(text)) % len(actions)]  # noqa: E731
-        engine = helpers.ScriptedEngine(tokenizer, policy)
+        engine = ScriptedEngine(tokenizer, policy)
         _bench(args.env, engine, make_env, tasks, tokenizer, args)
-
-    # Toy env: task k's number is k % 10, and the policy guesses 0, 1, 2... one a turn.
-    toy_tasks = [base.Task(f"t{k}", {"target": k % 10}) for k in range(args.tasks)]
-    engine = helpers.ScriptedEngine(tokenizer, lambda text, turn: f"guess {turn}")
-    _bench("toy-guess", engine, helpers.GuessEnv, toy_tasks, tokenizer, args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from rl_tpu import agent
 from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import GenerateResult, RolloutEngine, SamplingParams
+from rl_tpu.rollout.engine import SamplingParams
+from rl_tpu.rollout.scripted import ScriptedEngine
 
 # --- toy env and scripted engine ------------------------------------------------------------
 
@@ -59,44 +60,6 @@ class GuessEnv(Env):
 
     def close(self):
         self.closed = True
-
-
-class ScriptedEngine(RolloutEngine):
-    """Answers each request from `policy(prompt_text, turn)`, which gives the turn's output:
-    "text" (its encoding + eos), ("cut", "text") (its encoding, no eos: finish "length"),
-    ("ids", [ids]) (those ids + eos), or ("abort", "text"). Output longer than the request's
-    max_new_tokens is cut there (finish "length"). Logprobs are fake but nonzero."""
-
-    def __init__(self, tokenizer, policy):
-        self.tok, self.policy = tokenizer, policy
-        self.calls, self.results = [], {}  # results: prompt ids -> GenerateResult
-
-    def generate(self, requests):
-        self.calls.append(list(requests))
-        out = []
-        for r in requests:
-            text = self.tok.decode(r.prompt_ids)
-            turn = text.count("<|im_start|>assistant") - 1
-            spec = self.policy(text, turn)
-            kind, value = ("stop", spec) if isinstance(spec, str) else spec
-            ids = list(value) if kind == "ids" else self.tok.encode(value)
-            finish = {"cut": "length", "abort": "abort"}.get(kind, "stop")
-            if finish == "stop":
-                ids.append(self.tok.eos_token_id)
-            if len(ids) > r.sampling.max_new_tokens:
-                ids, finish = ids[:r.sampling.max_new_tokens], "length"
-            logprobs = [-0.05 - 0.01 * ((turn * 7 + i) % 13) for i in range(len(ids))]
-            res = GenerateResult(ids, logprobs, finish, weight_version=f"v{turn}",
-                                 prompt_tokens=len(r.prompt_ids))
-            self.results[tuple(r.prompt_ids)] = res
-            out.append(res)
-        return out
-
-    def update_weights(self, params, version):
-        pass
-
-    def health(self):
-        return True
 
 
 def script_policy(scripts):
