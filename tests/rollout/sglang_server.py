@@ -55,7 +55,7 @@ SGL_KERNEL_STUB = textwrap.dedent('''\
             self.__name__ = self.__qualname__ = name
 
         def __call__(self, *args, **kwargs):
-            raise NotImplementedError(
+            raise RuntimeError(
                 f"sgl_kernel.{self.__name__}: rl_tpu's CPU stand-in for sgl_kernel (tests only) "
                 "implements only assign_req_to_token_pool_cpu; this SGLang code path needs the "
                 "real kernel package.")
