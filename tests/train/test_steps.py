@@ -67,9 +67,12 @@ def test_chunked_token_logprobs_equal_full_log_softmax():
     np.testing.assert_allclose(ent[:, 1:], entropy[:, :-1], atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["ppo", "bapo"])
-def test_four_micro_batches_equal_one_big_batch(kind):
-    loss_cfg = PolicyLossConfig(kind=kind, clip_low=0.2, clip_high=0.28)
+@pytest.mark.parametrize("kind,aggregation", [("ppo", "token_mean"), ("bapo", "token_mean"),
+                                              ("gspo", "seq_mean_token_mean")])
+def test_four_micro_batches_equal_one_big_batch(kind, aggregation):
+    clip = (3e-4, 4e-4) if kind == "gspo" else (0.2, 0.28)  # GSPO clips sequence ratios tightly
+    loss_cfg = PolicyLossConfig(kind=kind, clip_low=clip[0], clip_high=clip[1],
+                                aggregation=aggregation)
     batch = policy_batch()
     # shift old logprobs toward the model's own so ratios straddle the clip bounds
     lp, _ = token_logprobs(MODEL, fresh_params(), batch)
