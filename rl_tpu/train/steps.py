@@ -60,7 +60,12 @@ def split_micro_batches(batch, m: int):
     return jax.tree.map(one, batch)
 
 
-def _combine_metrics(metrics, weights):
+# Metrics that are the aggregated loss itself (weighted like the loss); every other metric is
+# a masked mean over tokens (clip fractions, ratios, KL, entropy), weighted by token counts.
+LOSS_METRICS = ("loss", "pg_loss", "value_loss", "nll")
+
+
+def _combine_metrics(metrics, loss_shares, token_shares):
     """Per-micro-batch metrics [M] -> scalars: weighted means, but max/min for extremes."""
     out = {}
     for key, values in metrics.items():
@@ -69,33 +74,39 @@ def _combine_metrics(metrics, weights):
         elif key.endswith("_min"):
             out[key] = jnp.min(values)
         else:
-            out[key] = jnp.sum(values * weights)
+            shares = loss_shares if key in LOSS_METRICS else token_shares
+            out[key] = jnp.sum(values * shares)
     return out
 
 
-def accumulate(loss_fn: Callable, params, batch, micro_batches: int, weight_fn: Callable):
+def accumulate(loss_fn: Callable, params, batch, micro_batches: int, weight_fn: Callable,
+               metric_weight_fn: Callable | None = None):
     """(loss, grads, metrics) of the whole batch, summed over micro-batches in a `lax.scan`.
 
     loss_fn(params, micro) -> (loss, metrics); weight_fn(batch) -> the normaliser the loss's
     aggregation divides by, so that sum_k weight_k / weight_total * loss_k is the batch loss.
+    metric_weight_fn (default weight_fn) weights the metrics not in LOSS_METRICS.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if micro_batches == 1:
         (loss, metrics), grads = grad_fn(params, batch)
         return loss, grads, metrics
+    metric_weight_fn = metric_weight_fn or weight_fn
     total = jnp.maximum(weight_fn(batch), 1e-9)
+    metric_total = jnp.maximum(metric_weight_fn(batch), 1e-9)
 
     def body(carry, micro):
         grads_sum, loss_sum = carry
         share = weight_fn(micro) / total
         (loss, metrics), grads = grad_fn(params, micro)
         grads_sum = jax.tree.map(lambda a, g: a + share * g.astype(a.dtype), grads_sum, grads)
-        return (grads_sum, loss_sum + share * loss), (metrics, share)
+        return (grads_sum, loss_sum + share * loss), (metrics, share,
+                                                      metric_weight_fn(micro) / metric_total)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, loss), (metrics, shares) = jax.lax.scan(
+    (grads, loss), (metrics, shares, metric_shares) = jax.lax.scan(
         body, (zeros, jnp.zeros((), jnp.float32)), split_micro_batches(batch, micro_batches))
-    return loss, grads, _combine_metrics(metrics, shares)
+    return loss, grads, _combine_metrics(metrics, shares, metric_shares)
 
 
 def aggregation_weight(mode: str) -> Callable:
@@ -181,7 +192,7 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
                      "bapo_iterations": stats["iterations"].astype(jnp.float32)}
         loss, grads, metrics = accumulate(
             lambda p, mb: loss_fn(p, mb, bounds), state.params, batch, cfg.micro_batches,
-            aggregation_weight(loss_cfg.aggregation))
+            aggregation_weight(loss_cfg.aggregation), aggregation_weight("token_mean"))
         return apply_update(state, loss, grads, {**metrics, **extra})
 
     return step
@@ -204,7 +215,8 @@ def make_value_step(model: ValueModel, clip: float | None = 0.2, aggregation="to
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "values", "returns"], "value_step")
         loss, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
-                                          aggregation_weight(aggregation))
+                                          aggregation_weight(aggregation),
+                                          aggregation_weight("token_mean"))
         return apply_update(state, loss, grads, metrics)
 
     return step

@@ -82,7 +82,8 @@ def test_four_micro_batches_equal_one_big_batch(kind, aggregation):
     four, m4 = run_step(steps.make_policy_step(MODEL, loss_cfg, steps.StepConfig(micro_batches=4)),
                         fresh_params(), batch)
     assert_trees_close(one.params, four.params, atol=1e-6)
-    for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_max", "ratio_min"):
+    for key in ("loss", "pg_loss", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                "approx_kl", "entropy", "ratio_max", "ratio_min"):
         np.testing.assert_allclose(m1[key], m4[key], atol=1e-6, err_msg=key)
     assert float(m1["clip_frac_high"]) + float(m1["clip_frac_low"]) > 0  # clipping was exercised
     if kind == "bapo":
