@@ -1,4 +1,5 @@
-"""Smoke demo: load an HF model dir, run a forward pass and greedy KV-cache generation.
+"""Smoke demo: load an HF model dir, run a forward pass and greedy generation with the
+embedded JAX sampler (KV cache, compiled decode loop).
 
   python -m launch.make_tiny_model --arch qwen2 --out /tmp/tiny_qwen2
   python -m launch.smoke --model_path /tmp/tiny_qwen2
@@ -12,9 +13,10 @@ from absl import app, flags
 
 from rl_tpu import parallel
 from rl_tpu.models import hf
-from rl_tpu.models.decode import greedy_decode, right_pad
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
+from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+from rl_tpu.rollout.sampler import JaxSampler
 
 flags.DEFINE_string("model_path", None, "HF model directory.", required=True)
 flags.DEFINE_string("prompt", "What is 3 + 4?", "User message of the demo chat.")
@@ -33,17 +35,17 @@ def main(argv):
     model = Transformer(cfg)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": f.prompt}],
                                            add_generation_prompt=True)
-    ids, lens = right_pad([prompt] * f.batch, tokenizer.pad_token_id or 0)
-
-    logits = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, ids)
+    logits = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, np.array([prompt]))
     print(f"forward: logits {logits.shape}, finite={bool(np.isfinite(np.asarray(logits)).all())}")
-    new = greedy_decode(model, params, ids, lens, f.max_new_tokens)  # compile
-    new.block_until_ready()
+    sampler = JaxSampler(cfg, params, mesh=mesh, tokenizer=tokenizer)
+    greedy = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=0.0, ignore_eos=True)
+    requests = [GenerateRequest(prompt, greedy)] * f.batch
+    sampler.generate(requests)  # compile this shape bucket
     start = time.perf_counter()
-    new = np.asarray(greedy_decode(model, params, ids, lens, f.max_new_tokens))
+    results = sampler.generate(requests)
     seconds = time.perf_counter() - start
     print(f"prompt: {tokenizer.decode(prompt)!r}")
-    print(f"greedy: {tokenizer.decode(new[0].tolist())!r}")
+    print(f"greedy: {tokenizer.decode(results[0].output_ids)!r}")
     print(f"decode: {f.batch * f.max_new_tokens / seconds:,.0f} tokens/s "
           f"(batch {f.batch}, {f.max_new_tokens} new tokens, {jax.device_count()} devices)")
 

@@ -7,8 +7,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_tpu.models import hf
-from rl_tpu.models.decode import greedy_decode, right_pad
 from rl_tpu.models.transformer import Transformer
+from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+from rl_tpu.rollout.sampler import JaxSampler
 
 TOL = 1e-4
 V = 96
@@ -127,8 +128,10 @@ def test_kv_cache_greedy_equals_repeated_full_forward(family):
     for a batch of prompts of different lengths (right-padded, slot = position)."""
     rng = np.random.RandomState(7)
     prompts = [rng.randint(0, V, n).tolist() for n in (3, 8, 5)]
-    ids, lens = right_pad(prompts)
-    cached = np.asarray(greedy_decode(family["model"], family["params"], ids, lens, 16))
+    sampler = JaxSampler(family["cfg"], family["params"])  # the KV-cache decode path
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    cached = [r.output_ids for r in sampler.generate([GenerateRequest(p, greedy)
+                                                      for p in prompts])]
     for row, prompt in enumerate(prompts):
         seq = list(prompt)
         width = len(prompt) + 16  # one fixed shape (pad is causal-invisible): one compile
@@ -138,4 +141,4 @@ def test_kv_cache_greedy_equals_repeated_full_forward(family):
             logits = family["forward"](family["params"], x, np.arange(width)[None],
                                        np.ones_like(x))
             seq.append(int(np.argmax(logits[0, len(seq) - 1])))
-        assert cached[row].tolist() == seq[len(prompt):], f"row {row}"
+        assert cached[row] == seq[len(prompt):], f"row {row}"
