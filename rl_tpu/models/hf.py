@@ -23,14 +23,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from rl_tpu import parallel
-from rl_tpu.models.transformer import ModelConfig, RopeScaling, Transformer
+from rl_tpu.models.transformer import ARCHITECTURES, ModelConfig, RopeScaling, Transformer
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class CheckpointError(ValueError):
@@ -127,7 +126,8 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides)
     """ModelConfig from an HF config dict (old `rope_theta/rope_scaling` or new `rope_parameters`)."""
     archs = hf.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-    arch = arch or MODEL_TYPES.get(hf.get("model_type", ""))
+    if arch is None and hf.get("model_type") in ARCHITECTURES:  # our arch names are HF's types
+        arch = hf["model_type"]
     if arch is None:
         raise CheckpointError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -179,7 +179,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
             rope = {k: rope[k] for k in ("rope_type", "rope_theta", "factor")}
     eos = list(cfg.eos_token_ids)
     hf_cfg = AutoConfig.for_model(
-        MODEL_TYPES[cfg.arch], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,

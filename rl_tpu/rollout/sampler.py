@@ -238,6 +238,8 @@ class JaxSampler(RolloutEngine):
         results: list[GenerateResult] = []
         for start in range(0, len(rows), self.max_batch):
             results.extend(self._generate_batch(rows[start:start + self.max_batch], epoch))
+        with self._control_lock:  # these requests are over: forget their abort marks
+            self._aborted_ids.difference_update(req.request_id for req in requests)
         return results
 
     # -- control (between decode chunks) --------------------------------------------------
