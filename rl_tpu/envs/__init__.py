@@ -11,4 +11,5 @@ ENV_MODULES: dict[str, str] = {
     "arithmetic": "reasoning",
     "reasoning_gym": "reasoning",
     "math": "math",
+    "largest": "largest",
 }

@@ -17,6 +17,7 @@ class SamplingParams:
     """Per-request sampling, with SGLang's meanings (temperature < 1e-6 means greedy)."""
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # as in SGLang: no token-based stop (eos, stop ids) before this many
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = all tokens
@@ -29,6 +30,9 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}]"
+                             f", got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -52,6 +56,15 @@ class GenerateRequest:
 
 FINISH_REASONS = ("stop", "length", "abort")
 
+# What `GenerateResult.logprobs` are the log of, for a sample drawn with top-p / top-k < all:
+#   "full":      softmax(logits / temperature) over the whole vocab, before truncation: the
+#                quantity the trainer recomputes (rl_tpu's sampler; SGLang by default, see
+#                docs/architecture.md);
+#   "truncated": the renormalised distribution over the kept top-p / top-k tokens, which
+#                differs from "full" by -log(kept mass) per token.
+# Without truncation (top_p = 1, top_k = -1) the two are the same number.
+LOGPROB_CONVENTIONS = ("full", "truncated")
+
 
 @dataclasses.dataclass
 class GenerateResult:
@@ -66,10 +79,14 @@ class GenerateResult:
     matched_stop: Any = None  # the stop token id or string that ended it, if any
     prompt_tokens: int = 0
     info: dict = dataclasses.field(default_factory=dict)
+    logprob_convention: str = "full"  # one of LOGPROB_CONVENTIONS
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+        if self.logprob_convention not in LOGPROB_CONVENTIONS:
+            raise ValueError(f"logprob_convention {self.logprob_convention!r} not in "
+                             f"{LOGPROB_CONVENTIONS}")
 
 
 class RolloutError(RuntimeError):

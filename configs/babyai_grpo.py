@@ -1,0 +1,38 @@
+"""GRPO on BabyAI (minigrid) with ScalingInter-RL's growing interaction horizon.
+
+    python -m launch.train --config configs/babyai_grpo.py \\
+        --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/babyai_grpo
+
+Multi-turn: the agent acts until the mission is done or the turn limit H, which grows in
+stages (6, 13, 20) every 100 steps as in AgentGym-RL. Reward: the env's success reward.
+`get_config("smoke")` runs two steps of two-turn episodes on a tiny random model.
+"""
+
+from rl_tpu.recipes.config import base_config, shrink_for_smoke
+
+
+def get_config(arg: str = ""):
+    c = base_config("grpo")
+    c.env.name = "babyai"
+    c.env.max_turns = 20
+    c.env.max_new_tokens = 128
+    c.env.max_context_tokens = 8192
+    c.train.length_buckets = (1024, 2048, 4096, 8192)
+    c.schedules.horizon_turns = (6, 13, 20)
+    c.schedules.horizon_every = 100
+    c.train.steps = 300
+    c.train.tasks_per_step = 32
+    c.train.samples_per_task = 8
+    c.train.minibatches = 4
+    c.optim.lr = 1e-6
+    c.model.dtype = "bfloat16"
+    c.model.remat = "dots"
+    c.eval.every = 25
+    c.eval.num_tasks = 200
+    if arg == "smoke":
+        shrink_for_smoke(c)
+        c.env.max_context_tokens = 1024
+        c.train.length_buckets = (512, 1024)
+    elif arg:
+        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    return c

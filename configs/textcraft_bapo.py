@@ -1,0 +1,40 @@
+"""BAPO on TextCraft: adaptive clipping bounds for the off-policy settings BAPO targets.
+
+    python -m launch.train --config configs/textcraft_bapo.py \\
+        --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/textcraft_bapo
+
+Crafting goals of depth 2-4 through `get`, `craft` and `inventory` actions, turn limits growing
+(10, 20, 30) as in AgentGym-RL. BAPO's bounds: rho0 0.4, c_low in [0.6, 0.9], c_high in
+[1.2, 3.0] (the paper's defaults), 4 minibatches so each mini-update adapts its own bounds.
+`get_config("smoke")` runs two steps on a tiny random model.
+"""
+
+from rl_tpu.recipes.config import base_config, shrink_for_smoke
+
+
+def get_config(arg: str = ""):
+    c = base_config("bapo")
+    c.env.name = "textcraft"
+    c.env.max_turns = 30
+    c.env.max_new_tokens = 128
+    c.env.max_context_tokens = 8192
+    c.train.length_buckets = (1024, 2048, 4096, 8192)
+    c.schedules.horizon_turns = (10, 20, 30)
+    c.schedules.horizon_every = 100
+    c.train.steps = 300
+    c.train.tasks_per_step = 32
+    c.train.samples_per_task = 8
+    c.train.minibatches = 4
+    c.optim.lr = 1e-6
+    c.model.dtype = "bfloat16"
+    c.model.remat = "dots"
+    c.eval.every = 25
+    c.eval.num_tasks = 100
+    if arg == "smoke":
+        shrink_for_smoke(c)
+        c.train.minibatches = 2
+        c.env.max_context_tokens = 1024
+        c.train.length_buckets = (512, 1024)
+    elif arg:
+        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    return c

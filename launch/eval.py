@@ -1,0 +1,28 @@
+"""Evaluate a policy: `python -m launch.eval --config configs/X.py (--workdir W | --model_path D)`.
+
+Greedy success, pass@k (`--config.eval.pass_k=4`), mean turns and tokens on the config's eval
+split, from the latest checkpoint in W or from an HF directory D.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rl_tpu.recipes import evaluate
+
+config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
+                                lock_config=True)
+flags.DEFINE_string("workdir", "", "A training run's workdir (its latest checkpoint).")
+flags.DEFINE_string("model_path", "", "An HF model directory (instead of a checkpoint).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    result = evaluate.run(f.config, f.workdir or None, f.model_path or None)
+    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,35 @@
+"""RL training: `python -m launch.train --config configs/X.py[:variant] --workdir W`.
+
+Overrides: any config leaf, e.g. `--config.algo.clip_high=0.28 --config.train.steps=10`; an
+unknown key or a value of the wrong type stops the run before anything compiles, naming the
+key. `--rollout_urls=http://h1:30000,http://h2:30000` switches rollouts to SGLang-compatible
+servers (empty: the embedded JAX sampler). Rerunning the same command resumes from the last
+checkpoint in W. Multi-host: run the same command on every host.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rl_tpu.recipes import rl
+
+config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics and exports go here.", required=True)
+flags.DEFINE_string("rollout_urls", "", "Comma-separated SGLang-compatible servers; empty = "
+                    "the embedded JAX sampler.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = flags.FLAGS.config
+    if flags.FLAGS.rollout_urls:
+        config.rollout.engine = "sglang"
+        config.rollout.urls = flags.FLAGS.rollout_urls
+    result = rl.run(config, flags.FLAGS.workdir)
+    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,70 @@
+"""Eval suites: play a fixed set of held-out tasks and report success, pass@k, turns, tokens.
+
+The same agent loop as training plays the episodes, so an eval measures exactly the policy the
+trainer ships: greedy replies for `success` (one deterministic episode a task), and, with
+`pass_k = k`, k sampled episodes a task at the rollout temperature for pass@k (a task counts
+when any of its k samples succeeds). Each host plays its own share of the tasks; the sums are
+combined across hosts, so every host returns the same numbers.
+
+Metrics (under the caller's prefix, e.g. `eval/`): success, reward, turns (mean actions an
+episode), tokens (mean generated tokens an episode), num_tasks, env_errors, and pass@k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from rl_tpu.agent import Trajectory, run_episodes
+from rl_tpu.envs.base import Env, Task
+from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
+
+
+def _global_sums(values: np.ndarray) -> np.ndarray:
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+    gathered = multihost_utils.process_allgather(values)  # [processes, n]
+    return np.asarray(gathered).reshape(jax.process_count(), -1).sum(axis=0)
+
+
+def summarize(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    """[count, successes, reward, turns, generated tokens, env errors] summed (host-local)."""
+    return np.array([
+        len(trajectories),
+        sum(t.success for t in trajectories),
+        sum(t.reward for t in trajectories),
+        sum(t.num_turns for t in trajectories),
+        sum(t.num_generated for t in trajectories),
+        sum(t.finish == "env_error" for t in trajectories),
+    ], np.float64)
+
+
+def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,
+             tokenizer: ChatTokenizer, max_turns: int, max_new_tokens: int,
+             max_context_tokens: int, pass_k: int = 0,
+             sampling: Optional[SamplingParams] = None, seed: int = 0,
+             step_timeout_s: Optional[float] = 60.0, reward_reduce="sum") -> dict[str, float]:
+    """Greedy success (and pass@k with `sampling`) of `engine` on this host's `tasks`."""
+    common = dict(tokenizer=tokenizer, max_turns=max_turns,
+                  max_new_tokens_per_turn=max_new_tokens, max_context_tokens=max_context_tokens,
+                  step_timeout_s=step_timeout_s, reward_reduce=reward_reduce)
+    greedy = run_episodes(engine, make_env, list(tasks),
+                          sampling=SamplingParams(temperature=0.0, seed=seed), **common)
+    n, wins, reward, turns, tokens, errors = _global_sums(summarize(greedy))
+    out = {"success": wins / max(n, 1), "reward": reward / max(n, 1), "turns": turns / max(n, 1),
+           "tokens": tokens / max(n, 1), "num_tasks": n, "env_errors": errors}
+    if pass_k > 0:
+        if sampling is None:
+            raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")
+        samples = run_episodes(engine, make_env, list(tasks), samples_per_task=pass_k,
+                               sampling=dataclasses.replace(sampling, seed=seed), **common)
+        solved = np.array([any(t.success for t in samples[i * pass_k:(i + 1) * pass_k])
+                           for i in range(len(tasks))], np.float64)
+        total = _global_sums(np.array([solved.sum(), len(tasks)], np.float64))
+        out[f"pass@{pass_k}"] = total[0] / max(total[1], 1)
+    return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,1 @@
+"""Drivers: each `run(config, workdir)` is one training job (rl.py, sft.py)."""

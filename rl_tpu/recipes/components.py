@@ -1,0 +1,132 @@
+"""What a recipe builds from its config before the loop: mesh, policy, tokenizer, engine, envs.
+
+Each builder reads one config block and fails with a message naming the key when the block
+asks for something that cannot be had (a model dir without config.json, an engine without
+urls). Recipes call these in order; nothing here loops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from rl_tpu import parallel
+from rl_tpu.envs.base import Env, make as make_env_by_name
+from rl_tpu.models import hf, tiny
+from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
+from rl_tpu.models.transformer import ModelConfig, Transformer
+from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
+from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
+    m = config.mesh
+    return parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """The HF dir of the initial policy: `model.path`, or a tiny random model written once
+    into <workdir>/init_model (same seed, same model: a rerun finds it there)."""
+    if config.model.path:
+        if not os.path.isfile(os.path.join(config.model.path, "config.json")):
+            raise FileNotFoundError(f"model.path={config.model.path!r} has no config.json; "
+                                    "point it at a Hugging Face model directory")
+        return config.model.path
+    out = os.path.join(workdir, "init_model")
+    if jax.process_index() == 0 and not os.path.isfile(os.path.join(out, "config.json")):
+        m = config.model
+        heads = max(1, m.tiny_hidden // 16)
+        tiny.write_tiny_model(out, arch=m.tiny_arch, vocab_size=m.tiny_vocab, seed=config.seed,
+                              init_scale=m.tiny_init_scale, hidden_size=m.tiny_hidden,
+                              intermediate_size=2 * m.tiny_hidden, num_layers=m.tiny_layers,
+                              num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16)
+    _barrier("tiny_model")
+    return out
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
+                ) -> tuple[ModelConfig, Transformer, dict, ChatTokenizer]:
+    """(model config, model, params in their shardings, chat tokenizer) from an HF dir."""
+    m = config.model
+    cfg, params = hf.load(path, mesh=mesh, dtype=m.dtype, remat=m.remat,
+                          scan_layers=m.scan_layers)
+    return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
+
+
+def optim_config(lr: float, config: ml_collections.ConfigDict, total_steps: int,
+                 warmup_steps: Optional[int] = None) -> OptimConfig:
+    o = config.optim
+    return OptimConfig(lr=lr, schedule=o.schedule,
+                       warmup_steps=o.warmup_steps if warmup_steps is None else warmup_steps,
+                       total_steps=max(total_steps, 1), weight_decay=o.weight_decay,
+                       grad_clip=o.grad_clip or None)
+
+
+def new_state(params, optim: OptimConfig) -> TrainState:
+    return create_state(params, make_optimizer(optim))
+
+
+def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
+    name, kwargs = config.env.name, config.env.kwargs.to_dict()
+    make_env_by_name(name, **kwargs).close()  # a bad env name or kwarg fails here, by name
+    return lambda: make_env_by_name(name, **kwargs)
+
+
+def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int],
+                    greedy: bool = False) -> SamplingParams:
+    r = config.rollout
+    if greedy:
+        return SamplingParams(temperature=0.0, seed=seed)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed)
+
+
+def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, params,
+                tokenizer: ChatTokenizer, workdir: str) -> RolloutEngine:
+    """The rollout engine the config names, serving `params` as version 0."""
+    r = config.rollout
+    if r.engine == "sglang":
+        from rl_tpu.rollout.sglang import SGLangEngine
+        urls = [u.strip() for u in r.urls.split(",") if u.strip()]
+        engine = SGLangEngine(urls, model_config=model_cfg,
+                              weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
+                              tokenizer=tokenizer)
+        engine.update_weights(params, "0")
+        return engine
+    from rl_tpu.rollout.sampler import JaxSampler
+    devices = jax.local_devices()
+    if r.sampler_devices:
+        devices = devices[:r.sampler_devices]
+    mesh = parallel.make_mesh({"fsdp": -1}, devices=devices)
+    kwargs = {}
+    if config.model.sampler_dtype:
+        kwargs["dtype"] = config.model.sampler_dtype
+    return JaxSampler(model_cfg, host_local_params(params), mesh=mesh, tokenizer=tokenizer,
+                      max_batch=r.max_batch, seed=config.seed, version="0", **kwargs)
+
+
+def host_local_params(params):
+    """Params an engine on this host's devices can copy: the global arrays themselves on one
+    host; on several, each host gathers the full params (a host round trip, the price of a
+    per-host sampler fed by a pod-wide trainer)."""
+    if jax.process_count() == 1:
+        return params
+    from jax.experimental import multihost_utils
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))

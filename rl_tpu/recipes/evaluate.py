@@ -1,0 +1,79 @@
+"""Evaluate a policy on an env's eval split: from a run's workdir or from an HF directory.
+
+    python -m launch.eval --config configs/quickstart.py --workdir /tmp/quickstart
+    python -m launch.eval --config configs/quickstart.py --model_path /tmp/quickstart/final_hf
+
+With a workdir, the policy is the latest checkpoint's (restored into the same state layout the
+trainer saved); with `model_path`, that HF directory. Greedy success, pass@k
+(`--config.eval.pass_k=k`), mean turns and generated tokens over `eval.num_tasks` tasks, written
+to <workdir>/eval.json when a workdir is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import ml_collections
+
+from rl_tpu import parallel
+from rl_tpu.data.tasks import eval_tasks
+from rl_tpu.evaluation import evaluate
+from rl_tpu.recipes import components
+from rl_tpu.recipes.config import check
+
+
+def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
+    """The latest checkpoint's policy params, restored into the trainer's state layout."""
+    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.recipes import algorithms, rl
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    if ckpt.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints; train first or "
+                                "pass --model_path to an HF directory")
+    target = {"policy": components.new_state(
+        params, components.optim_config(config.optim.lr, config, config.train.steps))}
+    if algorithms.uses_critic(config.algo):
+        from rl_tpu.models.value import value_params_from
+        critic = rl._on_mesh(value_params_from(target["policy"].params, model_cfg),
+                             mesh)
+        target["critic"] = components.new_state(
+            critic, components.optim_config(config.algo.value_lr, config, config.train.steps))
+    if algorithms.uses_reference(config.algo):
+        target["reference"] = jax.tree.map(lambda x: x.copy(), target["policy"].params)
+    step, restored, _ = ckpt.restore(target)
+    ckpt.close()
+    return step, restored["policy"].params
+
+
+def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
+        model_path: Optional[str] = None) -> dict[str, float]:
+    check(config)
+    if not workdir and not model_path:
+        raise ValueError("give a workdir (its latest checkpoint) or a model_path (HF dir)")
+    parallel.maybe_initialize_distributed()
+    mesh = components.make_mesh(config)
+    path = model_path or components.model_path(config, workdir)
+    model_cfg, _, params, tokenizer = components.load_policy(config, path, mesh)
+    step = None
+    if not model_path:
+        step, params = _checkpoint_params(config, workdir, model_cfg, params, mesh)
+    make_env = components.make_env_factory(config)
+    tasks = [t for _, t in eval_tasks(make_env().tasks(), config.env.eval_split,
+                                      config.eval.num_tasks)]
+    engine = components.make_engine(config, model_cfg, params, tokenizer, workdir or "/tmp")
+    result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
+                      max_turns=config.env.max_turns, max_new_tokens=config.env.max_new_tokens,
+                      max_context_tokens=config.env.max_context_tokens,
+                      pass_k=config.eval.pass_k,
+                      sampling=components.sampling_params(config, None), seed=config.seed,
+                      step_timeout_s=config.env.step_timeout_s,
+                      reward_reduce=config.env.reward_reduce)
+    result = dict(result, checkpoint_step=-1 if step is None else step)
+    if workdir and jax.process_index() == 0:
+        with open(os.path.join(workdir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,327 @@
+"""The RL trainer: `run(config, workdir)`, the loop of docs/architecture.md, top to bottom.
+
+    python -m launch.train --config configs/quickstart.py --workdir /tmp/quickstart
+
+One step:
+  rollout     this host's share of the step's tasks, G samples each, through the agent loop
+              (single-turn tasks and multi-turn envs alike); DAPO's dynamic sampling refills
+              groups whose rewards are all equal
+  batch       trajectories -> one padded [B, T] batch (rl_tpu/train/rollout_batch.py)
+  score       old log-probs (the policy that sampled: on-policy, the current params), reference
+              log-probs when a KL term is on, critic values for PPO
+  advantages  the algorithm's estimator over the global batch
+  update      K epochs x minibatches of the jitted policy step (then the value step)
+  sync        the engine gets the new weights, version = the step number
+  log         W/metrics.jsonl + TensorBoard: rollout, train and time metrics
+  eval        every `eval.every` steps (and at step 0, the start of RL): held-out tasks
+  checkpoint  every `checkpoint.every` steps and at the end; rerunning the same command resumes
+
+Steps count updates: step 0 is the policy before RL (after the SFT warm start, if any), step k
+the policy after k updates. Metrics of the SFT warm start are logged at negative steps
+(-N..-1), so a resumed run's metrics file is cut at its resumed step without losing them.
+Everything random is a function of (config.seed, step), and the task stream's position and
+every state are checkpointed, so a resumed run repeats an uninterrupted one number for number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rl_tpu import metrics as metrics_lib
+from rl_tpu import parallel, schedules
+from rl_tpu.agent import Trajectory, run_episodes
+from rl_tpu.checkpoint import Checkpointer
+from rl_tpu.data.tasks import TaskStream, eval_tasks
+from rl_tpu.evaluation import evaluate
+from rl_tpu.models import hf
+from rl_tpu.models.value import ValueModel, value_params_from
+from rl_tpu.recipes import algorithms, components, sft
+from rl_tpu.recipes.config import check
+from rl_tpu.train import rollout_batch, steps
+from rl_tpu.train.batching import bucket_length
+from rl_tpu.train.learner import Learner, UpdateConfig
+
+log = logging.getLogger(__name__)
+
+TIME_KEYS_PREFIX = "time/"  # wall-clock metrics: the only ones a resumed run may not repeat
+
+
+def step_seed(seed: int, step: int, what: int = 0) -> int:
+    """The sampling seed of one step (and purpose): fresh each step, the same on a rerun."""
+    return int(np.random.SeedSequence([seed, step, what]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains with RL per `config`; returns the final eval metrics."""
+    check(config)
+    parallel.maybe_initialize_distributed()
+    os.makedirs(workdir, exist_ok=True)
+    is_chief = jax.process_index() == 0
+    mesh = components.make_mesh(config)
+    path = components.model_path(config, workdir)
+    model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
+    make_env = components.make_env_factory(config)
+    source = make_env().tasks()
+    env_cfg, train_cfg, algo = config.env, config.train, config.algo
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                        async_save=config.checkpoint.async_save)
+    resume_step = ckpt.latest_step()
+    # A fresh run rewrites the metrics file from scratch; a resumed one keeps what came
+    # before its checkpoint (SFT lines included: they sit at negative steps).
+    writer = metrics_lib.MetricsWriter(
+        workdir, resume_step=(-sys.maxsize if resume_step is None else resume_step + 1),
+        tensorboard=config.log.tensorboard, enabled=is_chief)
+
+    # --- warm start (fresh runs only: a checkpoint already holds its result) -------------
+    eval_list = [t for _, t in eval_tasks(source, env_cfg.eval_split, config.eval.num_tasks)]
+    start_metrics: dict[str, float] = {}
+    if resume_step is None and config.sft.steps > 0:
+        if not config.sft.data_path:
+            start_metrics["eval/teacher_success"] = sft.teacher_success(
+                make_env, eval_list, config.sft.teacher_skill, config.seed)
+        params = sft.warm_start(config, params, model, mesh, tokenizer, make_env, writer,
+                                step_offset=-config.sft.steps - 1)
+
+    # --- learner: policy, critic, reference ---------------------------------------------
+    loss_cfg = algorithms.loss_config(algo, env_cfg.max_new_tokens)
+    update_cfg = UpdateConfig(
+        epochs=train_cfg.epochs, minibatches=train_cfg.minibatches,
+        step=steps.StepConfig(micro_batches=train_cfg.micro_batches,
+                              logprob_chunk=train_cfg.logprob_chunk,
+                              temperature=config.rollout.temperature),
+        advantage=algo.advantage, advantage_options=algorithms.advantage_options(algo),
+        value_clip=algo.value_clip or None, use_reference=algorithms.uses_reference(algo),
+        reward_kl_coef=algo.reward_kl_coef if algo.advantage == "reinforce_pp" else 0.0)
+    reference = jax.tree.map(jnp.copy, params) if update_cfg.use_reference else None
+    critic, value_model = None, None
+    if algorithms.uses_critic(algo):
+        value_model = ValueModel(model_cfg, mesh=mesh)
+        critic = components.new_state(
+            _on_mesh(value_params_from(params, model_cfg), mesh),
+            components.optim_config(algo.value_lr, config, train_cfg.steps))
+    policy = components.new_state(
+        params, components.optim_config(config.optim.lr, config, train_cfg.steps))
+    del params  # donated into the state
+    learner = Learner(model, policy, mesh, loss_cfg, update_cfg, critic=critic,
+                      value_model=value_model, reference_params=reference)
+
+    stream = TaskStream(source, env_cfg.train_split, tasks_per_step=train_cfg.tasks_per_step,
+                        seed=config.seed)
+    start = 0
+    if resume_step is not None:
+        start, restored, meta = ckpt.restore(_checkpoint_state(learner))
+        _load_checkpoint_state(learner, restored)
+        stream.set_state(meta["stream"])
+        log.info("resumed from step %d", start)
+    engine = components.make_engine(config, model_cfg, learner.policy.params, tokenizer, workdir)
+    engine.update_weights(components.host_local_params(learner.policy.params), str(start))
+
+    def run_eval(step: int, extra: dict | None = None) -> dict[str, float]:
+        started = time.time()
+        result = evaluate(engine, make_env, eval_list, tokenizer=tokenizer,
+                          max_turns=_horizon(config, step), max_new_tokens=env_cfg.max_new_tokens,
+                          max_context_tokens=env_cfg.max_context_tokens,
+                          pass_k=config.eval.pass_k,
+                          sampling=components.sampling_params(config, None),
+                          seed=step_seed(config.seed, step, 1),
+                          step_timeout_s=env_cfg.step_timeout_s,
+                          reward_reduce=env_cfg.reward_reduce)
+        out = {f"eval/{k}": v for k, v in result.items()} | (extra or {})
+        out["time/eval_s"] = time.time() - started
+        writer.write(step, out)
+        return out
+
+    last_eval = run_eval(0, start_metrics) if start == 0 else {}
+    if start_metrics and is_chief:
+        print(f"teacher success {start_metrics['eval/teacher_success']:.3f}, "
+              f"policy at the start of RL {last_eval['eval/success']:.3f}", flush=True)
+
+    for step in range(start + 1, train_cfg.steps + 1):
+        t_step = time.time()
+        # --- rollout -------------------------------------------------------------------
+        horizon = _horizon(config, step - 1)
+        trajectories, group_ids, rollout_metrics = _rollout(
+            config, engine, make_env, stream, tokenizer, horizon, step)
+        t_rollout = time.time() - t_step
+
+        # --- batch + score + advantages -----------------------------------------------
+        t0 = time.time()
+        host = rollout_batch.trajectories_to_batch(
+            trajectories, length_buckets=train_cfg.length_buckets,
+            row_multiple=_row_multiple(config, mesh), group_ids=group_ids,
+            length=_agreed_length(trajectories, train_cfg.length_buckets))
+        batch = parallel.host_to_global(
+            {k: host[k] for k in ("tokens", "positions", "segment_ids", "loss_mask",
+                                  "behaviour_logprobs", "token_rewards", "rewards",
+                                  "group_ids", "turn_ids")}, mesh)
+        batch = learner.advantages(learner.score(batch))
+        jax.block_until_ready(batch["advantages"])
+        t_score = time.time() - t0
+
+        # --- update ----------------------------------------------------------------------
+        t0 = time.time()
+        train_metrics = learner.update(batch)
+        t_update = time.time() - t0
+
+        # --- sync ------------------------------------------------------------------------
+        t0 = time.time()
+        engine.update_weights(components.host_local_params(learner.policy.params), str(step))
+        t_sync = time.time() - t0
+
+        # --- log -------------------------------------------------------------------------
+        elapsed = time.time() - t_step
+        generated = rollout_metrics.pop("_generated_tokens")
+        record = {**rollout_metrics, **train_metrics, "train/horizon": horizon,
+                  "time/rollout_s": t_rollout, "time/score_s": t_score,
+                  "time/update_s": t_update, "time/sync_s": t_sync, "time/step_s": elapsed,
+                  "time/rollout_tokens_per_s": generated / max(t_rollout, 1e-9)}
+        writer.write(step, record)
+
+        # --- eval --------------------------------------------------------------------------
+        if step % config.eval.every == 0 or step == train_cfg.steps:
+            last_eval = run_eval(step)
+            if is_chief:
+                print(f"step {step}: eval success {last_eval['eval/success']:.3f}, "
+                      f"rollout reward {record['rollout/reward']:.3f}", flush=True)
+
+        # --- checkpoint --------------------------------------------------------------------
+        if step % config.checkpoint.every == 0 or step == train_cfg.steps:
+            ckpt.save(step, _checkpoint_state(learner), {"stream": stream.get_state()})
+
+    ckpt.wait()
+    ckpt.close()
+    if config.checkpoint.export_hf:
+        hf.save(os.path.join(workdir, "final_hf"), model_cfg,
+                components.host_local_params(learner.policy.params), tokenizer=tokenizer.hf)
+    writer.close()
+    if is_chief and config.log.plot:
+        metrics_lib.plot_curves(workdir)
+    return {k: v for k, v in last_eval.items() if k.startswith("eval/")}
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: int, step: int
+             ) -> tuple[list[Trajectory], list[int], dict[str, Any]]:
+    """This host's trajectories for one step, their group ids, and rollout metrics."""
+    env_cfg, algo, g = config.env, config.algo, config.train.samples_per_task
+    def play(tasks, round_index):
+        trajs = run_episodes(
+            engine, make_env, [t for _, t in tasks], tokenizer=tokenizer, max_turns=horizon,
+            max_new_tokens_per_turn=env_cfg.max_new_tokens,
+            max_context_tokens=env_cfg.max_context_tokens,
+            sampling=components.sampling_params(
+                config, step_seed(config.seed, step, 10 + round_index)),
+            samples_per_task=g, step_timeout_s=env_cfg.step_timeout_s,
+            reward_reduce=env_cfg.reward_reduce)
+        for i, traj in enumerate(trajs):
+            traj.group_id = tasks[i // g][0]  # the task's global stream index
+        algorithms.shape_overlong(trajs, algo, env_cfg.max_new_tokens)
+        return trajs
+
+    tasks = stream.next()
+    played = play(tasks, 0)
+    metrics = _rollout_metrics(played)
+    if algo.dynamic_sampling:
+        groups = algorithms.informative_groups(played)
+        for round_index in range(1, algo.max_refill_rounds + 1):
+            if len(groups) >= len(tasks):
+                break
+            more = play(stream.next(), round_index)
+            played += more
+            groups += algorithms.informative_groups(more)
+        # The batch keeps its size: short of informative groups, the rest are filled with
+        # equal-reward groups (zero advantage: they add no gradient, only shape).
+        kept_ids = {grp[0].group_id for grp in groups[:len(tasks)]}
+        chosen = [t for t in played if t.group_id in kept_ids]
+        others = [t for t in played if t.group_id not in kept_ids]
+        chosen += others[:len(tasks) * g - len(chosen)]
+        metrics["rollout/informative_group_frac"] = len(groups) / max(len(played) // g, 1)
+        metrics["rollout/refill_rounds"] = float(len(played) // (len(tasks) * g) - 1)
+        played = chosen
+    metrics["_generated_tokens"] = sum(t.num_generated for t in played)
+    return played, [t.group_id for t in played], metrics
+
+
+def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    sums = np.array([len(trajectories), sum(t.reward for t in trajectories),
+                     sum(t.success for t in trajectories),
+                     sum(t.num_generated for t in trajectories),
+                     sum(t.num_turns for t in trajectories),
+                     sum(t.finish == "env_error" for t in trajectories),
+                     sum(t.finish == "context_limit" for t in trajectories)], np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, sums.size).sum(0)
+    n = max(sums[0], 1)
+    return {"rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
+            "rollout/response_length": sums[3] / n, "rollout/turns": sums[4] / n,
+            "rollout/env_error_frac": sums[5] / n, "rollout/context_limit_frac": sums[6] / n}
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def _horizon(config, step: int) -> int:
+    return schedules.horizon(step, tuple(config.schedules.horizon_turns),
+                             config.schedules.horizon_every, config.env.max_turns)
+
+
+def _row_multiple(config, mesh) -> int:
+    """Local rows must make a global batch that splits into data-parallel shards x
+    minibatches x micro-batches."""
+    t = config.train
+    global_multiple = components.data_parallel_size(mesh) * t.minibatches * t.micro_batches
+    return global_multiple // math.gcd(global_multiple, jax.process_count())
+
+
+def _agreed_length(trajectories, buckets) -> int:
+    """The length bucket every host uses this step: the bucket of the longest row anywhere."""
+    longest = max(len(t) for t in trajectories)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+    return bucket_length(longest, buckets)
+
+
+def _on_mesh(tree, mesh):
+    """Arrays not yet on the mesh (e.g. a fresh critic head) become replicated on it."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def one(x):
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P()))
+    return jax.tree.map(one, tree)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def _checkpoint_state(learner: Learner) -> dict:
+    state = {"policy": learner.policy}
+    if learner.critic is not None:
+        state["critic"] = learner.critic
+    if learner.reference_params is not None:
+        state["reference"] = learner.reference_params
+    return state
+
+
+def _load_checkpoint_state(learner: Learner, restored: dict) -> None:
+    learner.policy = restored["policy"]
+    if "critic" in restored:
+        learner.critic = restored["critic"]
+    if "reference" in restored:
+        learner.reference_params = restored["reference"]

@@ -1,0 +1,183 @@
+"""The device side of an RL step: score a rollout batch, compute advantages, update.
+
+Shape letters: B rows, T length bucket, E epochs, N minibatches.
+
+`Learner` holds what the update changes (the policy's TrainState, the critic's for PPO), the
+frozen reference policy when a KL term needs it, and one compiled function per phase:
+
+  score(batch)       old log-probs (the policy before this step's update: on-policy data),
+                     reference log-probs, critic values; forward passes only.
+  advantages(batch)  the configured estimator over the whole (global) batch: group statistics
+                     and whitening see every row of every host, because jnp reductions on a
+                     sharded array are global under jit.
+  update(batch)      E epochs x N minibatches of the jitted policy step inside ONE compiled
+                     call (`lax.scan` over minibatches), then the same for the value step.
+                     States are donated; the batch is not.
+
+Every function is compiled once per length bucket (jit's shape cache). Minibatch n takes rows
+n, n+N, n+2N... (strided, like micro-batches), so a batch sharded on its rows splits without
+moving data between devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_tpu import parallel
+from rl_tpu.models.transformer import Transformer
+from rl_tpu.models.value import ValueModel
+from rl_tpu.rl.advantages import compute_advantages
+from rl_tpu.rl.losses import PolicyLossConfig, kl_penalty
+from rl_tpu.train import steps
+from rl_tpu.train.state import TrainState, shardings_of
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    epochs: int = 1
+    minibatches: int = 1
+    step: steps.StepConfig = steps.StepConfig()
+    advantage: str = "grpo"
+    advantage_options: tuple = ()  # (name, value) pairs for compute_advantages
+    value_clip: Optional[float] = 0.2
+    use_reference: bool = False  # score reference log-probs (KL loss or KL-shaped rewards)
+    reward_kl_coef: float = 0.0  # REINFORCE++: KL to the reference folded into the reward
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"train.epochs={self.epochs} and train.minibatches="
+                             f"{self.minibatches} must be >= 1")
+
+
+def reduce_metrics(stacked: dict[str, Any]) -> dict[str, float]:
+    """Metrics of E x N updates [E*N] -> one number each: `skipped` is a count, extremes keep
+    their extreme, everything else is the mean over updates (each update saw an equal share
+    of the batch)."""
+    out = {}
+    for key, value in stacked.items():
+        value = np.asarray(value, np.float64)
+        if key == "skipped":
+            out[key] = float(value.sum())
+        elif key.endswith("_max"):
+            out[key] = float(value.max())
+        elif key.endswith("_min"):
+            out[key] = float(value.min())
+        else:
+            out[key] = float(value.mean())
+    return out
+
+
+def _split_minibatches(batch, n: int):
+    return steps.split_micro_batches(batch, n) if n > 1 else jax.tree.map(lambda x: x[None], batch)
+
+
+class Learner:
+    """Policy (+ critic) states and the compiled score / advantages / update functions."""
+
+    def __init__(self, model: Transformer, policy: TrainState, mesh: Mesh,
+                 loss_cfg: PolicyLossConfig, cfg: UpdateConfig, *,
+                 critic: Optional[TrainState] = None, value_model: Optional[ValueModel] = None,
+                 reference_params: Any = None):
+        if cfg.use_reference and reference_params is None:
+            raise ValueError("a KL term is on but no reference params were given")
+        if (critic is None) != (value_model is None):
+            raise ValueError("give both critic (TrainState) and value_model, or neither")
+        self.model, self.mesh, self.loss_cfg, self.cfg = model, mesh, loss_cfg, cfg
+        self.policy, self.critic, self.value_model = policy, critic, value_model
+        self.reference_params = reference_params
+        self._batch_sharding = NamedSharding(mesh, parallel.batch_spec(1))
+        self._replicated = NamedSharding(mesh, P())
+        logprob_fn = steps.make_logprob_fn(model, cfg.step, with_entropy=False)
+        self._logprobs = steps.compile_logprob_fn(logprob_fn, policy.params, mesh)
+        self._ref_logprobs = (steps.compile_logprob_fn(logprob_fn, reference_params, mesh)
+                              if reference_params is not None else None)
+        self._values = None
+        if critic is not None:
+            self._values = jax.jit(functools.partial(_critic_values, value_model),
+                                   in_shardings=(shardings_of(critic.params),
+                                                 self._batch_sharding),
+                                   out_shardings=self._batch_sharding)
+        self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
+        self._policy_update = self._compile_update(
+            steps.make_policy_step(model, loss_cfg, cfg.step), policy)
+        self._value_update = None
+        if critic is not None:
+            value_step = steps.make_value_step(value_model, cfg.value_clip, "token_mean", cfg.step)
+            self._value_update = self._compile_update(value_step, critic)
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def score(self, batch: dict) -> dict:
+        """Adds old_logprobs (and ref_logprobs, values) to a global batch."""
+        inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+        out = dict(batch)
+        out["old_logprobs"], _ = self._logprobs(self.policy.params, inputs)
+        if self._ref_logprobs is not None:
+            out["ref_logprobs"], _ = self._ref_logprobs(self.reference_params, inputs)
+        if self._values is not None:
+            out["values"] = self._values(self.critic.params, inputs)
+        return out
+
+    def advantages(self, batch: dict) -> dict:
+        """Adds advantages and returns [B, T] (global statistics over all rows)."""
+        advantages, returns = self._advantages(batch)
+        return dict(batch, advantages=advantages, returns=returns)
+
+    def update(self, batch: dict) -> dict[str, float]:
+        """E epochs x N minibatches of the policy step (then the value step); host metrics."""
+        keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs",
+                "advantages", "behaviour_logprobs"]
+        if "ref_logprobs" in batch:
+            keys.append("ref_logprobs")
+        self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys})
+        metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()}
+        if self._value_update is not None:
+            value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
+                                                 "loss_mask", "values", "returns")}
+            self.critic, stacked = self._value_update(self.critic, value_batch)
+            metrics.update({f"critic/{k}": v
+                            for k, v in reduce_metrics(jax.device_get(stacked)).items()})
+        return metrics
+
+    # -- compiled pieces ------------------------------------------------------------------
+
+    def _advantages_fn(self, batch):
+        cfg = self.cfg
+        inputs = {k: v for k, v in batch.items()}
+        options = dict(cfg.advantage_options)
+        if cfg.reward_kl_coef and "ref_logprobs" in batch:
+            # REINFORCE++'s KL-shaped reward: log pi_old - log pi_ref on the policy's tokens.
+            inputs["kl"] = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1")
+            options["kl_coef"] = cfg.reward_kl_coef
+        return compute_advantages(cfg.advantage, inputs, **options)
+
+    def _compile_update(self, step_fn, state: TrainState):
+        epochs, n = self.cfg.epochs, self.cfg.minibatches
+
+        def update(state, batch):
+            minibatches = _split_minibatches(batch, n)
+
+            def one_epoch(state, _):
+                return jax.lax.scan(step_fn, state, minibatches)
+
+            state, metrics = jax.lax.scan(one_epoch, state, None, length=epochs)
+            return state, jax.tree.map(lambda m: m.reshape(-1), metrics)  # [E*N]
+
+        state_shardings = shardings_of(state)
+        return jax.jit(update, in_shardings=(state_shardings, self._batch_sharding),
+                       out_shardings=(state_shardings, self._replicated), donate_argnums=0)
+
+
+def _critic_values(value_model: ValueModel, params, batch):
+    """values[t]: the critic's estimate for token t from the hidden state at t-1 (the value
+    step's alignment; entry 0 is 0)."""
+    out = value_model.apply({"params": params}, batch["tokens"], batch.get("positions"),
+                            batch.get("segment_ids"))
+    return jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)

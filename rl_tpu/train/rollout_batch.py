@@ -1,0 +1,107 @@
+"""Trajectories -> Batch: ragged host-side episodes stacked into one padded `[B, T]` batch.
+
+Shape letters: B rows (trajectories + padding rows), T length bucket.
+
+What the trainer needs from a rollout, and how each array is made:
+- `tokens`, `loss_mask`, `behaviour_logprobs`, `turn_ids` [B, T]: the trajectory's own arrays,
+  right-padded to the length bucket (the smallest bucket that holds the longest row).
+- `token_rewards` [B, T]: turn k's reward on the LAST policy token of turn k, so token-level
+  estimators (GAE, REINFORCE++) credit each turn's action with its own reward; the episode's
+  final scalar goes to `rewards` [B] for the outcome estimators (GRPO, RLOO).
+- `group_ids` [B]: samples of one task share an id. The id is the task's GLOBAL stream index
+  (unique across hosts and steps), so a replay buffer or several hosts never merge two tasks.
+  Rows that must not enter a group's statistics get id -1: trajectories that ended with
+  `env_error` or `abort` (their reward says nothing about the policy) and padding rows. Those
+  rows also lose their loss mask: they carry no gradient.
+- Padding rows: B is rounded up to a multiple of `row_multiple` (data-parallel size x
+  minibatches x micro-batches) with rows whose mask is all zero.
+- `positions`, `segment_ids`: 0..T-1 and 1 on real tokens (0 on padding).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rl_tpu.agent import Trajectory
+from rl_tpu.train.batching import bucket_length
+
+# Episodes whose reward is not evidence about the policy: kept out of group statistics and loss.
+UNSCORED_FINISHES = ("env_error", "abort")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets: Sequence[int],
+                          row_multiple: int = 1, group_ids: Optional[Sequence[int]] = None,
+                          length: Optional[int] = None) -> dict[str, np.ndarray]:
+    """Stack `trajectories` into a padded host batch (numpy).
+
+    group_ids: one per trajectory (default: each trajectory's own `group_id`). length: the T to
+    pad to (default: the bucket of the longest row); multi-host callers pass the bucket all
+    hosts agreed on. Returns tokens, positions, segment_ids, loss_mask, behaviour_logprobs,
+    turn_ids, token_rewards [B, T] and rewards, group_ids, valid, num_turns [B].
+    """
+    if not trajectories:
+        raise ValueError("no trajectories to batch: the rollout produced nothing")
+    n = len(trajectories)
+    ids = [t.group_id for t in trajectories] if group_ids is None else list(group_ids)
+    if len(ids) != n:
+        raise ValueError(f"{len(ids)} group ids for {n} trajectories")
+    longest = max(len(t) for t in trajectories)
+    t_len = bucket_length(longest, length_buckets) if length is None else length
+    if longest > t_len:
+        raise ValueError(f"a trajectory of {longest} tokens does not fit length {t_len}")
+    b = round_up(n, row_multiple)
+
+    tokens = np.zeros((b, t_len), np.int32)
+    loss_mask = np.zeros((b, t_len), bool)
+    behaviour = np.zeros((b, t_len), np.float32)
+    turn_ids = np.full((b, t_len), -1, np.int32)
+    token_rewards = np.zeros((b, t_len), np.float32)
+    segment_ids = np.zeros((b, t_len), np.int32)
+    rewards = np.zeros((b,), np.float32)
+    out_ids = np.full((b,), -1, np.int32)
+    valid = np.zeros((b,), bool)
+    num_turns = np.zeros((b,), np.int32)
+
+    for i, (traj, gid) in enumerate(zip(trajectories, ids)):
+        length_i = len(traj)
+        tokens[i, :length_i] = traj.tokens
+        segment_ids[i, :length_i] = 1
+        turn_ids[i, :length_i] = traj.turn_ids
+        behaviour[i, :length_i] = traj.behaviour_logprobs
+        rewards[i] = traj.reward
+        num_turns[i] = traj.num_turns
+        if traj.finish in UNSCORED_FINISHES:
+            continue  # no loss, no group membership: the row stays like padding
+        valid[i] = True
+        out_ids[i] = gid
+        loss_mask[i, :length_i] = traj.loss_mask
+        _place_turn_rewards(token_rewards[i], traj)
+
+    positions = np.broadcast_to(np.arange(t_len, dtype=np.int32), (b, t_len)).copy()
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
+            "loss_mask": loss_mask, "behaviour_logprobs": behaviour, "turn_ids": turn_ids,
+            "token_rewards": token_rewards, "rewards": rewards, "group_ids": out_ids,
+            "valid": valid, "num_turns": num_turns}
+
+
+def _place_turn_rewards(row: np.ndarray, traj: Trajectory) -> None:
+    """Turn k's reward onto the last policy token of turn k (row is [T], written in place).
+
+    A turn with no policy token (an engine that returned nothing) has no action to credit: its
+    reward moves to the closest earlier policy token, as the advantage estimators would do.
+    """
+    mask = np.asarray(traj.loss_mask, bool)
+    turns = np.asarray(traj.turn_ids)
+    last_policy = -1
+    for k, reward in enumerate(traj.rewards):
+        where = np.flatnonzero(mask & (turns == k))
+        if where.size:
+            last_policy = int(where[-1])
+        if reward and last_policy >= 0:
+            row[last_policy] += reward
