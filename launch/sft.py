@@ -5,7 +5,9 @@ Demonstrations from the env's teacher (`sft.teacher_skill`) or a JSONL of chats
 then a greedy eval and an HF export to W/final_hf.
 """
 
-from absl import app, flags
+import sys
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rl_tpu.recipes import sft
@@ -19,6 +21,8 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
+        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     result = sft.run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 

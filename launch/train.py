@@ -7,7 +7,9 @@ servers (empty: the embedded JAX sampler). Rerunning the same command resumes fr
 checkpoint in W. Multi-host: run the same command on every host.
 """
 
-from absl import app, flags
+import sys
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rl_tpu.recipes import rl
@@ -23,6 +25,8 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
+        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     config = flags.FLAGS.config
     if flags.FLAGS.rollout_urls:
         config.rollout.engine = "sglang"

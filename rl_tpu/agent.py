@@ -2,7 +2,8 @@
 
 `run_episodes` plays every episode of a rollout batch at once. Each turn it makes ONE batched
 `engine.generate` call over all live episodes (each request is that episode's whole token
-history), decodes each sample into an action, steps the envs in parallel threads, appends each
+history), decodes each sample into an action, steps the envs in parallel threads (a
+`rl_tpu.envs.workers.WorkerPool`: a time limit per call, stuck envs abandoned), appends each
 observation to its history as a new user message, and repeats until every episode has ended.
 
 Token accounting, the part the trainer depends on:
@@ -28,6 +29,13 @@ the sampled ids; the template would re-tokenize them), and where a turn was cut 
 missing `<|im_end|>` is appended as template text, unmasked (the same ids as the template's
 when the cut ids are canonical), and the action text sent to the env is the cut text.
 
+The stop that ended a turn is never part of the action or of the assistant message: the one
+the engine reports (`GenerateResult.matched_stop`: a stop id such as Llama 3's
+`<|end_of_text|>`, which is not the tokenizer's eos, or a stop string, cut from the text as
+SGLang does), else a trailing eos or `sampling.stop_token_ids` id. Its ids stay in `tokens`
+with loss (the model sampled them); when it is not the template's own end of turn, the
+template's closing text follows them as template text without loss, as after a length cut.
+
 Episodes end (`Trajectory.finish`) with:
   done           the env said done;
   turn_limit     H actions were taken without the env saying done;
@@ -40,16 +48,15 @@ Episodes end (`Trajectory.finish`) with:
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
-import time
 from collections import Counter
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
+from rl_tpu.envs.workers import Outcome, WorkerPool
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
@@ -74,7 +81,7 @@ def default_parse_action(text: str) -> str:
 
 @dataclasses.dataclass
 class Trajectory:
-    """One episode, host side (see DESIGN.md, "Data that crosses module boundaries").
+    """One episode, host side (see docs/architecture.md, "Trajectory").
 
     Turn ids: -1 on the initial prompt; k (0-based) on the k-th action's generated ids AND on
     the text appended after them (the template's closing text, the env's observation, the next
@@ -139,93 +146,6 @@ class _Episode:
             self.info["error"] = error
 
 
-@dataclasses.dataclass
-class _Outcome:
-    value: Any = None
-    error: Optional[str] = None
-    seconds: float = 0.0
-    timed_out: bool = False
-    future: Optional[cf.Future] = None
-
-
-class _EnvWorkers:
-    """Runs env calls in parallel threads, each with a timeout counted from when it starts
-    (not from when it was queued, so a small pool does not turn waiting into timeouts).
-
-    Python cannot kill a thread: a timed-out call keeps its thread until it returns. The pool
-    is then replaced, so a stuck call never starves later turns. `num_threads=0` runs calls
-    inline, without timeouts (for debugging and profiling).
-    """
-
-    def __init__(self, num_threads: int, timeout_s: Optional[float]):
-        self.num_threads, self.timeout_s = num_threads, timeout_s
-        self._pool = self._new_pool()
-
-    def _new_pool(self):
-        if self.num_threads == 0:
-            return None
-        return cf.ThreadPoolExecutor(self.num_threads, thread_name_prefix="rl_tpu-env")
-
-    def map(self, calls: Sequence[Callable[[], Any]]) -> list[_Outcome]:
-        if self._pool is None:
-            return [self._inline(c) for c in calls]
-        started: list[Optional[float]] = [None] * len(calls)
-        finished: list[float] = [0.0] * len(calls)
-
-        def timed(i, call):
-            started[i] = time.monotonic()
-            try:
-                return call()
-            finally:
-                finished[i] = time.monotonic()
-
-        futures = {self._pool.submit(timed, i, c): i for i, c in enumerate(calls)}
-        outcomes: list[Optional[_Outcome]] = [None] * len(calls)
-        pending = set(futures)
-        any_timed_out = False
-        while pending:
-            wait_s = None
-            if self.timeout_s is not None:
-                running = [started[futures[f]] for f in pending if started[futures[f]] is not None]
-                # Wake at the earliest deadline; poll while calls are still queued.
-                wait_s = (max(0.0, min(running) + self.timeout_s - time.monotonic())
-                          if running else 0.01)
-            done, pending = cf.wait(pending, timeout=wait_s, return_when=cf.FIRST_COMPLETED)
-            for f in done:
-                i = futures[f]
-                seconds = finished[i] - (started[i] or finished[i])
-                try:
-                    outcomes[i] = _Outcome(value=f.result(), seconds=seconds)
-                except Exception as e:  # noqa: BLE001 - any env failure ends only its episode
-                    outcomes[i] = _Outcome(error=f"{type(e).__name__}: {e}", seconds=seconds)
-            if self.timeout_s is not None:
-                now = time.monotonic()
-                for f in list(pending):
-                    i = futures[f]
-                    if started[i] is not None and now - started[i] >= self.timeout_s:
-                        pending.discard(f)
-                        any_timed_out = True
-                        outcomes[i] = _Outcome(
-                            error=f"timed out after {self.timeout_s:g} s", seconds=now - started[i],
-                            timed_out=True, future=f)
-        if any_timed_out:
-            self._pool.shutdown(wait=False)
-            self._pool = self._new_pool()
-        return outcomes  # type: ignore[return-value]
-
-    @staticmethod
-    def _inline(call) -> _Outcome:
-        start = time.monotonic()
-        try:
-            return _Outcome(value=call(), seconds=time.monotonic() - start)
-        except Exception as e:  # noqa: BLE001
-            return _Outcome(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - start)
-
-    def shutdown(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 def _close_quietly(env: Optional[Env]):
     if env is None:
         return
@@ -273,7 +193,8 @@ def run_episodes(
         `samples_per_task`); a `seed` is turned into a distinct seed per episode and turn
         (the same across calls: fold the training step into it for fresh samples).
       samples_per_task: G; the G episodes of a task share `group_id`.
-      parse_action: generated text (stop token removed) -> action text for `env.step`.
+      parse_action: a turn's text, without the stop that ended it (the stop id or stop string
+        the engine reports as `matched_stop`) -> action text for `env.step`.
       step_timeout_s: limit on each make_env+reset and each step call (None: no limit). A call
         that times out or raises ends its episode with finish="env_error".
       num_threads: env worker threads (default: one per episode, at most 64); 0 runs env calls
@@ -297,6 +218,11 @@ def run_episodes(
         raise ValueError(f"max_context_tokens must be >= 2, got {max_context_tokens}")
     if samples_per_task < 1:
         raise ValueError(f"samples_per_task (G) must be >= 1, got {samples_per_task}")
+    if step_timeout_s is not None and not step_timeout_s > 0:
+        raise ValueError(f"step_timeout_s must be > 0 seconds (None: no limit), "
+                         f"got {step_timeout_s}")
+    if num_threads is not None and num_threads < 0:
+        raise ValueError(f"num_threads must be >= 0 (0 runs env calls inline), got {num_threads}")
     if sampling.n != 1:
         raise ValueError(f"sampling.n={sampling.n}: each episode's history diverges after its "
                          f"first turn, so set samples_per_task={sampling.n} instead of n")
@@ -313,7 +239,7 @@ def run_episodes(
                 for ti, task in enumerate(tasks) for s in range(samples_per_task)]
     if num_threads is None:
         num_threads = min(64, max(1, len(episodes)))
-    workers = _EnvWorkers(num_threads, step_timeout_s)
+    workers = WorkerPool(num_threads, step_timeout_s)
     try:
         _start(episodes, make_env, tokenizer, workers, max_context_tokens)
         _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
@@ -354,14 +280,14 @@ def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
                                     f"left within max_context_tokens={max_context_tokens}")
 
 
-def _failed(ep: _Episode, outcome: _Outcome, what: str) -> bool:
+def _failed(ep: _Episode, outcome: Outcome, what: str) -> bool:
     """Ends the episode on a failed env call; a stuck env is closed once its call returns."""
     if outcome.error is None:
         return False
     ep.end("env_error", f"{what}: {outcome.error}")
     if outcome.timed_out:
         ep.abandoned = True
-        outcome.future.add_done_callback(lambda _f, ep=ep: _close_quietly(ep.env))
+        outcome.on_return(lambda ep=ep: _close_quietly(ep.env))
     return True
 
 
@@ -400,7 +326,7 @@ def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context,
         outcomes = dict(zip(map(id, to_step), workers.map(
             [lambda ep=ep: ep.env.step(ep.pending_action) for ep in to_step])))
         for ep in stepping:
-            outcome = outcomes.get(id(ep)) or _Outcome(value=ep.pending_invalid)
+            outcome = outcomes.get(id(ep)) or Outcome(value=ep.pending_invalid)
             _add_observation(ep, outcome, turn, tokenizer, max_turns, max_context)
         turn += 1
 
@@ -414,11 +340,7 @@ def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResu
     ep.extend(ids, generated=True, turn=turn, logprobs=logprobs)
     ep.weight_versions.append(result.weight_version)
     ep.rewards.append(0.0)  # replaced by the env's reward if the step happens
-    # The message content is the text without the stop token: the template writes its own.
-    # (Stripped whatever the finish reason: an engine may call a stop on the last budgeted
-    # token "length".)
-    content_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids
-    text = tokenizer.decode(content_ids)
+    text = _content_text(ids, result.matched_stop, tokenizer, stop_ids)
     ep.messages.append({"role": "assistant", "content": text})
     ep.pending_action = ep.pending_invalid = None
     if result.finish_reason == "abort":
@@ -435,7 +357,32 @@ def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResu
         ep.pending_invalid = invalid_action(str(e))
 
 
-def _add_observation(ep: _Episode, outcome: _Outcome, turn: int, tokenizer: ChatTokenizer,
+def _content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_ids: set) -> str:
+    """The text of a turn without the stop that ended it: the action an env gets and the
+    assistant message's content (the template writes its own end of turn).
+
+    `matched` is the engine's `GenerateResult.matched_stop`. A stop id (Llama 3 ends turns on
+    either `<|eot_id|>` or `<|end_of_text|>`, only one of which is the tokenizer's eos) is
+    dropped from the end of the ids; a stop string is cut from the text with whatever the
+    token that completed it decodes to after it, as SGLang trims it by default. An engine that
+    does not say what matched gets the known stop ids (sampling's and the tokenizer's eos)
+    stripped. Either way, whatever the finish reason: an engine may report a stop sampled as
+    the last budgeted token as "length". Only the text changes: the sampled ids all stay in
+    the token history.
+    """
+    if isinstance(matched, str) and matched:
+        text = tokenizer.decode(ids)
+        at = text.find(matched)  # the earliest occurrence is the one that stopped generation
+        return text[:at] if at >= 0 else text
+    ids = list(ids)
+    matched_id = (isinstance(matched, (int, np.integer)) and not isinstance(matched, bool)
+                  and bool(ids) and ids[-1] == matched)
+    if matched_id or (ids and ids[-1] in stop_ids):
+        return tokenizer.decode(ids[:-1])
+    return tokenizer.decode(ids)
+
+
+def _add_observation(ep: _Episode, outcome: Outcome, turn: int, tokenizer: ChatTokenizer,
                      max_turns: int, max_context: int):
     if ep.pending_invalid is None:  # the env was stepped
         ep.info["env_steps"] += 1

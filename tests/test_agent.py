@@ -208,6 +208,93 @@ def test_non_canonical_ids_are_kept(tok):
     assert tok.decode(traj.tokens.tolist() + tok.encode("\n")) == tok.decode(templ)
 
 
+class OtherStopEngine(ScriptedEngine):
+    """Ends every finished turn on `stop` instead of the tokenizer's eos, and says so in
+    `matched_stop`, as an engine does whose stops the agent was never told about: an int
+    replaces the trailing eos (Llama 3's `<|end_of_text|>` beside its `<|eot_id|>`); a str
+    means the policy's text already ends with that stop string, so the eos goes."""
+
+    def __init__(self, tok, policy, stop):
+        super().__init__(tok, policy)
+        self.stop = stop
+
+    def generate(self, requests):
+        results = super().generate(requests)
+        for res in results:
+            if res.finish_reason != "stop":
+                continue
+            if isinstance(self.stop, int):
+                res.output_ids[-1] = self.stop
+            else:
+                res.output_ids.pop()
+                res.logprobs.pop()
+            res.matched_stop = self.stop
+        return results
+
+
+def run_other_stop(tok, scripts, stop):
+    engine = OtherStopEngine(tok, script_policy(scripts), stop)
+    factory = EnvFactory()
+    (traj,) = agent.run_episodes(engine, factory, [Task("a")], tokenizer=tok, max_turns=4,
+                                 max_new_tokens_per_turn=32, max_context_tokens=1024)
+    return traj, engine, factory
+
+
+def generated_runs(traj):
+    """Positions of each turn's generated ids."""
+    return [np.flatnonzero((traj.turn_ids == k) & traj.loss_mask) for k in range(traj.num_turns)]
+
+
+def test_matched_stop_id_is_not_part_of_the_action(tok):
+    # <|endoftext|> (id 0) ends the turns, as Llama 3's <|end_of_text|> may: a stop the engine
+    # knows but that is not the tokenizer's eos (<|im_end|>, id 2). Nothing in the agent's
+    # sampling params names it; the engine's matched_stop does.
+    end_of_text = tok.hf.convert_tokens_to_ids("<|endoftext|>")
+    assert end_of_text == 0 and tok.eos_token_id == 2
+    (traj, engine, factory) = run_other_stop(tok, {"a": ["guess 3", "guess 7"]}, end_of_text)
+    assert factory.envs[0].actions == ["guess 3", "guess 7"]
+    assert assistant_contents(traj) == ["guess 3", "guess 7"]
+    assert traj.finish == "done" and traj.rewards == pytest.approx([-0.1, 1.0])
+    # The token history keeps every sampled id, the stop included, with its logprob.
+    runs = generated_runs(traj)
+    for k, (pos, text) in enumerate(zip(runs, ["guess 3", "guess 7"])):
+        assert traj.tokens[pos].tolist() == tok.encode(text) + [end_of_text]
+        assert traj.behaviour_logprobs[pos[-1]] != 0
+    # After turn 0's <|endoftext|> the template's own end of turn follows as text without loss.
+    after = runs[0][-1] + 1
+    assert tok.decode(traj.tokens[after:after + 2]) == "<|im_end|>\n"
+    assert not traj.loss_mask[after:after + 2].any() and (traj.turn_ids[after:after + 2] == 0).all()
+    assert traj.tokens[-1] == end_of_text and traj.loss_mask[-1]
+
+
+def test_matched_stop_string_is_cut_from_the_action(tok):
+    # The engine stopped on the string " END" (SGLang's `stop`): its ids were sampled and stay
+    # in the history, but the action and the message are the text before it.
+    scripts = {"a": ["guess 3 END", "guess 7 END"]}
+    traj, engine, factory = run_other_stop(tok, scripts, " END")
+    assert factory.envs[0].actions == ["guess 3", "guess 7"]
+    assert assistant_contents(traj) == ["guess 3", "guess 7"]
+    assert traj.finish == "done"
+    for pos, text in zip(generated_runs(traj), scripts["a"]):
+        assert traj.tokens[pos].tolist() == tok.encode(text)
+    after = generated_runs(traj)[0][-1] + 1
+    assert tok.decode(traj.tokens[after:after + 2]) == "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("matched,ids,text", [
+    (" END", "guess 3 END!", "guess 3"),  # text after the stop string goes too, as in SGLang
+    ("nowhere", "guess 3", "guess 3"),  # an engine's match not in the text: nothing is cut
+    (0, "guess 3<|endoftext|>", "guess 3"),
+    (0, "guess 3", "guess 3"),  # matched id not at the end: the ids are left alone
+    (None, "guess 3<|im_end|>", "guess 3"),  # no matched_stop: the tokenizer's eos
+    (None, "guess 3<|im_start|>", "guess 3"),  # ... or a sampling stop id
+    (None, "guess 3<|endoftext|>", "guess 3<|endoftext|>"),  # unknown, unreported: kept
+])
+def test_content_text(tok, matched, ids, text):
+    stop_ids = {tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_start|>")}
+    assert agent._content_text(tok.encode(ids), matched, tok, stop_ids) == text
+
+
 # --- episode endings, each confined to its own episode -------------------------------------------
 
 
@@ -275,6 +362,23 @@ def test_env_errors_and_timeouts_end_only_their_episode(tok):
         check_invariants(tok, t, engine)
     # The envs that answered are closed; the hung one is closed once its step returns.
     assert all(e.closed for e in factory.envs if e.task is None or e.task.task_id != "hang")
+    hung = factory.by_task("hang")[0]
+    deadline = time.monotonic() + 4
+    while not hung.closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hung.closed
+
+
+def test_hung_step_does_not_hold_up_steps_queued_behind_it(tok):
+    # One worker thread: "ok"'s step is queued behind "hang"'s, which runs 2 s. Once the hung
+    # step times out, the queued one runs on a fresh thread instead of waiting out the 2 s.
+    tasks = [Task("hang", {"hang_at": 0, "hang_s": 2.0}), Task("ok")]
+    scripts = {k: ["guess 7"] for k in ("hang", "ok")}
+    start = time.monotonic()
+    (hang, ok), _, factory = run(tok, scripts, tasks, step_timeout_s=0.25, num_threads=1)
+    assert time.monotonic() - start < 1.5
+    assert hang.finish == "env_error" and "timed out" in hang.info["error"]
+    assert ok.finish == "done" and ok.success
     hung = factory.by_task("hang")[0]
     deadline = time.monotonic() + 4
     while not hung.closed and time.monotonic() < deadline:
@@ -353,6 +457,10 @@ def test_bad_arguments(tok):
         run(tok, {}, [Task("a")], max_turns=0)
     with pytest.raises(ValueError, match="reward_reduce"):
         run(tok, {}, [Task("a")], reward_reduce="mean-ish")
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        run(tok, {}, [Task("a")], step_timeout_s=0)
+    with pytest.raises(ValueError, match="num_threads must be >= 0"):
+        run(tok, {}, [Task("a")], num_threads=-2)
 
 
 def test_engine_contract_violation_raises_and_closes_envs(tok):

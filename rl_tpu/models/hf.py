@@ -1,9 +1,11 @@
 """HF checkpoints (config.json + safetensors) <-> rl_tpu params, both ways, from one table.
 
-`load` reads each tensor through a memory map and hands every device only its own slice
-(`jax.make_array_from_callback`), so a model never sits whole on one device and, on a
-multi-host pod, each host reads only what its devices hold. `save` writes a directory that
-`transformers.AutoModelForCausalLM.from_pretrained` and SGLang load.
+`load` maps every tensor file into memory and builds each param with
+`jax.make_array_from_callback`, whose callback copies out of the map only the slice one device
+holds (and, for scanned layers stacked `[L, ...]`, only that device's layers): a model never
+sits whole on one device, and on a multi-host pod each host reads only what its devices hold.
+`save` writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` and SGLang
+load.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import struct
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
@@ -117,6 +120,53 @@ def ours_to_hf(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
     if rule.transpose:
         return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
     return x.reshape(hf_shape)
+
+
+def hf_view(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
+    """`hf_to_ours(x)` as a view of `x`, without copying, so that indexing it copies only the
+    indexed slice out of a memory-mapped file.
+
+    HF's dims are split into one dim per letter ("NH,D" -> [N, H, D], a reshape of a
+    contiguous array, hence a view) and transposed into our order. That is the same array as
+    transpose-then-reshape whenever our dims are single letters in the order HF's (reversed,
+    for a transposed rule) spell them, true of every rule in WEIGHT_TABLE; any other rule gets
+    the copying `hf_to_ours`.
+    """
+    parts = rule.hf_dims.split(",")
+    letters = "".join(parts)
+    ours = rule.our_dims.split(",")
+    spelled = "".join(parts[::-1] if rule.transpose else parts)
+    distinct = len(set(letters)) == len(letters)
+    if any(len(d) != 1 for d in ours) or "".join(ours) != spelled or not distinct:
+        return hf_to_ours(x, rule, cfg)
+    split = x.reshape(_dims(",".join(letters), cfg))
+    return split.transpose([letters.index(d) for d in ours])
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def dtype_name(dtype, what: str = "dtype") -> str:
+    """The name of a float dtype given in any of the usual spellings: "bfloat16", "bf16",
+    jnp.bfloat16, ml_dtypes.bfloat16, np.float32, np.dtype("float16")...
+
+    Raises:
+      ValueError: naming `what` (the argument) when `dtype` is no dtype, or not one of DTYPES.
+    """
+    spelled = _DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    name = None
+    if spelled is not None:  # jnp.dtype(None) would be the default dtype, not an error
+        try:
+            name = jnp.dtype(spelled).name
+        except (TypeError, ValueError):
+            pass
+    if name not in DTYPES:
+        got = f"{dtype!r}" if name is None else f"{dtype!r} ({name})"
+        raise ValueError(f"{what}={got} is not a supported param/compute dtype; use one of "
+                         f"{', '.join(DTYPES)} (as a string, or jnp./np. dtypes such as "
+                         "jnp.bfloat16)")
+    return name
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -306,14 +356,23 @@ def _locate(cfg: ModelConfig):
     return out
 
 
-def load(path: str, mesh=None, dtype: str = "float32", rules=parallel.DEFAULT_RULES,
+def load(path: str, mesh=None, dtype="float32", rules=parallel.DEFAULT_RULES,
          **config_overrides):
     """Reads an HF model dir into (ModelConfig, params), each param in its mesh sharding.
 
-    `dtype` is the dtype of params and compute (override either with `param_dtype=`/`dtype=` in
-    config_overrides, e.g. scan_layers=True, remat='dots'). Without a mesh, one device.
+    `dtype` is the dtype of params and compute, in any spelling `dtype_name` reads ("bfloat16",
+    jnp.bfloat16, np.float32...); `param_dtype=` in config_overrides gives the params a different
+    one (other ModelConfig fields go there too, e.g. scan_layers=True, remat="dots"). Without a
+    mesh, one device.
+
+    Each device's callback copies its own slice straight out of the memory-mapped files and
+    casts it while copying, so host memory holds a device's shard at a time, never a whole
+    tensor; with scan_layers=True it reads only the layers of its slice of the `[L, ...]`
+    stack, never stacking all L layers on the host.
     """
-    config_overrides.setdefault("param_dtype", dtype)
+    dtype = dtype_name(dtype, "hf.load(dtype)")
+    config_overrides["param_dtype"] = dtype_name(config_overrides.get("param_dtype", dtype),
+                                                 "hf.load(param_dtype)")
     cfg = read_config(path, dtype=dtype, **config_overrides)
     files = SafetensorsDir(path)
     expected = _check_tensors(files, cfg, path)
@@ -326,18 +385,26 @@ def load(path: str, mesh=None, dtype: str = "float32", rules=parallel.DEFAULT_RU
     hf_name = {(r, i): n for n, (r, i) in expected.items()}
     np_dtype = np.dtype(cfg.params_dtype)
 
-    def host_value(rule, layer):
-        if layer == "stacked":
-            return np.stack([host_value(rule, i) for i in range(cfg.num_layers)])
-        return hf_to_ours(files.read(hf_name[(rule, layer)]), rule, cfg).astype(np_dtype)
-
     def make(key_path, leaf, sharding):
         key = tuple(k.key for k in key_path)
         rule, layer = located[key]
-        value = host_value(rule, layer)
-        if value.shape != leaf.shape:  # table and model disagree: a bug here, not in the dir
-            raise AssertionError(f"{key}: table gives {value.shape}, model wants {leaf.shape}")
-        return jax.make_array_from_callback(leaf.shape, sharding, lambda idx: value[idx])
+        want = _dims(rule.our_dims, cfg)
+        if layer == "stacked":
+            want = (cfg.num_layers,) + want
+        if want != leaf.shape:  # table and model disagree: a bug here, not in the dir
+            raise AssertionError(f"{key}: table gives {want}, model wants {leaf.shape}")
+
+        def read_slice(index):
+            index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
+            out = np.empty([len(range(n)[i]) for n, i in zip(leaf.shape, index)], np_dtype)
+            if layer != "stacked":
+                out[...] = hf_view(files.read(hf_name[(rule, layer)]), rule, cfg)[index]
+                return out
+            for j, i in enumerate(range(cfg.num_layers)[index[0]]):
+                out[j] = hf_view(files.read(hf_name[(rule, i)]), rule, cfg)[index[1:]]
+            return out
+
+        return jax.make_array_from_callback(leaf.shape, sharding, read_slice)
 
     params = jax.tree_util.tree_map_with_path(make, abstract, shardings)
     return cfg, params
@@ -353,9 +420,7 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     place, so a crash never leaves a half-written checkpoint where a loader (or an SGLang
     server) would read it.
     """
-    dtype = str(dtype or cfg.param_dtype)
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"save dtype {dtype!r}: use float32, bfloat16 or float16")
+    dtype = dtype_name(cfg.param_dtype if dtype is None else dtype, "hf.save(dtype)")
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     located = _locate(cfg)
     flat = {tuple(k.key for k in kp): v

@@ -12,8 +12,9 @@ One step:
   advantages  the algorithm's estimator over the global batch
   update      K epochs x minibatches of the jitted policy step (then the value step)
   sync        the engine gets the new weights, version = the step number
-  log         W/metrics.jsonl + TensorBoard: rollout, train and time metrics
   eval        every `eval.every` steps (and at step 0, the start of RL): held-out tasks
+  log         one record per step in W/metrics.jsonl + TensorBoard: rollout, train, eval and
+              time metrics
   checkpoint  every `checkpoint.every` steps and at the end; rerunning the same command resumes
 
 Steps count updates: step 0 is the policy before RL (after the SFT warm start, if any), step k
@@ -139,10 +140,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                           reward_reduce=env_cfg.reward_reduce)
         out = {f"eval/{k}": v for k, v in result.items()} | (extra or {})
         out["time/eval_s"] = time.time() - started
-        writer.write(step, out)
         return out
 
-    last_eval = run_eval(0, start_metrics) if start == 0 else {}
+    last_eval = {}
+    if start == 0:
+        last_eval = run_eval(0, start_metrics)
+        writer.write(0, last_eval)
     if start_metrics and is_chief:
         print(f"teacher success {start_metrics['eval/teacher_success']:.3f}, "
               f"policy at the start of RL {last_eval['eval/success']:.3f}", flush=True)
@@ -179,21 +182,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         engine.update_weights(components.host_local_params(learner.policy.params), str(step))
         t_sync = time.time() - t0
 
-        # --- log -------------------------------------------------------------------------
+        # --- eval --------------------------------------------------------------------------
         elapsed = time.time() - t_step
         generated = rollout_metrics.pop("_generated_tokens")
         record = {**rollout_metrics, **train_metrics, "train/horizon": horizon,
                   "time/rollout_s": t_rollout, "time/score_s": t_score,
                   "time/update_s": t_update, "time/sync_s": t_sync, "time/step_s": elapsed,
                   "time/rollout_tokens_per_s": generated / max(t_rollout, 1e-9)}
-        writer.write(step, record)
-
-        # --- eval --------------------------------------------------------------------------
         if step % config.eval.every == 0 or step == train_cfg.steps:
             last_eval = run_eval(step)
+            record.update(last_eval)
             if is_chief:
                 print(f"step {step}: eval success {last_eval['eval/success']:.3f}, "
                       f"rollout reward {record['rollout/reward']:.3f}", flush=True)
+
+        # --- log: one record per step ------------------------------------------------------
+        writer.write(step, record)
 
         # --- checkpoint --------------------------------------------------------------------
         if step % config.checkpoint.every == 0 or step == train_cfg.steps:
@@ -266,9 +270,17 @@ def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         from jax.experimental import multihost_utils
         sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, sums.size).sum(0)
     n = max(sums[0], 1)
-    return {"rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
+    versions = [_as_int(v) for t in trajectories for v in t.weight_versions]
+    return {"rollout/weight_version": float(min(versions, default=-1)),"rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
             "rollout/response_length": sums[3] / n, "rollout/turns": sums[4] / n,
             "rollout/env_error_frac": sums[5] / n, "rollout/context_limit_frac": sums[6] / n}
+
+
+def _as_int(version) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return -1
 
 
 # ----------------------------------------------------------------------------- shapes
