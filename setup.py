@@ -34,6 +34,8 @@ setup(
         "transformers>=5.0,<6",  # tokenizers + chat templates; torch is not needed at run time
         "jinja2>=3.1",
         "tqdm>=4.66",
+        "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
+        "matplotlib>=3.8",  # W/curves.png
     ],
     extras_require={
         # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (JRE >= 11).

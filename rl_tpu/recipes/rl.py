@@ -78,11 +78,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                         async_save=config.checkpoint.async_save)
     resume_step = ckpt.latest_step()
-    # A fresh run rewrites the metrics file from scratch; a resumed one keeps what came
-    # before its checkpoint (SFT lines included: they sit at negative steps).
-    writer = metrics_lib.MetricsWriter(
-        workdir, resume_step=(-sys.maxsize if resume_step is None else resume_step + 1),
-        tensorboard=config.log.tensorboard, enabled=is_chief)
+    # A fresh run rewrites the metrics file from scratch (SFT lines sit at negative steps).
+    writer = None
+    if resume_step is None:
+        writer = metrics_lib.MetricsWriter(workdir, resume_step=-sys.maxsize,
+                                           tensorboard=config.log.tensorboard, enabled=is_chief)
 
     # --- warm start (fresh runs only: a checkpoint already holds its result) -------------
     eval_list = [t for _, t in eval_tasks(source, env_cfg.eval_split, config.eval.num_tasks)]
@@ -121,10 +121,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                         seed=config.seed)
     start = 0
     if resume_step is not None:
+        # The step restored may be older than the latest (a damaged checkpoint is skipped):
+        # the metrics file keeps exactly the lines before it.
         start, restored, meta = ckpt.restore(_checkpoint_state(learner))
         _load_checkpoint_state(learner, restored)
         stream.set_state(meta["stream"])
-        log.info("resumed from step %d", start)
+        writer = metrics_lib.MetricsWriter(workdir, resume_step=start + 1,
+                                           tensorboard=config.log.tensorboard, enabled=is_chief)
+        log.warning("resumed from step %d", start)
     engine = components.make_engine(config, model_cfg, learner.policy.params, tokenizer, workdir)
     engine.update_weights(components.host_local_params(learner.policy.params), str(start))
 

@@ -1,0 +1,425 @@
+"""Checkpoints that resume a run exactly: the sharded train state, its metadata, a checksum.
+
+One checkpoint is one orbax step directory `<directory>/<step>/` holding three items:
+
+- `state`: the pytree of arrays (a TrainState, dicts...), written by every process for the
+  shards it holds and read back straight into the target's shardings;
+- `meta`: a JSON dict (task-iterator state, schedule state, rng seed, the config), written once;
+- `integrity`: per-array checksums of the bits. Tensorstore checks its index but not the array
+  bytes, so a flipped bit in a data file would restore silently; the checksum turns that into
+  a read error, which makes `restore` fall back to the previous step like any other.
+
+Orbax writes a step under a temporary name and renames it when complete, so a process killed
+mid-save leaves the previous steps intact and the partial one invisible (the next run's first
+save deletes its folder; a Checkpointer that only restores never deletes anything).
+
+Steps saved after a restore continue the restored timeline: checkpoints of steps above the one
+restored (or at or above the one being saved) belong to an abandoned timeline and are moved to
+`<directory>/superseded/` at the next save, never deleted, and never mixed into `keep`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax import lax
+
+log = logging.getLogger(__name__)
+
+SUPERSEDED_DIR = "superseded"
+_ITEMS = ("state", "meta", "integrity")
+_INTEGRITY_FORMAT = 1
+
+
+class CheckpointTargetMismatchError(ValueError):
+    """The restore target's structure or shapes differ from what the checkpoint holds."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint was read but its arrays do not match the checksums saved with them."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaves, paths and checksums
+# ---------------------------------------------------------------------------------------------
+
+def _key_name(entry) -> str:
+    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _path_name(path) -> str:
+    """'opt_state/1/0/mu/w': the same string orbax's nested-dict layout implies."""
+    return "/".join(_key_name(e) for e in path)
+
+
+def _flat(tree) -> dict[str, Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flat = {_path_name(path): leaf for path, leaf in leaves}
+    if len(flat) != len(leaves):
+        raise ValueError("two leaves of the state have the same path name; rename one of them")
+    return flat
+
+
+def _check_savable(state) -> None:
+    for name, leaf in _flat(state).items():
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise TypeError(f"state leaf {name!r} is a {type(leaf).__name__}; every leaf must be "
+                            "a jax.Array or numpy array (wrap Python numbers in jnp.asarray)")
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(f"state leaf {name!r} is a typed PRNG key; store "
+                            "jax.random.key_data(key) (uint32) and wrap it again after restore")
+
+
+def _checkable(dtype) -> bool:
+    """Dtypes whose elements are whole bytes with a plain bit pattern (not int4, complex)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        return False
+    return bits == 8 * dtype.itemsize and dtype.itemsize in (1, 2, 4, 8)
+
+
+def _words(x: jax.Array) -> Optional[jax.Array]:
+    """The array's bits as uint32 words, or None for a dtype without a plain bit pattern."""
+    if not _checkable(x.dtype):
+        return None
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = np.dtype(x.dtype).itemsize
+    if size == 4 or size == 8:  # 8-byte elements become a trailing pair of words
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    small = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return lax.bitcast_convert_type(x, small).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array):
+    """sum_i words[i] * (2i + 1) mod 2**32, i the row-major element index.
+
+    The odd weights make any single changed word change the sum, and the position weight
+    catches swapped chunks. Elementwise work plus one modular sum, so it runs where the shards
+    are, and the result does not depend on the sharding (addition mod 2**32 is exact in any
+    order): a state restored onto another mesh gets the same checksum.
+    """
+    words = _words(x)
+    if words is None:
+        return jnp.zeros((), jnp.uint32)
+    # Row-major index from one iota per dim (no reshape, which could force a gather of the
+    # shards); uint32 arithmetic wraps, which only reuses weights past 2**32 elements.
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(words.ndim)):
+        iota = lax.broadcasted_iota(jnp.uint32, words.shape, dim)
+        index = index + iota * np.uint32(stride % 2**32)
+        stride *= words.shape[dim]
+    return jnp.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)
+
+
+_checksums_jit = jax.jit(lambda leaves: [_checksum(x) for x in leaves])
+
+
+def _integrity_record(state) -> dict:
+    flat = _flat(state)
+    sums = jax.device_get(_checksums_jit(list(flat.values())))
+    arrays = {}
+    for (name, leaf), total in zip(flat.items(), sums):
+        checkable = _checkable(leaf.dtype)
+        arrays[name] = {"dtype": str(np.dtype(leaf.dtype)), "shape": list(leaf.shape),
+                        "checksum": int(total) if checkable else None}
+    return {"format": _INTEGRITY_FORMAT, "arrays": arrays}
+
+
+def _verify(restored, record: dict, step: int) -> None:
+    flat = _flat(restored)
+    saved = record.get("arrays", {})
+    # Only leaves restored in the dtype they were saved in have comparable bits.
+    names = [n for n, x in flat.items() if n in saved and saved[n]["checksum"] is not None
+             and saved[n]["dtype"] == str(np.dtype(x.dtype))]
+    sums = jax.device_get(_checksums_jit([flat[n] for n in names]))
+    bad = [n for n, total in zip(names, sums) if int(total) != saved[n]["checksum"]]
+    if bad:
+        raise CheckpointCorruptError(
+            f"step {step}: the bytes of {len(bad)} array(s) differ from their saved checksums "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files were damaged")
+
+
+def _abstract_target(target):
+    """ShapeDtypeStructs with shardings (what orbax restores into), checked leaf by leaf."""
+    def one(path, leaf):
+        name = _path_name(path)
+        if isinstance(leaf, np.ndarray):
+            return leaf  # restored as a numpy array on the host
+        sharding = getattr(leaf, "sharding", None)
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"restore target leaf {name!r} is a {type(leaf).__name__}; give "
+                            "jax.Arrays or jax.ShapeDtypeStruct(shape, dtype, sharding=...)")
+        if sharding is None:
+            raise ValueError(f"restore target leaf {name!r} has no sharding; build the target "
+                             "with jax.ShapeDtypeStruct(shape, dtype, sharding=...) so each "
+                             "device reads only its own part")
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return jax.tree_util.tree_map_with_path(one, target)
+
+
+def _check_against_metadata(abstract, saved_tree, step: int, directory: str) -> None:
+    want = {n: tuple(x.shape) for n, x in _flat(abstract).items()}
+    have = {n: tuple(m.shape) for n, m in _flat(saved_tree).items()}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    shapes = [f"{n}: target {want[n]} vs saved {have[n]}" for n in sorted(set(want) & set(have))
+              if want[n] != have[n]]
+    if missing or extra or shapes:
+        parts = ([f"not in the checkpoint: {missing}"] if missing else []) + \
+                ([f"in the checkpoint but not the target: {extra}"] if extra else []) + \
+                ([f"shapes differ: {shapes}"] if shapes else [])
+        raise CheckpointTargetMismatchError(
+            f"checkpoint step {step} in {directory} does not match the restore target ("
+            + "; ".join(parts) + "). Build the target from the same model/optimizer config "
+            "as the run that saved it.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpointer
+# ---------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Save/restore the train state and a JSON meta dict under `directory`, keeping `keep`.
+
+    Every process calls every method (orbax synchronises them). `checksums=False` skips the
+    integrity record (one extra pass over the state on device per save and restore).
+    """
+
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+                 checksums: bool = True):
+        if keep is None or int(keep) < 1:
+            raise ValueError(f"checkpoint keep={keep!r}; keep at least 1 checkpoint")
+        directory = str(directory)
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.keep = int(keep)
+        self.async_save = bool(async_save)
+        self.checksums = bool(checksums)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep, enable_async_checkpointing=self.async_save, create=True,
+            # Not at start-up: a reader (an eval job beside a running trainer) would delete the
+            # trainer's save in flight. The first save of this instance cleans up instead.
+            cleanup_tmp_directories=False)
+        # Handlers named up front: a manager that has not saved yet must still read metadata.
+        handlers = {"state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(), "integrity": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=_ITEMS, item_handlers=handlers)
+        self._name_format = ocp.step.standard_name_format()
+        self._pending: Optional[int] = None  # step of the async save in flight, if any
+        self._restored_step: Optional[int] = None
+        self._saved_here: set[int] = set()
+        self._tmp_cleaned = False
+        self._closed = False
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints on disk, oldest first (a save still in flight is not one)."""
+        return sorted(m.step for m in self._name_format.find_all(epath.Path(self.directory)))
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Write `state` and `meta` as checkpoint `step`.
+
+        Async: returns once the arrays are copied off the devices (the caller may donate or
+        change them), the files are written in the background. Saving a step this
+        Checkpointer already saved, or the step it just restored, is a no-op.
+        """
+        self._check_open()
+        step = int(step)
+        if step in self._saved_here:
+            log.info("checkpoint step %d already saved to %s; not saving it again", step,
+                     self.directory)
+            return
+        _check_savable(state)
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"checkpoint meta for step {step} is not JSON-serialisable ({err}); "
+                            "keep it to dicts, lists, strings, numbers, bools and None") from err
+        self.wait()  # the previous save must land before this one's garbage collection
+        self._set_aside_abandoned(step)
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        if self.checksums:
+            items["integrity"] = ocp.args.JsonSave(_integrity_record(state))
+        start = time.perf_counter()
+        # force: the trainer decides when to save; orbax's own interval policy must not skip
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._saved_here.add(step)
+        self._pending = step if self.async_save else None
+        log.info("checkpoint step %d: %s in %.2fs", step,
+                 "handed to the background writer" if self.async_save else "written",
+                 time.perf_counter() - start)
+
+    def _set_aside_abandoned(self, step: int) -> None:
+        """Move checkpoints of an abandoned timeline to `superseded/`, keeping them."""
+        stale = [s for s in self.all_steps() if s >= step or
+                 (self._restored_step is not None and s > self._restored_step)]
+        if not self._tmp_cleaned and jax.process_index() == 0:
+            self._remove_partial_saves()
+        self._tmp_cleaned = True
+        # Every process has listed before any moves, so all agree on `stale` (and on whether
+        # to meet at the second barrier).
+        ocp.multihost.sync_global_processes("rl_tpu_checkpoint_listed")
+        if not stale:
+            return
+        log.warning("saving step %d in %s: checkpoints %s are from a timeline this run does "
+                    "not continue (a restore of an earlier step); moving them to %s/ (delete "
+                    "them there if not needed)", step, self.directory, stale, SUPERSEDED_DIR)
+        if jax.process_index() == 0:
+            root = epath.Path(self.directory)
+            aside = root / SUPERSEDED_DIR
+            aside.mkdir(parents=True, exist_ok=True)
+            for s in stale:
+                dest, n = aside / str(s), 1
+                while dest.exists():
+                    dest, n = aside / f"{s}-{n}", n + 1
+                (root / str(s)).rename(dest)
+        ocp.multihost.sync_global_processes("rl_tpu_checkpoint_set_aside")
+        self._manager.reload()
+
+    def _remove_partial_saves(self) -> None:
+        """Delete `<step>.orbax-checkpoint-tmp` folders: saves killed mid-way, never readable.
+
+        Run by the first save of a run, when this process is the directory's one writer."""
+        root = epath.Path(self.directory)
+        for name in ocp.step.tmp_checkpoints(root):
+            log.info("removing %s, a checkpoint save that never completed", root / name)
+            (root / name).rmtree()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as err:
+            raise RuntimeError(
+                f"writing checkpoint step {step} to {self.directory} failed in the background: "
+                f"{err}. Earlier checkpoints are intact; check the disk (space, permissions)"
+            ) from err
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def restore(self, target, step: Optional[int] = None) -> tuple[int, Any, dict]:
+        """(step, state, meta) read straight into the shardings of `target`.
+
+        step=None takes the latest readable checkpoint: one that fails to read or verify is
+        logged and the one before it tried. An explicit step is read or fails, no fallback.
+        """
+        self._check_open()
+        self.wait()
+        self._manager.reload()
+        abstract = _abstract_target(target)
+        steps = self.all_steps()
+        if step is not None:
+            if int(step) not in steps:
+                raise FileNotFoundError(f"no complete checkpoint for step {step} in "
+                                        f"{self.directory}; the complete ones are {steps}")
+            candidates = [int(step)]
+        else:
+            candidates = steps[::-1]
+        if not candidates:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory} to restore "
+                                    "(start from scratch, or point to the run's directory)")
+        errors = []
+        for candidate in candidates:
+            try:
+                state, meta = self._read(candidate, abstract)
+            except CheckpointTargetMismatchError:
+                raise
+            except Exception as err:  # pylint: disable=broad-except
+                if step is not None:
+                    raise RuntimeError(f"checkpoint step {candidate} in {self.directory} could "
+                                       f"not be read: {_short(err)}") from err
+                errors.append((candidate, err))
+                log.warning("checkpoint step %d in %s is unreadable, trying the one before it: "
+                            "%s", candidate, self.directory, _short(err))
+                continue
+            self._restored_step = candidate
+            # steps above it saved earlier in this run are now superseded, not done; saving
+            # the restored step itself again would only rewrite the same state
+            self._saved_here = {s for s in self._saved_here if s < candidate} | {candidate}
+            return candidate, state, meta
+        detail = "; ".join(f"step {s}: {_short(e)}" for s, e in errors)
+        raise RuntimeError(f"none of the checkpoints in {self.directory} could be read ({detail})."
+                           " Restore from a backup or start from scratch.")
+
+    def _read(self, step: int, abstract):
+        saved = self._manager.item_metadata(step)
+        _check_against_metadata(abstract, saved["state"].tree, step, self.directory)
+        step_dir = epath.Path(self.directory) / str(step)
+        items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+        verify = self.checksums and (step_dir / "integrity").exists()
+        if verify:
+            items["integrity"] = ocp.args.JsonRestore()
+        ok, error = True, None
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            if verify:
+                _verify(restored["state"], restored["integrity"], step)
+        except Exception as err:  # pylint: disable=broad-except
+            ok, error = False, err
+        if not _all_processes_agree(ok):
+            raise error or RuntimeError(f"step {step} failed to read on another process")
+        return restored["state"], restored["meta"]
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            self._closed = True
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Checkpointer({self.directory!r}) is closed; make a new one")
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """All processes must restore the same step, so one process's failure fails them all."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _short(err: BaseException, limit: int = 300) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."

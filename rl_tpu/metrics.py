@@ -1,0 +1,293 @@
+"""Metrics out of a run: a JSONL file (the record), TensorBoard scalars, curves, progress bars.
+
+`<workdir>/metrics.jsonl` holds one JSON object per logged step, `{"step": s, "key": value}`,
+values finite numbers or null (NaN and inf are not JSON; they are named in a warning once per
+key). It is the source of truth: `read_metrics` and `plot_curves` read it, and after a restart
+from a checkpoint `MetricsWriter(workdir, resume_step=s)` first drops the lines of steps >= s,
+which the resumed run logs again, so the file ends up as an uninterrupted run's would be.
+
+TensorBoard event files go to `<workdir>/tensorboard/` (tensorboardX); on resume the writer
+asks TensorBoard to discard the earlier events at steps >= s (`purge_step`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+DEFAULT_CURVES = ("rollout/reward", "rollout/success", "train/entropy", "eval/success")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+def _metrics_path(path_or_workdir: Union[str, os.PathLike]) -> str:
+    path = os.fspath(path_or_workdir)
+    return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
+
+
+def _read_lines(path: str) -> tuple[list[tuple[str, dict]], bool]:
+    """(raw line, record) pairs in file order, and whether a cut-short last line was dropped.
+
+    Only the last line may be malformed, and only when no newline follows it: that is a write
+    killed mid-way. Anything else is damage that is reported, not skipped.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    out, partial = [], False
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError('not an object with an integer "step"')
+        except ValueError as err:
+            if number == len(lines):  # no newline after it
+                log.warning("%s: dropping the last line, cut short by an interrupted write: %r",
+                            path, line[:80])
+                partial = True
+                continue
+            raise ValueError(f"{path}, line {number}: {err}; fix or delete that line") from err
+        out.append((line, record))
+    return out, partial
+
+
+def read_metrics(path_or_workdir) -> list[dict]:
+    """The records of a metrics.jsonl (given, or in the given workdir), in file order."""
+    path = _metrics_path(path_or_workdir)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no metrics file at {path}; give a workdir that a run with "
+                                "MetricsWriter logged to, or the path of its metrics.jsonl")
+    return [record for _, record in _read_lines(path)[0]]
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    """Write via a temp file in the same directory and os.replace: readers (and a crash) see
+    the old file or the new one, never a mix."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-",
+                               suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+class MetricsWriter:
+    """Append `{"step": s, **metrics}` lines to W/metrics.jsonl and scalars to TensorBoard.
+
+    enabled=False (every process but process 0 of a multi-host run) writes nothing.
+    resume_step=s drops the file's lines of steps >= s first (atomically); None appends.
+    """
+
+    def __init__(self, workdir: str, *, resume_step: Optional[int] = None,
+                 tensorboard: bool = True, enabled: bool = True):
+        self.workdir = os.fspath(workdir)
+        self.path = os.path.join(self.workdir, METRICS_FILE)
+        self.enabled = bool(enabled)
+        self._file = None
+        self._tb = None
+        self._warned_nonfinite: set[str] = set()
+        if not self.enabled:
+            return
+        os.makedirs(self.workdir, exist_ok=True)
+        self._trim(resume_step)
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as err:
+                raise ImportError("TensorBoard logging needs tensorboardX: `pip install "
+                                  "tensorboardX`, or pass tensorboard=False") from err
+            self._tb = SummaryWriter(logdir=os.path.join(self.workdir, TENSORBOARD_DIR),
+                                     purge_step=resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _trim(self, resume_step: Optional[int]) -> None:
+        if not os.path.exists(self.path):
+            return
+        lines, partial = _read_lines(self.path)
+        if resume_step is None:
+            if lines:
+                log.warning("%s already has %d lines (last step %d); appending. Pass "
+                            "resume_step= to drop the steps a resumed run logs again.",
+                            self.path, len(lines), lines[-1][1]["step"])
+            kept = lines
+        else:
+            kept = [(line, record) for line, record in lines if record["step"] < resume_step]
+            if len(kept) < len(lines):
+                log.info("%s: dropping %d lines of steps >= %d, which the resumed run redoes",
+                         self.path, len(lines) - len(kept), resume_step)
+        if partial or len(kept) < len(lines):
+            _atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log `metrics` (Python/numpy/jax scalars) at `step`; flushed before returning."""
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricsWriter({self.workdir!r}) is closed; make a new one")
+        if "step" in metrics:
+            raise ValueError('"step" is the record\'s own key; rename that metric')
+        # One explicit transfer for all device values (allowed under jax_transfer_guard).
+        values = jax.device_get(dict(metrics))
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in values.items():
+            record[key] = self._scalar(key, value, int(step))
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, float(value), int(step))
+            self._tb.flush()
+
+    def _scalar(self, key, value, step: int):
+        if not isinstance(key, str):
+            raise TypeError(f"metric names must be strings, got {key!r} at step {step}")
+        array = np.asarray(value)
+        if array.size != 1 or array.dtype.kind not in "biuf":
+            raise TypeError(f"metric {key!r} at step {step} is {type(value).__name__} of shape "
+                            f"{array.shape} and dtype {array.dtype}; log numeric scalars "
+                            "(reduce arrays to a mean/max first)")
+        item = array.reshape(()).item()
+        if array.dtype.kind == "b":
+            return int(item)
+        if array.dtype.kind == "f" and not math.isfinite(item):
+            if key not in self._warned_nonfinite:
+                self._warned_nonfinite.add(key)
+                log.warning("metric %r is %s at step %d; written as null (warned once per key)",
+                            key, item, step)
+            return None
+        return item
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Curves
+# ---------------------------------------------------------------------------------------------
+
+_PANEL_INCHES = (8.0, 2.4)  # width, height of one key's panel
+_DPI = 100
+
+
+def curves_figure(records: Sequence[Mapping[str, Any]], keys: Iterable[str] = DEFAULT_CURVES):
+    """A matplotlib Figure (Agg, no pyplot state) with one panel per key present in records."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = list(keys)
+    series = {}
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            series[key] = np.asarray(points, dtype=np.float64)
+    panels = max(len(series), 1)
+    fig = Figure(figsize=(_PANEL_INCHES[0], _PANEL_INCHES[1] * panels), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    if not series:
+        ax = fig.add_subplot(1, 1, 1)
+        ax.text(0.5, 0.5, f"none of {keys} logged yet", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
+    axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (key, xy) in zip(axes, series.items()):
+        steps, values = xy[:, 0], xy[:, 1]
+        sparse = len(steps) < 50  # eval points: show each one
+        ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1,
+                alpha=1.0 if len(steps) < 20 else 0.35, label=key)
+        if len(steps) >= 20:  # noisy per-step curves: a moving average shows the trend
+            window = max(2, len(steps) // 25)
+            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+            ax.plot(steps[window - 1:], smooth, linewidth=1.8, label=f"mean of {window}")
+            ax.legend(loc="best", fontsize="small")
+        ax.set_title(key, fontsize="medium")
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def plot_curves(workdir: str, keys: Iterable[str] = DEFAULT_CURVES,
+                out_name: str = "curves.png") -> str:
+    """Plot `keys` from W/metrics.jsonl (absent keys skipped) to W/out_name; returns the path."""
+    records = read_metrics(workdir)
+    keys = list(keys)
+    if not any(r.get(k) is not None for r in records for k in keys):
+        log.warning("none of %s is in %s yet; the plot says so", keys, _metrics_path(workdir))
+    fig = curves_figure(records, keys)
+    path = os.path.join(os.fspath(workdir), out_name)
+    fd, tmp = tempfile.mkstemp(dir=os.fspath(workdir), prefix=".tmp-", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)  # a notebook reading the png never sees half of one
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bars
+# ---------------------------------------------------------------------------------------------
+
+def _interactive() -> bool:
+    """A terminal, or a notebook kernel (whose stderr is no tty but shows widgets)."""
+    try:
+        if sys.stderr is not None and sys.stderr.isatty():
+            return True
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+    return "ipykernel" in sys.modules
+
+
+def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool = True):
+    """A tqdm bar over an iterable, or of `total` steps for manual `.update(n)`.
+
+    Disabled (a no-op bar that still iterates, updates and closes) when `enabled` is False or
+    output is not interactive, so logs of batch jobs carry no carriage-return clutter.
+    """
+    from tqdm.auto import tqdm
+
+    disable = not (enabled and _interactive())
+    if isinstance(iterable_or_total, (int, np.integer)):
+        return tqdm(total=int(iterable_or_total), desc=desc, disable=disable, dynamic_ncols=True)
+    return tqdm(iterable_or_total, desc=desc, disable=disable, dynamic_ncols=True)
