@@ -3,9 +3,12 @@
   python benchmarks/train_step.py --shape tiny --batch 8 --seq_len 256
   python benchmarks/train_step.py --shape qwen2.5-0.5b --batch 16 --seq_len 1024 \
       --dtype bfloat16 --remat dots --micro_batches 2        # on an accelerator
+  python benchmarks/train_step.py --loss bapo --micro_batches 2  # + BAPO's scoring pass
 
-Random weights at the named shape (benchmarks/common.py), a PPO loss over a random batch with
-a realistic loss mask, the step compiled once and timed over --steps calls.
+Random weights at the named shape (benchmarks/common.py), a policy loss (--loss) over a random
+batch with a realistic loss mask, the step compiled once and timed over --steps calls. With
+--loss bapo and --micro_batches > 1 the step also runs one forward-only scoring pass for the
+whole-batch clip bounds, which the table's s/step includes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ flags.DEFINE_string("shape", "tiny", "Model shape (benchmarks/common.py SHAPES).
 flags.DEFINE_integer("batch", 8, "Sequences per step (global).")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
 flags.DEFINE_integer("micro_batches", 1, "Gradient accumulation steps.")
+flags.DEFINE_enum("loss", "ppo", ["ppo", "gspo", "bapo"], "Policy loss kind.")
 flags.DEFINE_integer("steps", 5, "Timed steps (after one compile + warm-up step).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Rematerialisation policy.")
@@ -45,6 +49,12 @@ def parse_mesh(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in (part.split("=") for part in text.split(",") if part)}
 
 
+def _loss_config(kind: str) -> PolicyLossConfig:
+    if kind == "gspo":
+        return PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4)
+    return PolicyLossConfig(kind=kind, clip_high=0.28)
+
+
 def main(argv):
     del argv
     f = flags.FLAGS
@@ -56,7 +66,7 @@ def main(argv):
                                   np.zeros((1, 1), np.int32))
     state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)))
     step = steps.compile_step(
-        steps.make_policy_step(model, PolicyLossConfig(clip_high=0.28),
+        steps.make_policy_step(model, _loss_config(f.loss),
                                steps.StepConfig(micro_batches=f.micro_batches,
                                                 logprob_chunk=f.logprob_chunk)), state, mesh)
 
@@ -67,6 +77,7 @@ def main(argv):
     batch = parallel.host_to_global(dict(
         tokens=rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32), loss_mask=mask,
         old_logprobs=np.full((b, t), -2.0, np.float32),
+        behaviour_logprobs=np.full((b, t), -2.0, np.float32),
         advantages=rng.randn(b).astype(np.float32)), mesh)
 
     start = time.perf_counter()
@@ -84,10 +95,11 @@ def main(argv):
     flops = train_flops_per_token(cfg, t) * tokens_per_s
     mfu = f"{flops / (peak * jax.device_count()):.1%} (of {peak_source})"
     device = f"{jax.device_count()}x {jax.devices()[0].device_kind}"
-    print_table(["shape", "params", "device", "mesh", "dtype", "B x T", "micro", "remat",
-                 "compile s", "s/step", "tokens/s", "model TFLOP/s", "MFU"],
+    print_table(["shape", "params", "device", "mesh", "dtype", "B x T", "loss", "micro",
+                 "remat", "compile s", "s/step", "tokens/s", "model TFLOP/s", "MFU"],
                 [[f.shape, f"{cfg.num_params() / 1e6:.1f}M", device, f.mesh, f.dtype,
-                  f"{b} x {t}", f.micro_batches, f.remat, f"{compile_s:.1f}", f"{step_s:.3f}",
+                  f"{b} x {t}", f.loss, f.micro_batches, f.remat, f"{compile_s:.1f}",
+                  f"{step_s:.3f}",
                   f"{tokens_per_s:,.0f}", f"{flops / 1e12:.3f}", mfu]])
 
 

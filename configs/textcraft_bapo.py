@@ -33,8 +33,8 @@ def get_config(arg: str = ""):
     if arg == "smoke":
         shrink_for_smoke(c)
         c.train.minibatches = 2
-        c.env.max_context_tokens = 1024
-        c.train.length_buckets = (512, 1024)
+        c.env.max_context_tokens = 2048
+        c.train.length_buckets = (1024, 2048)
     elif arg:
         raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
     return c

@@ -155,10 +155,13 @@ def _close_quietly(env: Optional[Env]):
         log.warning("env.close() failed for %r: %s", getattr(env, "name", env), e)
 
 
-def _request_seed(seed: int, episode: int, turn: int) -> int:
+def _request_seed(seed: int, group_id: int, sample_index: int, turn: int) -> int:
     # Every episode needs its own stream: G samples of one task send the same first prompt, and
-    # one shared seed would make them identical.
-    return int(np.random.SeedSequence([seed, episode, turn]).generate_state(1)[0] & 0x7FFFFFFF)
+    # one shared seed would make them identical. Keyed by (group id, sample), not by the
+    # episode's position in this call, so a task draws the same samples whichever host plays
+    # it and however the step's tasks are split into calls.
+    return int(np.random.SeedSequence([seed, group_id & 0x7FFFFFFF, sample_index, turn])
+               .generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def run_episodes(
@@ -306,7 +309,8 @@ def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context,
             params = dataclasses.replace(
                 sampling, max_new_tokens=min(max_new, room),
                 seed=(None if sampling.seed is None
-                      else _request_seed(sampling.seed, ep.index, turn)))
+                      else _request_seed(sampling.seed, ep.group_id,
+                                         ep.info["sample_index"], turn)))
             requests.append(GenerateRequest(prompt_ids=list(ep.tokens), sampling=params,
                                             request_id=f"ep{ep.index}-turn{turn}"))
         results = engine.generate(requests)

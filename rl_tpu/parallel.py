@@ -196,8 +196,15 @@ def host_to_global(batch, mesh: Mesh):
 
 
 def gather_to_host(tree):
-    """Global (possibly multi-host sharded) arrays -> full numpy arrays on every host."""
-    if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, tree)
-    from jax.experimental import multihost_utils
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    """Global (possibly multi-host sharded) arrays -> full numpy arrays on every host.
+
+    Arrays this process already holds whole (numpy, or jax arrays on its own devices) are
+    read locally; only arrays spread over several processes are gathered, collectively, so
+    every process must call this with the same tree.
+    """
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, tree)

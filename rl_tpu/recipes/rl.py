@@ -210,8 +210,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     ckpt.wait()
     ckpt.close()
     if config.checkpoint.export_hf:
-        hf.save(os.path.join(workdir, "final_hf"), model_cfg,
-                components.host_local_params(learner.policy.params), tokenizer=tokenizer.hf)
+        hf.save(os.path.join(workdir, "final_hf"), model_cfg, learner.policy.params,
+                tokenizer=tokenizer.hf)
     writer.close()
     if is_chief and config.log.plot:
         metrics_lib.plot_curves(workdir)
@@ -226,16 +226,18 @@ def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: i
     """This host's trajectories for one step, their group ids, and rollout metrics."""
     env_cfg, algo, g = config.env, config.algo, config.train.samples_per_task
     def play(tasks, round_index):
+        # group_id_offset: each host's tasks are a contiguous run of the step's global
+        # positions, so group ids (and the per-episode seeds keyed by them) are global.
         trajs = run_episodes(
             engine, make_env, [t for _, t in tasks], tokenizer=tokenizer, max_turns=horizon,
+            group_id_offset=tasks[0][0],
             max_new_tokens_per_turn=env_cfg.max_new_tokens,
             max_context_tokens=env_cfg.max_context_tokens,
             sampling=components.sampling_params(
                 config, step_seed(config.seed, step, 10 + round_index)),
             samples_per_task=g, step_timeout_s=env_cfg.step_timeout_s,
             reward_reduce=env_cfg.reward_reduce)
-        for i, traj in enumerate(trajs):
-            traj.group_id = tasks[i // g][0]  # the task's global stream index
+        assert all(traj.group_id == tasks[i // g][0] for i, traj in enumerate(trajs))
         algorithms.shape_overlong(trajs, algo, env_cfg.max_new_tokens)
         return trajs
 

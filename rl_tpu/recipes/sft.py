@@ -111,8 +111,11 @@ def _chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
 
 
 def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
-            seed: int, start_step: int = 0) -> Iterator[dict]:
-    """Host batches of `batch_size` examples, reshuffled each epoch (deterministic by seed)."""
+            seed: int, start_step: int = 0, host: tuple[int, int] = (0, 1)) -> Iterator[dict]:
+    """This host's rows of global batches of `batch_size` examples, reshuffled each epoch
+    (deterministic by seed, the same order on every host). host = (index, count)."""
+    index, count = host
+    local = batch_size // count
     rng = np.random.RandomState(seed)
     order: list[int] = []
     step = 0
@@ -123,15 +126,16 @@ def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int]
         step += 1
         if step <= start_step:
             continue
-        longest = max(len(examples[r][0]) for r in rows)
-        t = bucket_length(longest, buckets)
-        tokens = np.zeros((batch_size, t), np.int32)
-        mask = np.zeros((batch_size, t), bool)
-        segments = np.zeros((batch_size, t), np.int32)
+        # every host pads to the bucket of the longest row of the GLOBAL batch
+        t = bucket_length(max(len(examples[r][0]) for r in rows), buckets)
+        rows = rows[index * local:(index + 1) * local]
+        tokens = np.zeros((local, t), np.int32)
+        mask = np.zeros((local, t), bool)
+        segments = np.zeros((local, t), np.int32)
         for i, r in enumerate(rows):
             ids, m = examples[r]
             tokens[i, :len(ids)], mask[i, :len(ids)], segments[i, :len(ids)] = ids, m, 1
-        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (batch_size, t)).copy()
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (local, t)).copy()
         yield {"tokens": tokens, "loss_mask": mask, "segment_ids": segments,
                "positions": positions}
 
@@ -143,9 +147,9 @@ def train(state: TrainState, model, mesh, examples: Sequence[Example], *, num_st
     if batch_size % components.data_parallel_size(mesh):
         raise ValueError(f"sft.batch_size={batch_size} must divide by the data-parallel size "
                          f"{components.data_parallel_size(mesh)}")
-    local = batch_size // jax.process_count()
     step_fn = steps.compile_step(steps.make_sft_step(model), state, mesh)
-    data = batches(examples, local, buckets, seed + jax.process_index())
+    data = batches(examples, batch_size, buckets, seed,
+                   host=(jax.process_index(), jax.process_count()))
     for i in range(num_steps):
         state, m = step_fn(state, parallel.host_to_global(next(data), mesh))
         if on_step is not None:
@@ -173,7 +177,7 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
     def on_step(step, m):
         if step % 10 == 0 or step == s.steps:
             writer.write(step + step_offset, {f"sft/{k}": v for k, v in m.items()}
-                         | {"sft/elapsed_s": time.time() - started})
+                         | {"time/sft_s": time.time() - started})
 
     state = train(state, model, mesh, examples, num_steps=s.steps, batch_size=s.batch_size,
                   buckets=_buckets(config, s.max_length), seed=config.seed, on_step=on_step)

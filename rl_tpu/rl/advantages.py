@@ -164,9 +164,11 @@ def reinforce_pp(token_rewards: Array, loss_mask: Array, gamma: float = 1.0,
 
 
 @jax.jit  # one compiled kernel even when called eagerly: `unique` op by op is slow to dispatch
-def _group_stats(x: Array, ids: Array) -> tuple[Array, Array, Array, Array]:
-    """Per-element (group sum, group count, group mean, group population variance) over [N].
+def _group_stats(x: Array, ids: Array, ddof=0) -> tuple[Array, Array, Array, Array]:
+    """Per-element (group sum, group count, group mean, group variance) over [N].
 
+    The variance divides the squared deviations by count - ddof (ddof=0: population, 1:
+    unbiased), or by 1 when count - ddof < 1, which for a lone element gives 0, never 0/0.
     Groups are elements sharing an integer id; ids need not be contiguous, sorted, small or
     equally sized. Negative ids mark elements in no group: they are excluded from every
     statistic. Ids are remapped to 0..N-1 with a fixed-size `unique` (jittable), then reduced
@@ -180,7 +182,7 @@ def _group_stats(x: Array, ids: Array) -> tuple[Array, Array, Array, Array]:
     count = seg(valid)
     total = seg(valid * x)
     mean = total / jnp.maximum(count, 1.0)
-    var = seg(valid * jnp.square(x - mean)) / jnp.maximum(count, 1.0)
+    var = seg(valid * jnp.square(x - mean)) / jnp.maximum(count - ddof, 1.0)
     return total, count, mean, var
 
 
@@ -191,20 +193,23 @@ def _broadcast_over_tokens(per_row: Array, loss_mask: Array) -> Array:
 
 @ADVANTAGES.register("grpo")
 def grpo(rewards: Array, group_ids: Array, loss_mask: Array, normalize_std: bool = True,
-         eps: float = 1e-6) -> tuple[Array, Array]:
+         eps: float = 1e-6, ddof: int = 1) -> tuple[Array, Array]:
     """GRPO outcome advantage: the reward normalised within its group, on every policy token.
 
     rewards [B] (one scalar per trajectory), group_ids int [B] (samples of one task share an id;
     any ints, groups of any sizes; a negative id drops the row: advantage 0), loss_mask [B, T].
       A_i = (r_i - mean_g) / (std_g + eps)     normalize_std=True (GRPO)
       A_i = r_i - mean_g                       normalize_std=False (Dr. GRPO)
-    std is the population std of the group (a lone sample gets A = 0).
+    std_g = sqrt(sum_g (r - mean_g)^2 / (n_g - ddof)). The default ddof=1 (unbiased) is what
+    TRL, verl and DeepSeekMath's GRPO use (torch's std), so advantages and reward curves
+    compare with theirs; ddof=0 is the population std. A lone sample gets A = 0 under either
+    (r - mean = 0; verl instead gives it A = r with std 1).
     Returns (A_i on row i's masked tokens, r_i on row i's masked tokens), both [B, T].
     """
     _check_ndim("grpo", rewards=rewards, group_ids=group_ids, loss_mask=loss_mask)
     r = jnp.asarray(rewards, jnp.float32)
     ids = jnp.asarray(group_ids, jnp.int32)
-    _, _, mean, var = _group_stats(r, ids)
+    _, _, mean, var = _group_stats(r, ids, ddof)
     adv = r - mean
     if normalize_std:
         adv = adv / (jnp.sqrt(var) + eps)
@@ -220,19 +225,25 @@ def dr_grpo(rewards: Array, group_ids: Array, loss_mask: Array) -> tuple[Array, 
 
 
 @ADVANTAGES.register("rloo")
-def rloo(rewards: Array, group_ids: Array, loss_mask: Array) -> tuple[Array, Array]:
+def rloo(rewards: Array, group_ids: Array, loss_mask: Array, normalize_std: bool = False,
+         eps: float = 1e-6, ddof: int = 1) -> tuple[Array, Array]:
     """REINFORCE leave-one-out: each reward minus the mean of the OTHER rewards in its group.
 
     rewards [B], group_ids int [B] (as in `grpo`; negative = dropped row), loss_mask [B, T].
       A_i = r_i - (sum_g - r_i) / (n_g - 1)        (0 when the group has one sample)
+    normalize_std=True further divides by (std_g + eps), std_g the group's reward std with
+    `ddof` as in `grpo` (default 1, unbiased); off by default, as in the RLOO paper.
     Returns (A_i, r_i) broadcast over row i's masked tokens, both [B, T].
     """
     _check_ndim("rloo", rewards=rewards, group_ids=group_ids, loss_mask=loss_mask)
     r = jnp.asarray(rewards, jnp.float32)
     ids = jnp.asarray(group_ids, jnp.int32)
-    total, count, _, _ = _group_stats(r, ids)
+    total, count, _, var = _group_stats(r, ids, ddof)
     others = (total - r) / jnp.maximum(count - 1.0, 1.0)
-    adv = jnp.where((count > 1) & (ids >= 0), r - others, 0.0)
+    adv = r - others
+    if normalize_std:
+        adv = adv / (jnp.sqrt(var) + eps)
+    adv = jnp.where((count > 1) & (ids >= 0), adv, 0.0)
     out = (_broadcast_over_tokens(adv, loss_mask), _broadcast_over_tokens(r, loss_mask))
     return jax.lax.stop_gradient(out)
 
@@ -240,7 +251,7 @@ def rloo(rewards: Array, group_ids: Array, loss_mask: Array) -> tuple[Array, Arr
 @ADVANTAGES.register("tl_grpo")
 def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
                     loss_mask: Array, normalize_std: bool = True,
-                    eps: float = 1e-6) -> tuple[Array, Array]:
+                    eps: float = 1e-6, ddof: int = 1) -> tuple[Array, Array]:
     """TL-GRPO: turn rewards normalised among the samples that acted from the same state.
 
     turn_rewards [B, M] (reward of each turn), turn_group_ids int [B, M] (turns taken from the
@@ -248,6 +259,7 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
     [B, T] (the turn each token belongs to, -1 for the prompt; values >= M are out of range and
     get advantage 0), loss_mask [B, T].
       A_(b,k) = (R_(b,k) - mean_g) / (std_g + eps)     (no std division if normalize_std=False)
+    std_g with `ddof` as in `grpo` (default 1, unbiased).
     Every masked token of turn k in row b gets A_(b,k). Returns (A, R_(b,k)) per token, [B, T].
     """
     _check_ndim("tl_grpo", turn_rewards=turn_rewards, turn_group_ids=turn_group_ids,
@@ -256,7 +268,7 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
     ids = jnp.asarray(turn_group_ids, jnp.int32)
     batch, turns = r.shape
     # Flatten (row, turn) into one list of turns so a group may span rows and slots.
-    _, _, mean, var = _group_stats(r.reshape(-1), ids.reshape(-1))
+    _, _, mean, var = _group_stats(r.reshape(-1), ids.reshape(-1), ddof)
     adv = r.reshape(-1) - mean
     if normalize_std:
         adv = adv / (jnp.sqrt(var) + eps)
@@ -279,10 +291,10 @@ def compute_advantages(name: str, batch: Mapping[str, Array], **options: Any
     """Runs the estimator registered as `name` on the arrays it needs from `batch`.
 
     Arguments of the estimator named like a batch key (see BATCH_KEYS) are read from `batch`;
-    all others are options taken from `options` (e.g. gamma, lam, normalize_std, kl_coef) or
-    left at their defaults. A missing required array or an option the estimator does not take
-    is a ValueError naming it, so a config typo fails before any compute. Jittable with `name`
-    and `options` static.
+    all others are options taken from `options` (e.g. gamma, lam, normalize_std, ddof,
+    kl_coef) or left at their defaults. A missing required array or an option the estimator
+    does not take is a ValueError naming it, so a config typo fails before any compute.
+    Jittable with `name` and `options` static.
     """
     fn = ADVANTAGES.get(name)
     params = inspect.signature(fn).parameters

@@ -6,35 +6,47 @@ also be given per sequence, [B], and are then broadcast over T.
 
 Conventions
 - ratio r = exp(logprobs - old_logprobs), old_logprobs being the trainer's log-probs of the
-  sampled tokens at rollout time. Positions outside the mask are zeroed before any exp, so
-  garbage in padding never becomes inf/NaN in values or gradients.
+  sampled tokens at rollout time. Positions outside the mask are zeroed before any exp, and
+  every log-ratio is clamped to +-MAX_LOG_RATIO (20, as verl) before its exp: a token whose
+  log-ratio is 95 would otherwise give exp = inf, a finite clipped loss but a NaN gradient
+  (0 * inf), and the whole update would be skipped. Clamped, its gradient is 0 (the clip
+  binds) or finite.
 - The clipped surrogate per token is  max(-r A, -clip(r, lower, upper) A)  (a loss, lower is
   better); with a dual clip c > 1 (Ye et al. 2020) tokens with A < 0 take
   min(that, -c A), which caps the loss of a negative token whose ratio exploded.
+- Policy losses are registered as `PolicyLossKind`s in POLICY_LOSSES:
   * "ppo":  lower = 1 - clip_low, upper = 1 + clip_high (DAPO clip-higher: clip_high = 0.28).
-  * "bapo": lower, upper = c_low, c_high from `bapo.adapt_clip_bounds` on this batch (ratio
-    bounds used directly, gradients stopped).
+  * "bapo": lower, upper = c_low, c_high from `bapo.adapt_clip_bounds` on the whole batch
+    (ratio bounds used directly, gradients stopped); a user of the batch-statistics hook.
   * "gspo": the token-level GSPO form. s_i = exp(mean over the sequence's masked tokens of
     log r); each token's ratio is sg(s_i) * exp(logp_t - sg(logp_t)) (value s_i, gradient
-    s_i * grad logp_t) clipped to [1 - clip_low, 1 + clip_high] (GSPO: 3e-4, 4e-4).
+    s_i * grad logp_t) clipped to [1 - clip_low, 1 + clip_high] (GSPO: 3e-4, 4e-4). Its
+    aggregation defaults to GSPO's own sequence mean of token means.
+- Batch statistics: a kind may declare `batch_statistics(logprobs, batch, config) -> (stats,
+  metrics)`, a number the loss needs over the WHOLE batch (BAPO's bounds). `policy_loss`
+  computes it from what it is given; a step that splits the batch into micro-batches computes
+  it once from a forward-only scoring pass and passes the same `batch_stats` to every part.
 - Aggregations (registry AGGREGATIONS) turn [B, T] into a scalar; see `aggregate`.
-- Metrics are masked means over the whole batch (global under jit on a sharded batch):
+- Metrics come back as `Metric`s (rl_tpu.rl.masked): value, weight and reduction, so parts of
+  a batch combine exactly (`combine_metrics`). Per-token means are weighted by masked tokens:
   clip_frac_low  = fraction of masked tokens with r < lower and A < 0 (the lower clip binds),
   clip_frac_high = fraction of masked tokens with r > upper and A > 0 (the upper clip binds),
   approx_kl      = masked mean of (r - 1 - log r) with the token ratio r: the non-negative k3
-                   estimate of KL(pi_old || pi_theta) from tokens sampled by pi_old.
+                   estimate of KL(pi_old || pi_theta) from tokens sampled by pi_old;
+  loss and pg_loss are weighted by the aggregation's normaliser (`loss_weight`), ratio_max /
+  ratio_min reduce by max / min.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from rl_tpu.rl.bapo import BapoConfig, adapt_clip_bounds
-from rl_tpu.rl.masked import masked_count, masked_mean, masked_sum, masked_var
+from rl_tpu.rl.masked import Metric, masked_count, masked_mean, masked_sum, masked_var
 from rl_tpu.rl.registry import Registry
 
 Array = jax.Array
@@ -45,7 +57,7 @@ KL_ESTIMATORS: Registry = Registry("kl estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
 BEHAVIOUR_IS_MODES = ("none", "truncate", "mask")
 
-_MAX_LOG_RATIO = 20.0  # clamp on log-ratios fed to exp in KL and IS weights (e^20 ~ 5e8)
+MAX_LOG_RATIO = 20.0  # clamp on every log-ratio fed to exp (e^20 ~ 4.9e8 is finite in fp32)
 
 
 def _float_mask(mask: Array, like: Array) -> Array:
@@ -62,6 +74,18 @@ def _per_token(adv: Array, like: Array) -> Array:
     if adv.ndim == 1:
         adv = adv[:, None]
     return jnp.broadcast_to(adv, like.shape)
+
+
+def clamped_exp(log_ratio: Array) -> Array:
+    """exp(clip(log_ratio, -20, 20)): a ratio that is finite, and whose gradient is finite."""
+    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def token_ratio(logprobs: Array, old_logprobs: Array, mask: Array) -> Array:
+    """r = exp(logprobs - old_logprobs) [B, T], log-ratio clamped to +-20, 1 off the mask."""
+    m = _float_mask(mask, logprobs)
+    return clamped_exp(_inside(jnp.asarray(logprobs, jnp.float32)
+                               - jnp.asarray(old_logprobs, jnp.float32), m))
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -111,6 +135,20 @@ def aggregate(per_token: Array, mask: Array, mode: str, normalizer: Optional[flo
     return AGGREGATIONS.get(mode)(per_token, mask, normalizer)
 
 
+def loss_weight(mask: Array, mode: str) -> Array:
+    """What a part of a batch weighs when `aggregate`d losses of parts are averaged into the
+    loss of the whole: proportional to the aggregation's divisor. Masked tokens (token_mean),
+    sequences with a masked token (seq_mean_*), rows (fixed_normalizer). mask [B, T]; scalar.
+    """
+    m = jnp.asarray(mask, jnp.float32)
+    if mode == "token_mean":
+        return jnp.sum(m)
+    if mode in ("seq_mean_token_sum", "seq_mean_token_mean"):
+        return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
+    AGGREGATIONS.get(mode)  # an unknown name fails here, by name
+    return jnp.asarray(m.shape[0], jnp.float32)  # fixed_normalizer: every row counts
+
+
 # ----------------------------------------------------------------------------- KL
 
 @KL_ESTIMATORS.register("k1")
@@ -126,7 +164,7 @@ def _kl_k2(log_ratio: Array) -> Array:
 @KL_ESTIMATORS.register("k3")
 def _kl_k3(log_ratio: Array) -> Array:
     # With d = ref - logp: exp(d) - d - 1 >= 0.
-    d = jnp.clip(-log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    d = jnp.clip(-log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     return jnp.exp(d) - d - 1.0
 
 
@@ -144,22 +182,44 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, estimator: str = "k3") -> A
 # ----------------------------------------------------------------------------- policy loss
 
 @dataclasses.dataclass(frozen=True)
+class PolicyLossKind:
+    """A registered policy loss: how it forms its ratio and bounds, and what it needs.
+
+    ratio(logprobs, old_logprobs, advantages, mask, config, stats) -> (ratio [B, T], lower,
+        upper, metrics): the ratio the clipped surrogate uses and its clip bounds (ratio
+        values); `stats` is what `batch_statistics` returned (None for kinds without it).
+    defaults(config) -> {field: value} for the PolicyLossConfig fields left None
+        (aggregation, dual_clip): the kind's own conventions.
+    batch_statistics(logprobs, batch, config) -> (stats pytree, {name: Metric}), or None: a
+        statistic of the WHOLE batch, from gradient-stopped log-probs [B, T] and a batch dict
+        holding old_logprobs, advantages, loss_mask and, when known, behaviour_logprobs.
+    """
+
+    ratio: Callable[..., tuple[Array, Any, Any, dict[str, Metric]]]
+    defaults: Callable[[Any], dict[str, Any]] = lambda config: {"aggregation": "token_mean"}
+    batch_statistics: Optional[Callable[..., tuple[Any, dict[str, Metric]]]] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """How `policy_loss` clips, weights and reduces. Hashable, so it can be a static jit arg.
 
-    kind: "ppo" | "gspo" | "bapo". clip_low / clip_high: ratio clip epsilons for ppo and gspo
-    (ignored by bapo, whose bounds come from `bapo`). dual_clip: c > 1 or None.
-    aggregation: a name in AGGREGATIONS; fixed_normalizer: its normalizer (max generation
-    length) for "fixed_normalizer". behaviour_is: "none" | "truncate" | "mask" correction for
-    the sampler/trainer mismatch with cap `behaviour_is_cap`. entropy_coef, kl_coef,
-    kl_estimator: extra loss terms.
+    kind: a name in POLICY_LOSSES ("ppo" | "gspo" | "bapo"). clip_low / clip_high: ratio clip
+    epsilons for ppo and gspo (ignored by bapo, whose bounds come from `bapo`). dual_clip:
+    c > 1, or None (off; the kind's default: 3.0 for bapo with bapo.variant="verl", as that
+    recipe). aggregation: a name in AGGREGATIONS, or None for the kind's own (token_mean for
+    ppo and bapo, seq_mean_token_mean for gspo); fixed_normalizer: its normalizer (max
+    generation length) for "fixed_normalizer". behaviour_is: "none" | "truncate" | "mask"
+    correction for the sampler/trainer mismatch with cap `behaviour_is_cap`. entropy_coef,
+    kl_coef, kl_estimator: extra loss terms. Fields left None are resolved at construction,
+    so the config read back always holds the values in use.
     """
 
     kind: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
-    aggregation: str = "token_mean"
+    aggregation: Optional[str] = None
     fixed_normalizer: Optional[float] = None
     behaviour_is: str = "none"
     behaviour_is_cap: float = 2.0
@@ -169,7 +229,9 @@ class PolicyLossConfig:
     bapo: BapoConfig = dataclasses.field(default_factory=BapoConfig)
 
     def __post_init__(self):
-        POLICY_LOSSES.get(self.kind)
+        for name, value in POLICY_LOSSES.get(self.kind).defaults(self).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: resolve once, here
         AGGREGATIONS.get(self.aggregation)
         KL_ESTIMATORS.get(self.kl_estimator)
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
@@ -190,34 +252,51 @@ class PolicyLossConfig:
                 f"behaviour_is_cap={self.behaviour_is_cap} must be >= 1 (e.g. 2.0)")
 
 
-@POLICY_LOSSES.register("ppo")
-def _ppo_ratio(logprobs, old_logprobs, advantages, mask, config):
-    ratio = jnp.exp(_inside(logprobs - old_logprobs, mask))
+def _ppo_ratio(logprobs, old_logprobs, advantages, mask, config, stats):
+    ratio = token_ratio(logprobs, old_logprobs, mask)
     return ratio, 1.0 - config.clip_low, 1.0 + config.clip_high, {}
 
 
-@POLICY_LOSSES.register("gspo")
-def _gspo_ratio(logprobs, old_logprobs, advantages, mask, config):
-    seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, axis=-1)        # [B]
+def _gspo_ratio(logprobs, old_logprobs, advantages, mask, config, stats):
+    seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, axis=-1)          # [B]
     lp = _inside(logprobs, mask)
-    ratio = jnp.exp(sg(seq_log_ratio))[:, None] * jnp.exp(lp - sg(lp))          # [B, T]
+    ratio = clamped_exp(sg(seq_log_ratio))[:, None] * jnp.exp(lp - sg(lp))        # [B, T]
     return ratio, 1.0 - config.clip_low, 1.0 + config.clip_high, {}
 
 
-@POLICY_LOSSES.register("bapo")
-def _bapo_ratio(logprobs, old_logprobs, advantages, mask, config):
-    ratio = jnp.exp(_inside(logprobs - old_logprobs, mask))
-    c_low, c_high, stats = adapt_clip_bounds(sg(ratio), advantages, mask, config.bapo)
-    extras = {
-        "bapo_c_low": c_low,
-        "bapo_c_high": c_high,
-        "bapo_rho": stats["rho_after"],
-        "bapo_rho_before": stats["rho_before"],
-        "bapo_iterations": stats["iterations"].astype(jnp.float32),
-        "bapo_high_moves": stats["n_high_moves"].astype(jnp.float32),
-        "bapo_low_moves": stats["n_low_moves"].astype(jnp.float32),
+def _bapo_statistics(logprobs, batch, config):
+    """BAPO's clip bounds, adapted on the whole batch (the paper's sums are global)."""
+    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    ratio = token_ratio(sg(logprobs), batch["old_logprobs"], mask)
+    c_low, c_high, info = adapt_clip_bounds(ratio, batch["advantages"], mask, config.bapo,
+                                            rollout_logprobs=batch.get("behaviour_logprobs"))
+    # Per-batch numbers: across minibatches the trainer averages them unweighted.
+    metrics = {
+        "bapo_c_low": Metric.of(c_low),
+        "bapo_c_high": Metric.of(c_high),
+        "bapo_rho": Metric.of(info["rho_after"]),
+        "bapo_rho_before": Metric.of(info["rho_before"]),
+        "bapo_iterations": Metric.of(info["iterations"]),
+        "bapo_high_moves": Metric.of(info["n_high_moves"]),
+        "bapo_low_moves": Metric.of(info["n_low_moves"]),
     }
-    return ratio, c_low, c_high, extras
+    return {"c_low": c_low, "c_high": c_high}, metrics
+
+
+def _bapo_ratio(logprobs, old_logprobs, advantages, mask, config, stats):
+    return token_ratio(logprobs, old_logprobs, mask), stats["c_low"], stats["c_high"], {}
+
+
+def _bapo_defaults(config):
+    return {"aggregation": "token_mean",
+            "dual_clip": 3.0 if config.bapo.variant == "verl" else None}
+
+
+POLICY_LOSSES.register("ppo")(PolicyLossKind(_ppo_ratio))
+POLICY_LOSSES.register("gspo")(PolicyLossKind(
+    _gspo_ratio, defaults=lambda config: {"aggregation": "seq_mean_token_mean"}))
+POLICY_LOSSES.register("bapo")(PolicyLossKind(
+    _bapo_ratio, defaults=_bapo_defaults, batch_statistics=_bapo_statistics))
 
 
 def clipped_surrogate(ratio: Array, advantages: Array, lower, upper,
@@ -229,79 +308,80 @@ def clipped_surrogate(ratio: Array, advantages: Array, lower, upper,
     return loss
 
 
-def _behaviour_weights(old_logprobs, behaviour_logprobs, mask, config):
+def _behaviour_weights(old_logprobs, behaviour_logprobs, mask, config, n_tokens):
     """(per-token multiplier or None, metrics) for the sampler/trainer mismatch."""
-    log_w = jnp.clip(_inside(old_logprobs - behaviour_logprobs, mask),
-                     -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    w = jnp.exp(log_w)
+    w = clamped_exp(_inside(old_logprobs - behaviour_logprobs, mask))
     cap = config.behaviour_is_cap
-    metrics = {"is_weight_mean": masked_mean(w, mask)}
+    per_token = lambda x: Metric.of(masked_mean(x, mask), "mean", n_tokens)  # noqa: E731
+    metrics = {"is_weight_mean": per_token(w)}
     if config.behaviour_is == "truncate":
-        metrics["is_truncated_frac"] = masked_mean((w > cap).astype(jnp.float32), mask)
+        metrics["is_truncated_frac"] = per_token((w > cap).astype(jnp.float32))
         return sg(jnp.minimum(w, cap)), metrics
     if config.behaviour_is == "mask":
         keep = (w <= cap) & (w >= 1.0 / cap)
-        metrics["is_truncated_frac"] = masked_mean((~keep).astype(jnp.float32), mask)
+        metrics["is_truncated_frac"] = per_token((~keep).astype(jnp.float32))
         return keep.astype(jnp.float32), metrics
-    metrics["is_truncated_frac"] = masked_mean((w > cap).astype(jnp.float32), mask)
+    metrics["is_truncated_frac"] = per_token((w > cap).astype(jnp.float32))
     return None, metrics
 
 
 def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array,
                 config: PolicyLossConfig, *, behaviour_logprobs: Optional[Array] = None,
                 ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None,
-                bapo_bounds: Optional[tuple[Array, Array]] = None
-                ) -> tuple[Array, dict[str, Array]]:
+                batch_stats: Any = None) -> tuple[Array, dict[str, Metric]]:
     """Clipped policy-gradient loss (+ kl_coef * KL - entropy_coef * entropy) and metrics.
 
     logprobs [B, T]: current policy (differentiated); old_logprobs [B, T]: trainer log-probs at
     rollout time; advantages [B, T] or [B]; mask [B, T]. Optional [B, T]: behaviour_logprobs
-    (the sampling engine's, for `behaviour_is`), ref_logprobs (needed when kl_coef > 0),
-    entropy (per-token entropies, needed when entropy_coef != 0). bapo_bounds: (c_low, c_high)
-    already adapted on the whole batch, for kind="bapo" over micro-batches.
+    (the sampling engine's: `behaviour_is` weights, and BAPO's pi_rollout weights),
+    ref_logprobs (needed when kl_coef > 0), entropy (per-token entropies, needed when
+    entropy_coef != 0). batch_stats: the kind's `batch_statistics` computed on a larger batch
+    this call is a part of (micro-batches); None computes them here, from these arrays, and
+    adds their metrics (given, their metrics stay with whoever computed them).
 
-    Metrics (scalars): loss, pg_loss, clip_frac_low, clip_frac_high, approx_kl, ratio_mean,
-    ratio_max, ratio_min; dual_clip_frac with a dual clip; is_weight_mean, is_truncated_frac
-    with behaviour_logprobs; kl with ref_logprobs; entropy with entropy; bapo_c_low,
-    bapo_c_high, bapo_rho, bapo_rho_before, bapo_iterations, bapo_high_moves, bapo_low_moves
-    for kind="bapo".
+    Metrics ({name: Metric}): loss, pg_loss, clip_frac_low, clip_frac_high, approx_kl,
+    ratio_mean, ratio_max, ratio_min; dual_clip_frac with a dual clip; is_weight_mean,
+    is_truncated_frac with behaviour_logprobs; kl with ref_logprobs; entropy with entropy;
+    bapo_c_low, bapo_c_high, bapo_rho, bapo_rho_before, bapo_iterations, bapo_high_moves,
+    bapo_low_moves for kind="bapo" (unless batch_stats are given).
     """
     logprobs = jnp.asarray(logprobs, jnp.float32)
     old_logprobs = jnp.asarray(old_logprobs, jnp.float32)
     m = _float_mask(mask, logprobs)
     adv = _inside(_per_token(advantages, logprobs), m)
     agg = lambda x: aggregate(x, m, config.aggregation, config.fixed_normalizer)  # noqa: E731
+    n_tokens = masked_count(logprobs, m)
+    per_token = lambda x: Metric.of(masked_mean(x, m), "mean", n_tokens)  # noqa: E731
+    kind = POLICY_LOSSES.get(config.kind)
 
-    if bapo_bounds is not None:
-        # Bounds adapted once over a batch larger than this call sees (accumulated
-        # micro-batches): every part of the batch must be clipped the same way.
-        if config.kind != "bapo":
-            raise ValueError(f"bapo_bounds given for policy loss kind {config.kind!r}")
-        ratio = jnp.exp(_inside(logprobs - old_logprobs, m))
-        lower, upper = bapo_bounds
-        metrics = {"bapo_c_low": lower, "bapo_c_high": upper}
-    else:
-        ratio, lower, upper, metrics = POLICY_LOSSES.get(config.kind)(
-            logprobs, old_logprobs, adv, m, config)
-    per_token = clipped_surrogate(ratio, adv, lower, upper, config.dual_clip)
+    metrics: dict[str, Metric] = {}
+    if kind.batch_statistics is not None and batch_stats is None:
+        # No larger batch around this call: the statistic is taken over what it sees.
+        part = {"old_logprobs": old_logprobs, "advantages": adv, "loss_mask": m}
+        if behaviour_logprobs is not None:
+            part["behaviour_logprobs"] = behaviour_logprobs
+        batch_stats, metrics = kind.batch_statistics(sg(logprobs), part, config)
+    ratio, lower, upper, extra = kind.ratio(logprobs, old_logprobs, adv, m, config, batch_stats)
+    metrics.update(extra)
+    per_token_loss = clipped_surrogate(ratio, adv, lower, upper, config.dual_clip)
 
     if behaviour_logprobs is not None:
         weight, is_metrics = _behaviour_weights(
-            old_logprobs, jnp.asarray(behaviour_logprobs, jnp.float32), m, config)
+            old_logprobs, jnp.asarray(behaviour_logprobs, jnp.float32), m, config, n_tokens)
         metrics.update(is_metrics)
         if weight is not None:
-            per_token = per_token * weight
+            per_token_loss = per_token_loss * weight
     elif config.behaviour_is != "none":
         raise ValueError(
             f"behaviour_is={config.behaviour_is!r} needs behaviour_logprobs (the sampling "
             "engine's per-token log-probs); pass them or set behaviour_is='none'")
 
-    pg_loss = agg(per_token)
+    pg_loss = agg(per_token_loss)
     loss = pg_loss
 
     if ref_logprobs is not None:
         kl = _inside(kl_penalty(logprobs, ref_logprobs, config.kl_estimator), m)
-        metrics["kl"] = masked_mean(kl, m)
+        metrics["kl"] = per_token(kl)
         if config.kl_coef:
             loss = loss + config.kl_coef * agg(kl)
     elif config.kl_coef:
@@ -309,7 +389,7 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
 
     if entropy is not None:
         ent = _inside(jnp.asarray(entropy, jnp.float32), m)
-        metrics["entropy"] = masked_mean(ent, m)
+        metrics["entropy"] = per_token(ent)
         if config.entropy_coef:
             loss = loss - config.entropy_coef * agg(ent)
     elif config.entropy_coef:
@@ -317,23 +397,27 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
             f"entropy_coef={config.entropy_coef} needs per-token entropy; pass it or set 0")
 
     r = sg(ratio)
-    tok_log_ratio = sg(_inside(logprobs - old_logprobs, m))
+    tok_log_ratio = jnp.clip(sg(_inside(logprobs - old_logprobs, m)),
+                             -MAX_LOG_RATIO, MAX_LOG_RATIO)
     big = jnp.finfo(jnp.float32).max
-    has = masked_count(r, m) > 0
+    weight = loss_weight(m, config.aggregation)
     metrics.update({
-        "loss": loss,
-        "pg_loss": pg_loss,
-        "clip_frac_low": masked_mean(((r < lower) & (adv < 0)).astype(jnp.float32), m),
-        "clip_frac_high": masked_mean(((r > upper) & (adv > 0)).astype(jnp.float32), m),
-        "approx_kl": masked_mean(jnp.expm1(tok_log_ratio) - tok_log_ratio, m),
-        "ratio_mean": masked_mean(r, m),
-        "ratio_max": jnp.where(has, jnp.max(jnp.where(m > 0, r, -big)), 0.0),
-        "ratio_min": jnp.where(has, jnp.min(jnp.where(m > 0, r, big)), 0.0),
+        "loss": Metric.of(loss, "mean", weight),
+        "pg_loss": Metric.of(pg_loss, "mean", weight),
+        "clip_frac_low": per_token(((r < lower) & (adv < 0)).astype(jnp.float32)),
+        "clip_frac_high": per_token(((r > upper) & (adv > 0)).astype(jnp.float32)),
+        "approx_kl": per_token(jnp.expm1(tok_log_ratio) - tok_log_ratio),
+        "ratio_mean": per_token(r),
+        # Extremes over the masked tokens; a part with none has weight 0 and is passed over.
+        "ratio_max": Metric.of(jnp.where(n_tokens > 0, jnp.max(jnp.where(m > 0, r, -big)), 0.0),
+                               "max", n_tokens),
+        "ratio_min": Metric.of(jnp.where(n_tokens > 0, jnp.min(jnp.where(m > 0, r, big)), 0.0),
+                               "min", n_tokens),
     })
     if config.dual_clip is not None:
         undual = jnp.maximum(-adv * r, -adv * jnp.clip(r, lower, upper))
         dual_binds = (adv < 0) & (undual > -config.dual_clip * adv)
-        metrics["dual_clip_frac"] = masked_mean(dual_binds.astype(jnp.float32), m)
+        metrics["dual_clip_frac"] = per_token(dual_binds.astype(jnp.float32))
     return loss, metrics
 
 
@@ -341,13 +425,13 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
 
 def value_loss(values: Array, old_values: Array, returns: Array, mask: Array,
                clip: Optional[float] = 0.2, aggregation: str = "token_mean",
-               normalizer: Optional[float] = None) -> tuple[Array, dict[str, Array]]:
+               normalizer: Optional[float] = None) -> tuple[Array, dict[str, Metric]]:
     """Clipped critic loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2).
 
     values, old_values, returns, mask: [B, T]. clip=None gives the plain 0.5 (v - R)^2.
-    Metrics: value_loss; value_clip_frac = fraction of masked tokens where the clipped term is
-    strictly larger (its gradient is then 0); explained_variance = 1 - Var(R - v) / Var(R)
-    over masked tokens (0 when Var(R) = 0); value_mean; return_mean.
+    Metrics ({name: Metric}): value_loss; value_clip_frac = fraction of masked tokens where
+    the clipped term is strictly larger (its gradient is then 0); explained_variance =
+    1 - Var(R - v) / Var(R) over masked tokens (0 when Var(R) = 0); value_mean; return_mean.
     """
     values = jnp.asarray(values, jnp.float32)
     m = _float_mask(mask, values)
@@ -367,11 +451,14 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array,
     var_ret = masked_var(ret, m)
     var_res = masked_var(sg(ret - v), m)
     explained = jnp.where(var_ret > 0, 1.0 - var_res / jnp.where(var_ret > 0, var_ret, 1.0), 0.0)
+    n_tokens = masked_count(v, m)
     metrics = {
-        "value_loss": loss,
-        "value_clip_frac": clip_frac,
-        "explained_variance": explained,
-        "value_mean": masked_mean(sg(v), m),
-        "return_mean": masked_mean(ret, m),
+        "value_loss": Metric.of(loss, "mean", loss_weight(m, aggregation)),
+        "value_clip_frac": Metric.of(clip_frac, "mean", n_tokens),
+        # A ratio of variances, not a mean: weighting parts by tokens approximates the
+        # whole batch's value (exact when the parts' statistics agree).
+        "explained_variance": Metric.of(explained, "mean", n_tokens),
+        "value_mean": Metric.of(masked_mean(sg(v), m), "mean", n_tokens),
+        "return_mean": Metric.of(masked_mean(ret, m), "mean", n_tokens),
     }
     return loss, metrics

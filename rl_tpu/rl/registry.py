@@ -1,14 +1,18 @@
-"""Name -> function tables, so configs pick RL math by name (`algo.advantage='grpo'`)."""
+"""Name -> entry tables, so configs pick RL math by name (`algo.advantage='grpo'`).
+
+An entry is usually a function; it may be a small spec object when a name carries more than
+one function (a policy loss's ratio, defaults and batch statistics: `losses.PolicyLossKind`).
+"""
 
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 
 class Registry(Generic[F]):
-    """A named table of functions; unknown names fail with the list of known ones."""
+    """A named table of functions (or specs); unknown names fail with the list of known ones."""
 
     def __init__(self, kind: str):
         self.kind = kind

@@ -35,6 +35,7 @@ from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
 from rl_tpu.rl.advantages import compute_advantages
 from rl_tpu.rl.losses import PolicyLossConfig, kl_penalty
+from rl_tpu.rl.masked import combine_stacked, metric_values
 from rl_tpu.train import steps
 from rl_tpu.train.state import TrainState, shardings_of
 
@@ -56,22 +57,10 @@ class UpdateConfig:
                              f"{self.minibatches} must be >= 1")
 
 
-def reduce_metrics(stacked: dict[str, Any]) -> dict[str, float]:
-    """Metrics of E x N updates [E*N] -> one number each: `skipped` is a count, extremes keep
-    their extreme, everything else is the mean over updates (each update saw an equal share
-    of the batch)."""
-    out = {}
-    for key, value in stacked.items():
-        value = np.asarray(value, np.float64)
-        if key == "skipped":
-            out[key] = float(value.sum())
-        elif key.endswith("_max"):
-            out[key] = float(value.max())
-        elif key.endswith("_min"):
-            out[key] = float(value.min())
-        else:
-            out[key] = float(value.mean())
-    return out
+def reduce_metrics(stacked) -> dict[str, float]:
+    """Tagged metrics of E x N updates ({name: Metric [E*N]}, on the host) -> one number each,
+    each combined by its own reduction (token-weighted means, counts, extremes)."""
+    return {k: float(v) for k, v in metric_values(combine_stacked(stacked)).items()}
 
 
 def _split_minibatches(batch, n: int):
@@ -105,11 +94,12 @@ class Learner:
                                                  self._batch_sharding),
                                    out_shardings=self._batch_sharding)
         self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
+        tagged = dataclasses.replace(cfg.step, tagged_metrics=True)
         self._policy_update = self._compile_update(
-            steps.make_policy_step(model, loss_cfg, cfg.step), policy)
+            steps.make_policy_step(model, loss_cfg, tagged), policy)
         self._value_update = None
         if critic is not None:
-            value_step = steps.make_value_step(value_model, cfg.value_clip, "token_mean", cfg.step)
+            value_step = steps.make_value_step(value_model, cfg.value_clip, "token_mean", tagged)
             self._value_update = self._compile_update(value_step, critic)
 
     # -- phases ---------------------------------------------------------------------------

@@ -11,8 +11,24 @@ dim over the data-parallel mesh axes.
 
 Gradient accumulation is exact: micro-batch k's loss is weighted by its share of the whole
 batch's normaliser (its masked tokens for a token mean, its sequences for a sequence mean), so
-M micro-batches give the gradient of the one big batch. A step whose loss or gradient norm is
-not finite leaves the state untouched and reports `skipped = 1`.
+M micro-batches give the gradient of the one big batch. A policy loss that needs a statistic
+of the whole batch (its registry entry declares `batch_statistics`, e.g. BAPO's clip bounds)
+gets it from one forward-only scoring pass over the batch, shared by every micro-batch.
+
+A step whose loss or gradient norm is not finite leaves the state untouched (params, optimizer
+state, step counter) and reports `skipped = 1`; log-ratios are clamped before every exp, so a
+single extreme token no longer makes a NaN gradient.
+
+Metrics. Losses report `Metric`s (rl_tpu.rl.masked): a value, a weight and a reduction tag,
+"mean" (weighted: by masked tokens for per-token means, by the loss's normaliser for the loss,
+1 for per-batch numbers), "sum" (e.g. `skipped`), "max", "min", "last". Micro-batches combine
+by each metric's own tag. A step returns them as a flat {name: scalar array} by default; with
+`StepConfig(tagged_metrics=True)` it returns the {name: Metric} dict itself, for a trainer that
+combines minibatches and epochs the same way:
+
+    parts = [step(state, mb)[1] for mb in minibatches]        # or a scan's stacked output:
+    whole = combine_metrics(parts)                             #   combine_stacked(stacked)
+    log(metric_values(whole))                                  # {name: scalar}
 
 Shape letters: B batch, M micro-batches, T length.
 """
@@ -31,8 +47,10 @@ from rl_tpu import parallel
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
-from rl_tpu.rl.bapo import adapt_clip_bounds
-from rl_tpu.rl.losses import PolicyLossConfig, aggregate, policy_loss, value_loss
+from rl_tpu.rl.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate, loss_weight,
+                              policy_loss, value_loss)
+from rl_tpu.rl.masked import (Metric, combine_metrics, combine_stacked,  # noqa: F401 (API)
+                              metric_values)
 from rl_tpu.rl.preference import PREFERENCE_LOSSES
 from rl_tpu.train.state import TrainState, shardings_of
 
@@ -42,6 +60,7 @@ class StepConfig:
     micro_batches: int = 1  # gradient accumulation steps inside one update
     logprob_chunk: int = 128  # positions per logits chunk (memory [B/M, chunk, V])
     temperature: float = 1.0  # the sampling temperature: logprobs of the sampled policy
+    tagged_metrics: bool = False  # metrics as {name: Metric} (for combine_metrics), not flat
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -60,76 +79,64 @@ def split_micro_batches(batch, m: int):
     return jax.tree.map(one, batch)
 
 
-# Metrics that are the aggregated loss itself (weighted like the loss); every other metric is
-# a masked mean over tokens (clip fractions, ratios, KL, entropy), weighted by token counts.
-LOSS_METRICS = ("loss", "pg_loss", "value_loss", "nll")
+def _tagged(metrics, weight) -> dict[str, Metric]:
+    """A loss's metrics as Metrics; a bare array is a mean weighted like the loss."""
+    return {k: (m if isinstance(m, Metric) else Metric.of(m, "mean", weight))
+            for k, m in metrics.items()}
 
 
-def _combine_metrics(metrics, loss_shares, token_shares):
-    """Per-micro-batch metrics [M] -> scalars: weighted means, but max/min for extremes."""
-    out = {}
-    for key, values in metrics.items():
-        if key.endswith("_max"):
-            out[key] = jnp.max(values)
-        elif key.endswith("_min"):
-            out[key] = jnp.min(values)
-        else:
-            shares = loss_shares if key in LOSS_METRICS else token_shares
-            out[key] = jnp.sum(values * shares)
-    return out
+def accumulate(loss_fn: Callable, params, batch, micro_batches: int, weight_fn: Callable):
+    """(loss, grads, {name: Metric}) of the whole batch, summed over micro-batches in a scan.
 
-
-def accumulate(loss_fn: Callable, params, batch, micro_batches: int, weight_fn: Callable,
-               metric_weight_fn: Callable | None = None):
-    """(loss, grads, metrics) of the whole batch, summed over micro-batches in a `lax.scan`.
-
-    loss_fn(params, micro) -> (loss, metrics); weight_fn(batch) -> the normaliser the loss's
-    aggregation divides by, so that sum_k weight_k / weight_total * loss_k is the batch loss.
-    metric_weight_fn (default weight_fn) weights the metrics not in LOSS_METRICS.
+    loss_fn(params, micro) -> (loss, {name: Metric or array}); weight_fn(batch) -> the
+    normaliser the loss's aggregation divides by, so that sum_k weight_k / weight_total *
+    loss_k is the batch loss. Metrics combine by their own reduction tags (bare arrays as
+    means weighted by weight_fn).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if micro_batches == 1:
         (loss, metrics), grads = grad_fn(params, batch)
-        return loss, grads, metrics
-    metric_weight_fn = metric_weight_fn or weight_fn
+        return loss, grads, _tagged(metrics, weight_fn(batch))
     total = jnp.maximum(weight_fn(batch), 1e-9)
-    metric_total = jnp.maximum(metric_weight_fn(batch), 1e-9)
 
     def body(carry, micro):
         grads_sum, loss_sum = carry
-        share = weight_fn(micro) / total
+        weight = weight_fn(micro)
+        share = weight / total
         (loss, metrics), grads = grad_fn(params, micro)
         grads_sum = jax.tree.map(lambda a, g: a + share * g.astype(a.dtype), grads_sum, grads)
-        return (grads_sum, loss_sum + share * loss), (metrics, share,
-                                                      metric_weight_fn(micro) / metric_total)
+        return (grads_sum, loss_sum + share * loss), _tagged(metrics, weight)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, loss), (metrics, shares, metric_shares) = jax.lax.scan(
+    (grads, loss), metrics = jax.lax.scan(
         body, (zeros, jnp.zeros((), jnp.float32)), split_micro_batches(batch, micro_batches))
-    return loss, grads, _combine_metrics(metrics, shares, metric_shares)
+    return loss, grads, combine_stacked(metrics)
 
 
 def aggregation_weight(mode: str) -> Callable:
     """The denominator of each aggregation mode, as a function of a (micro-)batch."""
-    def weight(batch):
-        mask = batch["loss_mask"].astype(jnp.float32)
-        if mode == "token_mean":
-            return mask.sum()
-        if mode in ("seq_mean_token_sum", "seq_mean_token_mean"):
-            return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
-        return jnp.asarray(mask.shape[0], jnp.float32)  # fixed_normalizer: every row counts
-    return weight
+    return lambda batch: loss_weight(batch["loss_mask"], mode)
 
 
 def apply_update(state: TrainState, loss, grads, metrics):
-    """Optimizer update, or no change at all when the loss or gradient is not finite."""
+    """Optimizer update, or no change at all when the loss or gradient is not finite.
+
+    Adds grad_norm (mean over updates) and skipped (1 when the update was dropped; a count
+    over updates) to `metrics` ({name: Metric}).
+    """
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
     updated = state.apply_gradients(safe_grads)
     state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
-    metrics = dict(metrics, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
+    metrics = dict(metrics, grad_norm=Metric.of(grad_norm),
+                   skipped=Metric.of(1.0 - ok.astype(jnp.float32), "sum"))
     return state, metrics
+
+
+def _output(result, cfg: StepConfig):
+    state, metrics = result
+    return state, (dict(metrics) if cfg.tagged_metrics else metric_values(metrics))
 
 
 def _require(batch, keys, step: str):
@@ -165,35 +172,32 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
     """Clipped policy-gradient update (PPO / GSPO / BAPO, per `loss_cfg`).
 
     batch: tokens, loss_mask, old_logprobs, advantages ([B, T] or [B]); optionally positions,
-    segment_ids, behaviour_logprobs (engine log-probs, for truncated IS), ref_logprobs (KL).
+    segment_ids, behaviour_logprobs (engine log-probs: truncated IS, and BAPO's pi_rollout
+    weights of Eq. 8), ref_logprobs (KL).
     """
-    use_behaviour = loss_cfg.behaviour_is != "none"
+    kind = POLICY_LOSSES.get(loss_cfg.kind)
 
-    def loss_fn(params, micro, bapo_bounds):
+    def loss_fn(params, micro, batch_stats):
         lp, entropy = token_logprobs(model, params, micro, cfg.logprob_chunk, cfg.temperature)
         return policy_loss(
             lp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], loss_cfg,
-            behaviour_logprobs=micro.get("behaviour_logprobs") if use_behaviour else None,
-            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, bapo_bounds=bapo_bounds)
+            behaviour_logprobs=micro.get("behaviour_logprobs"),
+            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, batch_stats=batch_stats)
 
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "old_logprobs", "advantages"], "policy_step")
-        bounds, extra = None, {}
-        if loss_cfg.kind == "bapo" and cfg.micro_batches > 1:
-            # BAPO's bounds depend on the ratios of the whole batch: score it once (forward
-            # only), adapt, then clip every micro-batch with the same bounds.
+        batch_stats, stat_metrics = None, {}
+        if kind.batch_statistics is not None and cfg.micro_batches > 1:
+            # The loss needs a statistic of the whole batch but each micro-batch sees a part:
+            # score the batch once (forward only) and hand every micro-batch the same one.
+            # With one micro-batch the loss takes it from its own log-probs, no extra pass.
             lp, _ = make_logprob_fn(model, cfg)(state.params, batch)
-            mask = batch["loss_mask"]
-            ratio = jnp.exp(jnp.where(mask, lp - batch["old_logprobs"], 0.0))
-            c_low, c_high, stats = adapt_clip_bounds(ratio, batch["advantages"], mask,
-                                                     loss_cfg.bapo)
-            bounds = (jax.lax.stop_gradient(c_low), jax.lax.stop_gradient(c_high))
-            extra = {"bapo_rho": stats["rho_after"], "bapo_rho_before": stats["rho_before"],
-                     "bapo_iterations": stats["iterations"].astype(jnp.float32)}
+            batch_stats, stat_metrics = kind.batch_statistics(
+                jax.lax.stop_gradient(lp), batch, loss_cfg)
         loss, grads, metrics = accumulate(
-            lambda p, mb: loss_fn(p, mb, bounds), state.params, batch, cfg.micro_batches,
-            aggregation_weight(loss_cfg.aggregation), aggregation_weight("token_mean"))
-        return apply_update(state, loss, grads, {**metrics, **extra})
+            lambda p, mb: loss_fn(p, mb, batch_stats), state.params, batch, cfg.micro_batches,
+            aggregation_weight(loss_cfg.aggregation))
+        return _output(apply_update(state, loss, grads, {**metrics, **stat_metrics}), cfg)
 
     return step
 
@@ -215,9 +219,8 @@ def make_value_step(model: ValueModel, clip: float | None = 0.2, aggregation="to
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "values", "returns"], "value_step")
         loss, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
-                                          aggregation_weight(aggregation),
-                                          aggregation_weight("token_mean"))
-        return apply_update(state, loss, grads, metrics)
+                                          aggregation_weight(aggregation))
+        return _output(apply_update(state, loss, grads, metrics), cfg)
 
     return step
 
@@ -233,7 +236,7 @@ def make_sft_step(model: Transformer, cfg: StepConfig = StepConfig()):
         _require(batch, ["tokens", "loss_mask"], "sft_step")
         loss, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
                                           aggregation_weight("token_mean"))
-        return apply_update(state, loss, grads, metrics)
+        return _output(apply_update(state, loss, grads, metrics), cfg)
 
     return step
 
@@ -268,7 +271,7 @@ def make_preference_step(model: Transformer, loss_name: str = "dpo",
                          "rejected_loss_mask", *extra_keys], "preference_step")
         rows = lambda b: jnp.asarray(b["chosen_tokens"].shape[0], jnp.float32)  # noqa: E731
         value, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches, rows)
-        return apply_update(state, value, grads, metrics)
+        return _output(apply_update(state, value, grads, metrics), cfg)
 
     return step
 

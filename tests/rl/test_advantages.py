@@ -135,7 +135,8 @@ GROUP_MASK = np.array([[0, 1, 1], [1, 0, 1], [0, 1, 0], [1, 1, 1],
 
 
 def test_grpo_uneven_groups_by_hand():
-    adv, ret = grpo(REWARDS, GROUP_IDS, GROUP_MASK)
+    adv, ret = grpo(REWARDS, GROUP_IDS, GROUP_MASK, ddof=0)
+    # ddof=0, the population std.
     # Group 7: rows 0, 2, 4, 7 with rewards 0, 2, 0, 2 -> mean 1, population std 1
     #          -> A = -1, +1, -1, +1   (divided by 1 + 1e-6)
     # Group 3: rows 1, 6 with rewards 1, 5 -> mean 3, std 2 -> A = -1, +1
@@ -143,6 +144,36 @@ def test_grpo_uneven_groups_by_hand():
     per_row = np.array([-1, -1, 1, 0, -1, 0, 1, 1], np.float32)
     close(adv, per_row[:, None] * GROUP_MASK)
     close(ret, REWARDS[:, None] * GROUP_MASK)
+
+
+def test_grpo_default_std_is_unbiased_by_hand():
+    # ddof=1 (the default; TRL, verl, DeepSeekMath): squared deviations / (n - 1).
+    # Group 7 (0, 2, 0, 2): mean 1, deviations^2 sum 4, var 4 / 3, std 1.1547005
+    #   -> A = -1 / 1.1547005 = -0.8660254 (rows 0, 4), +0.8660254 (rows 2, 7).
+    # Group 3 (1, 5): mean 3, deviations^2 sum 8, var 8 / 1, std 2.8284271
+    #   -> A = -2 / 2.8284271 = -0.7071068 (row 1), +0.7071068 (row 6).
+    # Group 11 (one sample): r - mean = 0 -> 0 (its var 0 / max(1 - 1, 1) = 0, never 0/0).
+    a, b = 0.8660254, 0.7071068
+    per_row = np.array([-a, -b, a, 0, -a, 0, b, a], np.float32)
+    adv, _ = grpo(REWARDS, GROUP_IDS, GROUP_MASK)
+    close(adv, per_row[:, None] * GROUP_MASK)
+    # The option reaches the estimator by name through compute_advantages.
+    batch = {"rewards": REWARDS, "group_ids": GROUP_IDS, "loss_mask": GROUP_MASK}
+    close(compute_advantages("grpo", batch, ddof=1)[0], adv)
+    close(compute_advantages("grpo", batch, ddof=0)[0], grpo(REWARDS, GROUP_IDS, GROUP_MASK,
+                                                               ddof=0)[0])
+
+
+def test_rloo_optional_std_by_hand():
+    # normalize_std=True divides the leave-one-out advantage by the group's ddof=1 std:
+    # group 7: +-(4/3) / 1.1547005 = +-1.1547005; group 3: +-4 / 2.8284271 = +-1.4142136.
+    adv, _ = rloo(REWARDS, GROUP_IDS, GROUP_MASK, normalize_std=True)
+    a, b = 1.1547005, 1.4142136
+    close(adv, np.array([-a, -b, a, 0, -a, 0, b, a], np.float32)[:, None] * GROUP_MASK)
+    # ddof=0: std 1 and 2 -> group 7 keeps +-4/3, group 3 gives +-4 / 2 = +-2.
+    adv0, _ = rloo(REWARDS, GROUP_IDS, GROUP_MASK, normalize_std=True, ddof=0)
+    close(adv0, np.array([-4 / 3, -2, 4 / 3, 0, -4 / 3, 0, 2, 4 / 3],
+                         np.float32)[:, None] * GROUP_MASK)
 
 
 def test_dr_grpo_by_hand():
@@ -188,7 +219,8 @@ def test_turn_level_grpo_by_hand():
                      [0, 1, 1, 0, 1, 1, 0],
                      [0, 0, 1, 0, 1, 0, 1],
                      [0, 1, 1, 0, 0, 0, 0]], bool)
-    adv, ret = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask)
+    adv, ret = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask, ddof=0)
+    # ddof=0 (population std).
     # Group 0 rewards (0, 2, 0, 2): mean 1, std 1 -> turn 0 advantages -1, +1, -1, +1.
     # Group 1 rewards (1, 5): mean 3, std 2 -> row 0 turn 1: -1, row 1 turn 1: +1.
     # Row 2's turn-1 and turn-2 tokens are masked in but their slots are unused -> 0.
@@ -204,6 +236,14 @@ def test_turn_level_grpo_by_hand():
     adv_nostd, _ = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask,
                                    normalize_std=False)
     close(adv_nostd[:2], [[0, -1, -1, 0, -2, -2, 0], [0, 1, 1, 0, 2, 2, 0]])
+    # Default ddof=1: group 0 std sqrt(4 / 3) = 1.1547005 -> +-0.8660254; group 1 std
+    # sqrt(8 / 1) = 2.8284271 -> +-0.7071068.
+    a, b = 0.8660254, 0.7071068
+    adv1, _ = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask)
+    close(adv1, [[0, -a, -a, 0, -b, -b, 0],
+                 [0, a, a, 0, b, b, 0],
+                 [0, 0, -a, 0, 0, 0, 0],
+                 [0, a, a, 0, 0, 0, 0]])
 
 
 # --------------------------------------------------------------- common properties --

@@ -1,8 +1,9 @@
 """BAPO bound search (rl_tpu.rl.bapo) on batches whose move sequence is worked out by hand.
 
-With r >= 0 the positive share reduces to
-    rho = P / (P + N),  P = sum_{A>0} A min(r, c_high),  N = sum_{A<0} |A| max(r, c_low),
-which is what the comments below evaluate.
+With r >= 0 the paper's positive share (Eq. 8) reduces to
+    rho = P / (P + N),  P = sum_{A>0} w A min(r, c_high),  N = sum_{A<0} w |A| max(r, c_low),
+with w = pi_rollout(y) (1 when no rollout log-probs are given), and the verl recipe's
+criterion is R = P / N with w = 1; the comments below evaluate these.
 """
 
 import jax
@@ -20,6 +21,7 @@ adapt = jax.jit(adapt_clip_bounds, static_argnums=3)
 
 
 def close(actual, expected):
+    actual = getattr(actual, "value", actual)  # a Metric's value, or the array itself
     np.testing.assert_allclose(np.asarray(actual), expected, **TOL)
 
 
@@ -168,3 +170,102 @@ def test_policy_loss_bapo_uses_adapted_bounds():
     close(loss, 0.78)
     close(m["clip_frac_high"], 0.1)
     close(grad, [[0.0] + [0.1] * 9])
+
+
+# -------------------------------------------------------------- Eq. 8's pi_rollout weights
+
+# Token 0: A=+1, r=3, pi_rollout = 0.5; tokens 1, 2: A=-1, r=1, pi_rollout = 1 (log 0);
+# token 3 is masked, with a junk log-prob +5 (weight e^5) that must not count.
+W_R = jnp.array([[3.0, 1.0, 1.0, 7.0]])
+W_A = jnp.array([[1.0, -1.0, -1.0, 1.0]])
+W_M = jnp.array([[1, 1, 1, 0]], bool)
+W_LP = jnp.array([[np.log(0.5), 0.0, 0.0, 5.0]], jnp.float32)
+
+
+def test_paper_share_is_weighted_by_rollout_probability():
+    # Weighted: P = 0.5 min(3, c), N = 1 + 1 = 2 (r = 1 >= any c_low <= 0.9).
+    #   rho = 0.5c / (0.5c + 2) >= 0.4 <=> 0.3c >= 0.8 <=> c >= 2.6667:
+    #   c = 1.20: 0.6 / 2.6 = 0.2307692;  c = 2.65: 1.325 / 3.325 = 0.39850 (< 0.4);
+    #   c = 2.70: 1.35 / 3.35 = 0.4029851 -> (2.70 - 1.2) / 0.05 = 30 high moves.
+    check(adapt(W_R, W_A, W_M, BapoConfig(), W_LP), 0.6, 2.70, 30, 0, 0.6 / 2.6, 1.35 / 3.35)
+    # Unweighted (rollout_logprobs=None, w = 1): rho = c / (c + 2) >= 0.4 <=> c >= 1.3333:
+    #   c = 1.20: 1.2 / 3.2 = 0.375; c = 1.30: 0.3939; c = 1.35: 1.35 / 3.35 -> 3 moves.
+    check(adapt(W_R, W_A, W_M, BapoConfig()), 0.6, 1.35, 3, 0, 1.2 / 3.2, 1.35 / 3.35)
+
+
+def test_policy_loss_bapo_weights_by_behaviour_logprobs():
+    # The same batch through the loss: with behaviour_logprobs the bounds are the weighted
+    # ones (c_high 2.70), without them the unweighted ones (1.35).
+    logp, old = jnp.log(W_R), jnp.zeros_like(W_R)
+    cfg = PolicyLossConfig(kind="bapo")
+    _, m = jax.jit(policy_loss, static_argnames="config")(
+        logp, old, W_A, W_M, cfg, behaviour_logprobs=W_LP)
+    close(m["bapo_c_high"], 2.70)
+    close(m["bapo_rho"], 1.35 / 3.35)
+    _, m = jax.jit(policy_loss, static_argnames="config")(logp, old, W_A, W_M, cfg)
+    close(m["bapo_c_high"], 1.35)
+
+
+# -------------------------------------------------------------- the authors' verl variant
+
+# Token 0: A=+0.6, r=2; token 1: A=-1, r=0.5; token 2: A=-1, r=1.1.
+V_R = jnp.array([[2.0, 0.5, 1.1]])
+V_A = jnp.array([[0.6, -1.0, -1.0]])
+V_M = jnp.ones_like(V_R)
+
+
+def verl(**overrides):
+    return BapoConfig(variant="verl", **overrides)
+
+
+def test_verl_variant_raises_c_low_first_then_c_high():
+    # R = 0.6 min(2, c_high) / (max(0.5, c_low) + 1.1), target 0.5.
+    # Start: 0.72 / 1.7 = 0.4235294 < 0.5. c_low first: 0.6 -> 0.9 in 15 steps of 0.02; R only
+    # falls (0.72 / 2.0 = 0.36). Then c_high: 0.6 c / 2.0 >= 0.5 <=> c >= 1.6667:
+    #   c = 1.65: 0.99 / 2 = 0.495;  c = 1.70: 1.02 / 2 = 0.51 -> 10 high moves.
+    check(adapt(V_R, V_A, V_M, verl()), 0.9, 1.70, 10, 15, 0.72 / 1.7, 0.51)
+    # The paper variant on the same batch: share 0.6c / (0.6c + 1.7) >= 0.4 <=> c >= 1.8889:
+    #   c = 1.85: 1.11 / 2.81 = 0.39502;  c = 1.90: 1.14 / 2.84 = 0.4014085 -> 14 high moves,
+    #   c_low untouched.
+    check(adapt(V_R, V_A, V_M, BapoConfig()), 0.6, 1.90, 14, 0, 0.72 / 2.42, 1.14 / 2.84)
+
+
+def test_verl_variant_last_step_is_clamped_to_the_bound():
+    # c_low range [0.6, 0.71] in steps of 0.03: 0.63, 0.66, 0.69, then min(0.72, 0.71) = 0.71
+    # (4 moves; the paper variant only takes whole steps: 3).
+    cfg = verl(b_minus=0.71, delta2=0.03)
+    assert cfg.max_low_moves == 4
+    assert BapoConfig(b_minus=0.71, delta2=0.03).max_low_moves == 3
+    # N = 0.71 + 1.1 = 1.81; 0.6 c / 1.81 >= 0.5 <=> c >= 1.50833:
+    #   c = 1.50: 0.9 / 1.81 = 0.49724;  c = 1.55: 0.93 / 1.81 = 0.5138122 -> 7 high moves.
+    check(adapt(V_R, V_A, V_M, cfg), 0.71, 1.55, 7, 4, 0.72 / 1.7, 0.93 / 1.81)
+
+
+def test_verl_variant_without_negatives_is_balanced():
+    # No A < 0: nothing to balance, R = inf, no move; rollout log-probs are ignored.
+    r = jnp.array([[0.5, 2.0]])
+    lo, hi, stats = adapt(r, jnp.ones_like(r), jnp.ones_like(r), verl(), jnp.full_like(r, -3.0))
+    close(lo, 0.6)
+    close(hi, 1.2)
+    assert int(stats["iterations"]) == 0 and np.isinf(float(stats["rho_after"]))
+
+
+def test_verl_variant_defaults_to_dual_clip_three():
+    assert PolicyLossConfig(kind="bapo", bapo=verl()).dual_clip == 3.0
+    assert PolicyLossConfig(kind="bapo").dual_clip is None
+    assert PolicyLossConfig(kind="bapo", bapo=verl(), dual_clip=5.0).dual_clip == 5.0
+    # The loss with the verl bounds (0.9, 1.70): token 0 max(-1.2, -0.6 * 1.7) = -1.02;
+    # token 1 max(0.5, 0.9) = 0.9 (dual clip 3 does not bind); token 2: 1.1.
+    # mean = (-1.02 + 0.9 + 1.1) / 3 = 0.98 / 3
+    loss, m = jax.jit(policy_loss, static_argnames="config")(
+        jnp.log(V_R), jnp.zeros_like(V_R), V_A, V_M, PolicyLossConfig(kind="bapo", bapo=verl()))
+    close(loss, 0.98 / 3)
+    close(m["bapo_c_low"], 0.9)
+    close(m["dual_clip_frac"], 0.0)
+
+
+def test_bad_variant_is_named():
+    with pytest.raises(ValueError, match="bapo.variant='vErl'"):
+        BapoConfig(variant="vErl")
+    with pytest.raises(ValueError, match="bapo.target"):
+        BapoConfig(target=-1.0)

@@ -16,6 +16,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def close(actual, expected):
+    actual = getattr(actual, "value", actual)  # a Metric's value, or the array itself
     np.testing.assert_allclose(np.asarray(actual), expected, **TOL)
 
 
@@ -110,6 +111,12 @@ def test_ppo_asymmetric_clip_values_grads_metrics():
     close(m["ratio_mean"], 6.25 / 6)        # (1.5 + 1.5 + 0.5 + 0.5 + 1 + 1.25) / 6
     close(m["ratio_max"], 1.5)
     close(m["ratio_min"], 0.5)
+    # Reductions across parts of a batch: token means weighted by the 6 tokens, the loss by
+    # its normaliser (6 tokens for token_mean), extremes by max / min.
+    assert (m["clip_frac_high"].reduce, m["ratio_max"].reduce, m["ratio_min"].reduce) == (
+        "mean", "max", "min")
+    close(m["clip_frac_high"].weight, 6.0)
+    close(m["loss"].weight, 6.0)
     # approx_kl = mean(r - 1 - ln r): 1.5 -> 0.0945349, 0.5 -> 0.1931472, 1 -> 0,
     # 1.25 -> 0.0268564; (2*0.0945349 + 2*0.1931472 + 0.0268564) / 6 = 0.1003701
     close(m["approx_kl"], 0.1003701)
@@ -171,7 +178,7 @@ def _gspo_batch():
 
 def test_gspo_sequence_ratio_clip_and_grads():
     logp, old, adv, mask = _gspo_batch()
-    cfg = PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4)
+    cfg = PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4, aggregation="token_mean")
     # s0 = exp(0.15) = 1.1618342 > 1.0004 with A=+1 -> each token -1.0004 (clipped, no grad)
     # s1 = 1 inside, A=-0.5 -> each token +0.5
     # token_mean = (2 * -1.0004 + 3 * 0.5) / 5 = -0.50080 / 5 = -0.10016
@@ -191,6 +198,22 @@ def test_gspo_sequence_ratio_clip_and_grads():
     close(jit_policy_loss(logp, old, adv, mask, cfg2)[0], -0.2502)
 
 
+def test_gspo_defaults_to_its_sequence_level_aggregation():
+    # aggregation=None resolves per kind: GSPO's own seq_mean_token_mean, token_mean for
+    # ppo and bapo; an explicit choice is kept.
+    assert PolicyLossConfig(kind="gspo").aggregation == "seq_mean_token_mean"
+    assert PolicyLossConfig(kind="ppo").aggregation == "token_mean"
+    assert PolicyLossConfig(kind="bapo").aggregation == "token_mean"
+    assert PolicyLossConfig(kind="gspo", aggregation="token_mean").aggregation == "token_mean"
+    # Same batch as above, default config: (-1.0004 + 0.5) / 2 = -0.2502, not the token
+    # mean -0.10016. The loss is weighted by its 2 sequences when parts are combined.
+    logp, old, adv, mask = _gspo_batch()
+    loss, m = jit_policy_loss(logp, old, adv, mask,
+                              PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4))
+    close(loss, -0.2502)
+    close(getattr(m["loss"], "weight", np.nan), 2.0)
+
+
 def test_gspo_token_form_matches_sequence_level_gradient():
     # With per-sequence advantages and no clipping, GSPO-token under seq_mean_token_mean has
     # the sequence-level objective's gradient: d/dlogp_t of -mean_i A_i s_i.
@@ -206,6 +229,53 @@ def test_gspo_token_form_matches_sequence_level_gradient():
     g_seq = jax.jit(jax.grad(seq_level))(logp)
     close(g_tok, np.asarray(g_seq))
     close(jit_policy_loss(logp, old, adv, mask, cfg)[0], jax.jit(seq_level)(logp))
+
+
+# --------------------------------------------------------------------------- log-ratio clamp
+
+def _all_finite(tree):
+    return all(np.all(np.isfinite(np.asarray(getattr(x, "value", x))))
+               for x in jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "value")))
+
+
+def test_huge_log_ratio_gives_finite_loss_and_gradient_ppo_and_bapo():
+    # Token 0: log-ratio 95 with A = +1 (exp(95) overflows fp32 to inf); token 1: r = 1, A = -1.
+    # Clamped to 20, r0 = e^20 = 4.85165e8 and the upper clip binds: gradient 0, not 0 * inf.
+    logp = jnp.array([[95.0, 0.0]])
+    old = jnp.zeros((1, 2))
+    adv = jnp.array([[1.0, -1.0]])
+    mask = jnp.ones((1, 2))
+    # ppo [0.8, 1.2]: token 0 max(-e^20, -1.2) = -1.2; token 1 max(1, 1) = 1
+    #   -> (-1.2 + 1) / 2 = -0.1; d/dlogp_1 = -A r / 2 = +0.5.
+    # bapo: P = min(e^20, 1.2) = 1.2, N = max(1, 0.6) = 1 -> rho = 1.2 / 2.2 = 0.545 >= 0.4:
+    #   bounds stay [0.6, 1.2], so the same loss and gradient.
+    for kind in ("ppo", "bapo"):
+        cfg = PolicyLossConfig(kind=kind)
+        loss, m = jit_policy_loss(logp, old, adv, mask, cfg)
+        g = policy_grad(logp, old, adv, mask, cfg)
+        assert _all_finite(g) and _all_finite(m), kind
+        close(loss, -0.1)
+        close(g, [[0.0, 0.5]])
+        close(m["ratio_max"], math.exp(20.0))
+        # approx_kl: (e^20 - 1 - 20 + 0) / 2, finite
+        close(m["approx_kl"], (math.expm1(20.0) - 20.0) / 2)
+
+
+def test_huge_log_ratio_gives_finite_loss_and_gradient_gspo():
+    # seq 0: log-ratios 95, 0 -> mean 47.5 -> s0 = e^20 after the clamp, A = +1: both tokens
+    # clipped to -1.0004, no gradient. seq 1: r = 1, A = +1: -1 each.
+    # seq_mean_token_mean = (-1.0004 - 1) / 2 = -1.0002; seq 1's tokens get -A s / (2 * 2).
+    logp = jnp.array([[95.0, 0.0], [0.0, 0.0]])
+    old = jnp.zeros((2, 2))
+    adv = jnp.array([1.0, 1.0])
+    mask = jnp.ones((2, 2))
+    cfg = PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4,
+                           aggregation="seq_mean_token_mean")
+    loss, m = jit_policy_loss(logp, old, adv, mask, cfg)
+    g = policy_grad(logp, old, adv, mask, cfg)
+    assert _all_finite(g) and _all_finite(m)
+    close(loss, -1.0002)
+    close(g, [[0.0, 0.0], [-0.25, -0.25]])
 
 
 # --------------------------------------------------------------------------- behaviour IS

@@ -234,9 +234,12 @@ def write_sgl_kernel_stub(directory: str) -> str:
     return directory
 
 
-def start_sglang_server(model_dir: str, *flags: str, timeout: float = 180.0) -> ServerProcess:
+def start_sglang_server(model_dir: str, *flags: str, timeout: float = 180.0,
+                        env: Optional[dict] = None) -> ServerProcess:
     """A real SGLang 0.5.23 server on CPU serving `model_dir` (flags as in shared/SGLANG.md;
-    `--dtype float32` so a float32 tiny model is served as saved)."""
+    `--dtype float32` so a float32 tiny model is served as saved). `env` adds variables to the
+    server's environment (e.g. SGLANG_RETURN_ORIGINAL_LOGPROB)."""
+    env_overrides = dict(env or {})
     python = ensure_sglang_venv()
     port = free_port()
     stub_dir = write_sgl_kernel_stub(tempfile.mkdtemp(prefix="rl_tpu_sgl_kernel_"))
@@ -244,6 +247,7 @@ def start_sglang_server(model_dir: str, *flags: str, timeout: float = 180.0) -> 
            if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS") and not k.startswith("PYTEST")}
     env.update(PYTHONPATH=stub_dir, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
+    env.update(env_overrides)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
            "--attention-backend", "torch_native", "--disable-overlap-schedule",
            "--max-total-tokens", "4096", "--dtype", "float32", "--host", "127.0.0.1",

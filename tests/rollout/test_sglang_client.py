@@ -4,7 +4,8 @@ rl_tpu's own SGLang-compatible JAX server ("jax"), one suite for both.
 The first run installs SGLang into a cached venv (~4 min, ~11 GB; see sglang_server.py). One
 SGLang server takes ~3.5 GB and ~40 s to start, so each backend starts one module-wide server;
 only the crash test starts (and kills) a second. References come from transformers running the
-same HF dirs: greedy tokens and teacher-forced logprobs (log softmax of logits / temperature).
+same HF dirs: greedy tokens and teacher-forced logprobs (log softmax of logits / temperature),
+and from rl_tpu's own model code where the question is what the trainer recomputes.
 """
 
 import functools
@@ -13,6 +14,7 @@ import os
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,16 +22,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rl_tpu.models import hf  # noqa: E402
+from rl_tpu.models.logprobs import logits_from_hidden, token_logprobs  # noqa: E402
 from rl_tpu.models.tiny import write_tiny_model  # noqa: E402
+from rl_tpu.models.transformer import Transformer  # noqa: E402
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
-from rl_tpu.rollout.engine import RolloutError
+from rl_tpu.rollout.engine import RolloutError  # noqa: E402
 from rl_tpu.rollout.sglang import SGLangEngine  # noqa: E402
 
 from sglang_server import (REPO, free_port, start_rollout_server,  # noqa: E402
                            start_sglang_server)
 
 # With `pytest -n 2 --dist loadgroup` this keeps the module on one worker (one server at a time).
-pytestmark = pytest.mark.xdist_group("rollout_servers")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers")]
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 300, 9, 11]]
 LOGPROB_ATOL = 1e-4  # float32 end to end; measured differences are ~1e-5
@@ -91,6 +95,32 @@ def reference_logprobs(model_dir, prompt, output, temperature=1.0):
     return np.array([logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)])
 
 
+@functools.lru_cache(maxsize=None)
+def _rl_tpu_model(model_dir):
+    cfg, params = hf.load(model_dir)
+    return Transformer(cfg), params
+
+
+def rl_tpu_scores(model_dir, prompt, output, temperature, top_p, top_k):
+    """Per output token, by rl_tpu's own model code, what the trainer recomputes: `full` =
+    log softmax(logits / T) of the token (`token_logprobs`), and `log_kept` = log of the mass
+    SGLang's sampler keeps (rank < top_k and mass before the token <= top_p; sampler.py
+    `top_k_top_p_min_p_sampling_from_probs_torch`). The "truncated" convention would report
+    full - log_kept."""
+    model, params = _rl_tpu_model(model_dir)
+    tokens = jnp.asarray([list(prompt) + list(output)], jnp.int32)
+    full, _ = token_logprobs(model, params, {"tokens": tokens}, temperature=temperature,
+                             with_entropy=False)
+    hidden = model.apply({"params": params}, tokens, None, None, return_hidden=True)
+    logits = logits_from_hidden(model.cfg, params, hidden[0, len(prompt) - 1:-1], temperature)
+    z = np.asarray(logits, np.float64)
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    probs = -np.sort(-probs / probs.sum(-1, keepdims=True), axis=-1)  # descending
+    before = np.cumsum(probs, axis=-1) - probs
+    keep = (np.arange(probs.shape[-1]) < top_k) & (before <= top_p)
+    return np.asarray(full[0, len(prompt):], np.float64), np.log((probs * keep).sum(-1))
+
+
 def reference_greedy(model_dir, prompt, max_new_tokens):
     """Greedy continuation by transformers (no stop), with its logprobs."""
     ids = list(prompt)
@@ -142,6 +172,65 @@ def test_sampled_logprobs_are_temperature_scaled_and_n_is_prompt_major(engine, m
         np.testing.assert_allclose(
             result.logprobs, reference_logprobs(models["a"], prompt, result.output_ids, 0.7),
             atol=LOGPROB_ATOL)
+        assert result.logprob_convention == "full"
+
+
+def test_top_p_top_k_logprobs_are_full_not_truncated(engine, server, backend, models):
+    """Issue 8: at top_p 0.8, top_k 20, T 1 the reported logprobs are rl_tpu's own log
+    softmax(logits) of the sampled tokens ("full"), not the renormalised top-p/top-k ones,
+    which would be -log(kept mass) higher (SGLang 0.5.23: sglang.py's module doc)."""
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.8, top_k=20, n=4,
+                              ignore_eos=True)
+    prompts = PROMPTS[:2]
+    results = engine.generate([GenerateRequest(p, sampling) for p in prompts])
+    assert len(results) == 8
+    truncation_gaps = []
+    for k, result in enumerate(results):
+        full, log_kept = rl_tpu_scores(models["a"], prompts[k // 4], result.output_ids, 1.0,
+                                       0.8, 20)
+        np.testing.assert_allclose(result.logprobs, full, atol=LOGPROB_ATOL)
+        assert result.logprob_convention == "full"
+        truncation_gaps.extend(-log_kept)
+    # the "truncated" numbers would be this far off: far outside the tolerance
+    assert np.mean(truncation_gaps) > 100 * LOGPROB_ATOL
+    meaning = engine.server_logprobs(server.url)  # what the engine's probe found
+    assert (meaning.top_p, meaning.top_k, meaning.temperature_scaled) == ("full", "full", True)
+    # real SGLang answers the probe; rl_tpu's server has no top logprobs and is "full" by
+    # contract (its sampler reports logprobs before truncation)
+    assert meaning.source == ("probed" if backend == "sglang" else "assumed")
+
+
+def test_return_original_logprob_switch_is_detected_and_guarded(backend, models):
+    """SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes SGLang 0.5.23 report log_softmax(logits) before
+    temperature (and truncation): the engine's probe finds it and refuses temperatures != 1,
+    whose logprobs the trainer would misread."""
+    if backend != "sglang":
+        pytest.skip("an SGLang launch switch")
+    with start_sglang_server(models["a"], env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}) as server:
+        engine = SGLangEngine([server.url], request_timeout_s=120)
+        engine.wait_healthy(timeout=60)
+        meaning = engine.server_logprobs(server.url)
+        assert (meaning.temperature_scaled, meaning.source) == (False, "probed")
+        assert (meaning.top_p, meaning.top_k) == ("full", "full")
+        prompt = PROMPTS[1]
+        body = {"input_ids": [prompt], "return_logprob": True, "logprob_start_len": -1,
+                "sampling_params": [{"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.8,
+                                     "top_k": 20, "ignore_eos": True}]}
+        [item] = engine.transport.call("POST", "/generate", body)[1]  # past the engine's guard
+        raw = SGLangEngine.parse_sample(item, server.url)
+        at_one = reference_logprobs(models["a"], prompt, raw.output_ids, 1.0)
+        np.testing.assert_allclose(raw.logprobs, at_one, atol=LOGPROB_ATOL)
+        at_t = reference_logprobs(models["a"], prompt, raw.output_ids, 0.7)
+        assert np.max(np.abs(np.array(raw.logprobs) - at_t)) > 100 * LOGPROB_ATOL
+        with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+            engine.generate([GenerateRequest(prompt, SamplingParams(temperature=0.7))])
+        [ok] = engine.generate([GenerateRequest(prompt, SamplingParams(
+            max_new_tokens=6, top_p=0.8, top_k=20, ignore_eos=True))])
+        np.testing.assert_allclose(ok.logprobs, reference_logprobs(models["a"], prompt,
+                                                                   ok.output_ids),
+                                   atol=LOGPROB_ATOL)
+        assert ok.logprob_convention == "full"
+        engine.close()
 
 
 def test_stop_token_ids_and_max_new_tokens(engine, models):
@@ -156,6 +245,34 @@ def test_stop_token_ids_and_max_new_tokens(engine, models):
     assert stopped.finish_reason == "stop" and stopped.matched_stop == tokens[k]
     [short] = engine.generate([GenerateRequest(prompt, greedy(max_new_tokens=3))])
     assert short.output_ids == tokens[:3] and short.finish_reason == "length"
+
+
+def test_min_new_tokens_holds_back_stop_ids(engine, models):
+    """min_new_tokens reaches the server: SGLang's MinNewTokensPenalizer sets the logits of
+    the stop ids and eos to -inf until that many tokens exist, so the greedy path goes on
+    past the stop id, and the logprob reported there is that of the penalised distribution
+    (what rl_tpu's own sampler mirrors)."""
+    prompt = PROMPTS[0]
+    cfg = hf.read_config(models["a"])
+    eos = set(cfg.eos_token_ids)
+    tokens, _ = reference_greedy(models["a"], prompt, 12)
+    k = next(i for i in range(1, 8) if tokens[i] not in tokens[:i] and not eos & {*tokens[:i + 1]})
+    stop = tokens[k]
+    base = dict(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    [early] = engine.generate([GenerateRequest(prompt, SamplingParams(**base))])
+    assert early.output_ids == tokens[:k + 1] and early.finish_reason == "stop"
+    [held] = engine.generate([GenerateRequest(prompt, SamplingParams(min_new_tokens=k + 2,
+                                                                     **base))])
+    assert held.output_ids[:k] == tokens[:k]
+    assert len(held.output_ids) >= k + 2
+    assert not ({stop} | eos) & set(held.output_ids[:k + 2])
+    with torch.no_grad():
+        logits = _hf_model(models["a"])(torch.tensor([list(prompt) + tokens[:k]])).logits[0, -1]
+    banned = logits.double().clone()
+    banned[sorted({stop} | eos)] = -math.inf
+    penalised = torch.log_softmax(banned, -1)[held.output_ids[k]].item()
+    assert held.output_ids[k] == int(banned.argmax())
+    assert held.logprobs[k] == pytest.approx(penalised, abs=LOGPROB_ATOL)
 
 
 def test_ignore_eos_also_turns_off_stop_token_ids(engine, models):

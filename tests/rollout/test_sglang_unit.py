@@ -1,8 +1,11 @@
 """SGLangEngine without a real server: a scripted stdlib HTTP server on loopback stands in for
 SGLang (same routes and reply shapes), to pin retries, backoff, fail-over, timeouts, batching,
-parsing, error messages and the weight-sync protocol."""
+parsing, error messages, the weight-sync protocol and the logprob-convention probe (the fake
+answers the probe from a fixed 5-token distribution, in any of the conventions a server may
+use)."""
 
 import json
+import math
 import os
 import threading
 import time
@@ -13,9 +16,10 @@ import pytest
 
 from rl_tpu.models import hf
 from rl_tpu.models.tiny import tiny_config
-from rl_tpu.rollout import sglang
+from rl_tpu.rollout import http_transport, logprob_probe, weight_sync
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.engine import RolloutError
+from rl_tpu.rollout.logprob_probe import ServerLogprobs
 from rl_tpu.rollout.sglang import SGLangEngine
 
 from sglang_server import SGL_KERNEL_STUB, free_port  # noqa: E402  (tests/rollout is on sys.path)
@@ -36,6 +40,7 @@ class FakeSGLang:
         self.model_path, self.version, self.hang_s = model_path, "default", hang_s
         self.health = []  # statuses for successive /health_generate; 200 once empty
         self.report_version = True
+        self.logprob_mode = "full"  # how one_token() answers the logprob probe
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,6 +101,8 @@ class FakeSGLang:
 
     def generate(self, body):
         """Sample j of prompt p: tokens p[0]+100*j+t, logprob -(t+1)/10, finish length."""
+        if "top_logprobs_num" in body:
+            return self.one_token(body)
         prompts, params = body["input_ids"], body["sampling_params"]
         assert len({sp["n"] for sp in params}) == 1, "SGLang wants one n per batch"
         out = []
@@ -109,6 +116,41 @@ class FakeSGLang:
                     "output_token_logprobs": [[-(t + 1) / 10, i, None]
                                               for t, i in enumerate(ids)]}})
         return out
+
+    # Next-token logits (token ids 0-4) after any prompt; softmax: .563 .207 .126 .076 .028.
+    LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0])
+
+    def one_token(self, body):
+        """One greedy token per prompt with its top logprobs, in `logprob_mode`: "full" (log
+        softmax(z / T), SGLang 0.5.23), "truncated" (renormalised over the top-k/top-p set,
+        kept as SGLang does: rank < k and exclusive cumsum <= p), "unscaled" (log softmax(z),
+        SGLANG_RETURN_ORIGINAL_LOGPROB=1), "none" (no top logprobs, like rl_tpu's server)."""
+        out = []
+        for sp in body["sampling_params"]:
+            z = self.LOGITS / (1.0 if self.logprob_mode == "unscaled" else sp["temperature"])
+            probs = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            if self.logprob_mode == "truncated":
+                order = np.argsort(-probs)
+                before = np.cumsum(probs[order]) - probs[order]
+                k = sp["top_k"] if sp["top_k"] >= 1 else len(probs)
+                keep = order[(np.arange(len(probs)) < k) & (before <= sp["top_p"])]
+                kept = np.zeros_like(probs)
+                kept[keep] = probs[keep]
+                probs = kept / kept.sum()
+            with np.errstate(divide="ignore"):
+                logprobs = np.log(probs)
+            top = [[None if np.isinf(logprobs[i]) else float(logprobs[i]), int(i), None]
+                   for i in np.argsort(-logprobs)[:body["top_logprobs_num"]]]
+            meta = {"id": f"p{len(out)}", "prompt_tokens": 3, "weight_version": self.version,
+                    "finish_reason": {"type": "length", "length": 1},
+                    "output_token_logprobs": [top[0]]}
+            if self.logprob_mode != "none":
+                meta["output_top_logprobs"] = [top]
+            out.append({"text": "", "output_ids": [top[0][1]], "meta_info": meta})
+        return out
+
+    def probes(self):
+        return [r for r in self.posts("/generate") if "top_logprobs_num" in r[3]]
 
     def posts(self, path):
         return [r for r in self.requests if r[0] == "POST" and r[1] == path]
@@ -126,7 +168,9 @@ def fake():
 
 
 def _engine(urls, **kwargs):
-    kwargs = {"request_timeout_s": 5.0, "connect_retries": 3, "backoff_s": 0.01, **kwargs}
+    # "full" declared: no probe request, so the scripted replies go to the requests under test
+    kwargs = {"request_timeout_s": 5.0, "connect_retries": 3, "backoff_s": 0.01,
+              "logprob_convention": "full", **kwargs}
     return SGLangEngine(urls if isinstance(urls, list) else [urls], **kwargs)
 
 
@@ -143,15 +187,16 @@ def _dead_url():
 
 def test_generate_maps_sampling_params_and_parses_results(fake):
     engine = _engine(fake.url)
-    sp = SamplingParams(max_new_tokens=2, temperature=0.7, top_p=0.9, top_k=20,
-                        stop_token_ids=(5,), stop=("\n",), ignore_eos=True, seed=3)
+    sp = SamplingParams(max_new_tokens=2, min_new_tokens=1, temperature=0.7, top_p=0.9,
+                        top_k=20, stop_token_ids=(5,), stop=("\n",), ignore_eos=True, seed=3)
     [result] = engine.generate([GenerateRequest([11, 12], sp)])
     body = fake.posts("/generate")[0][3]
     assert body["input_ids"] == [[11, 12]]
     assert body["return_logprob"] is True and body["logprob_start_len"] == -1
     assert body["sampling_params"] == [{
-        "max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 1,
-        "ignore_eos": True, "stop": ["\n"], "stop_token_ids": [5], "sampling_seed": 3}]
+        "max_new_tokens": 2, "min_new_tokens": 1, "temperature": 0.7, "top_p": 0.9,
+        "top_k": 20, "n": 1, "ignore_eos": True, "stop": ["\n"], "stop_token_ids": [5],
+        "sampling_seed": 3}]
     assert result.output_ids == [11, 12]
     assert result.logprobs == [-0.1, -0.2]
     assert result.finish_reason == "length" and result.weight_version == "default"
@@ -210,7 +255,7 @@ def test_stop_and_abort_finish_reasons_are_parsed():
 
 def test_5xx_is_retried_with_exponential_backoff(fake, monkeypatch):
     delays = []
-    monkeypatch.setattr(sglang.time, "sleep", delays.append)
+    monkeypatch.setattr(http_transport.time, "sleep", delays.append)
     fake.script = ["500", "500", "ok"]
     [result] = _engine(fake.url, backoff_s=0.25).generate([_req(5)])
     assert result.output_ids == [5, 6, 7]
@@ -316,7 +361,7 @@ def _zeros_params(cfg):
             *parents, leaf = rule.path.split("/")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = np.full(sglang._dims(rule.our_dims, cfg), 0.01, np.float32)
+            node[leaf] = np.full(weight_sync.dims(rule.our_dims, cfg), 0.01, np.float32)
     return params
 
 
@@ -391,6 +436,97 @@ def test_update_weights_rejects_version_names_that_are_not_dir_names(fake, serve
     engine = _engine(fake.url, model_config=served, weights_dir=str(tmp_path / "w"))
     with pytest.raises(ValueError, match="names a directory"):
         engine.update_weights(_zeros_params(served), "../evil")
+
+
+# ----------------------------------------------------------------------------- logprob convention
+
+TRUNCATING = {"plain": SamplingParams(max_new_tokens=2),
+              "top_p": SamplingParams(max_new_tokens=2, top_p=0.8),
+              "top_k": SamplingParams(max_new_tokens=2, top_k=20),
+              "greedy": SamplingParams(max_new_tokens=2, temperature=0.0, top_p=0.8)}
+
+
+def _conventions(engine):
+    results = engine.generate([GenerateRequest([1, 2], sp) for sp in TRUNCATING.values()])
+    return dict(zip(TRUNCATING, [r.logprob_convention for r in results]))
+
+
+@pytest.mark.parametrize("declared", ["full", "truncated"])
+def test_declared_convention_labels_only_truncated_samples(fake, declared):
+    conventions = _conventions(_engine(fake.url, logprob_convention=declared))
+    assert conventions == {"plain": "full", "top_p": declared, "top_k": declared,
+                           "greedy": "full"}  # no truncation: both conventions are one number
+    assert not fake.probes()
+    with pytest.raises(ValueError, match="logprob_convention 'renormalised'"):
+        _engine(fake.url, logprob_convention="renormalised")
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("full", ServerLogprobs("full", "full", True, "probed")),
+    ("truncated", ServerLogprobs("truncated", "truncated", True, "probed")),
+    ("unscaled", ServerLogprobs("full", "full", False, "probed")),
+])
+def test_auto_probes_each_server_once_and_labels_by_what_it_found(fake, mode, expected):
+    fake.logprob_mode = mode
+    engine = _engine(fake.url, logprob_convention="auto")
+    engine.wait_healthy(timeout=10)
+    assert engine.server_logprobs(fake.url) == expected
+    [probe] = fake.probes()
+    rows = probe[3]["sampling_params"]
+    assert [(r["temperature"], r["top_p"], r["top_k"]) for r in rows] == [
+        (1.0, 1.0, -1), (1.0, 0.05, -1), (1.0, 1.0, 2), (0.5, 1.0, -1)]
+    assert probe[3]["input_ids"] == [[10, 11, 12]] * 4
+    truncated = "truncated" if mode == "truncated" else "full"
+    assert _conventions(engine) == {"plain": "full", "top_p": truncated, "top_k": truncated,
+                                    "greedy": "full"}  # all at temperature 1 or greedy
+    assert len(fake.probes()) == 1  # probed once, at first contact
+
+
+def test_auto_probe_at_first_reply_when_wait_healthy_was_not_called(fake):
+    fake.logprob_mode = "truncated"
+    engine = _engine(fake.url, logprob_convention="auto", max_concurrency=4, batch_size=1)
+    results = engine.generate([_req(k, top_p=0.5) for k in range(1, 5)])
+    assert [r.logprob_convention for r in results] == ["truncated"] * 4
+    assert len(fake.probes()) == 1  # four concurrent batches, one probe
+
+
+def test_server_reporting_logprobs_before_temperature_refuses_other_temperatures(fake):
+    fake.logprob_mode = "unscaled"  # SGLang launched with SGLANG_RETURN_ORIGINAL_LOGPROB=1
+    engine = _engine(fake.url, logprob_convention="auto")
+    with pytest.raises(RolloutError, match="SGLANG_RETURN_ORIGINAL_LOGPROB") as err:
+        engine.generate([_req(5, temperature=0.7)])  # first contact: refused after the probe
+    assert fake.url in str(err.value)
+    sent = len(fake.posts("/generate"))
+    with pytest.raises(ValueError, match="temperature 0.7.*before temperature scaling"):
+        engine.generate([_req(5, temperature=0.7)])
+    assert len(fake.posts("/generate")) == sent  # known now: refused before sending
+    at_one = engine.generate([_req(5), _req(6, temperature=0.0), _req(7, top_p=0.5)])
+    assert [r.logprob_convention for r in at_one] == ["full"] * 3
+
+
+def test_probe_that_cannot_tell_assumes_the_contract(fake):
+    fake.logprob_mode = "none"  # rl_tpu's own server returns no top logprobs
+    engine = _engine(fake.url, logprob_convention="auto")
+    engine.wait_healthy(timeout=10)
+    meaning = engine.server_logprobs(fake.url)
+    assert (meaning.top_p, meaning.top_k, meaning.temperature_scaled, meaning.source) == (
+        "full", "full", True, "assumed")
+    assert "top_logprobs_num" in meaning.describe()
+
+
+def test_probe_reading_needs_effects_larger_than_noise():
+    """A next-token distribution with p1 = 0.999 cannot show truncation (-log Z = 0.001 nats):
+    undecided, so the contract's "full" stays, and the reason is kept."""
+    a = [[math.log(0.999), 7, None], [math.log(0.0009), 8, None]]
+    rows = [a, [[0.0, 7, None], [None, 8, None]], [[math.log(0.999 / 0.9999), 7, None],
+                                                   [math.log(0.0009 / 0.9999), 8, None]],
+            [[-1e-6, 7, None], [-14.02, 8, None]]]
+    reply = [{"meta_info": {"output_top_logprobs": [row]}} for row in rows]
+    meaning = logprob_probe.read_probe(reply)
+    assert (meaning.top_p, meaning.top_k) == ("full", "full")
+    # top-2 gap log(0.999 / 0.0009) = 7.01 nats at T = 1, 14.02 at T = 0.5: decided, scaled
+    assert meaning.temperature_scaled is True and meaning.source == "probed"
+    assert any("too peaked" in note for note in meaning.notes)
 
 
 # ----------------------------------------------------------------------------- test helpers

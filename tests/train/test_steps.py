@@ -12,6 +12,8 @@ from rl_tpu.models import tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel, value_params_from
+from rl_tpu.rl import losses
+from rl_tpu.rl.bapo import adapt_clip_bounds
 from rl_tpu.rl.losses import PolicyLossConfig
 from rl_tpu.train import batching, steps
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
@@ -132,6 +134,129 @@ def test_non_finite_loss_skips_the_update():
                               make_optimizer(OptimConfig(lr=1e-3)))
     assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
     assert_trees_close(state.params, params, atol=0)
+
+
+def test_skipped_update_is_counted_across_minibatches_and_leaves_state_untouched():
+    # Two minibatches through one state: a finite one, then a genuinely non-finite one (NaN
+    # advantages). The second leaves params, optimizer moments and step counter exactly as
+    # the first left them, and the minibatches' metrics combine to skipped = 0 + 1 = 1.
+    good = policy_batch()
+    bad = dict(policy_batch(seed=1), advantages=np.full((B,), np.nan, np.float32))
+    step = jax.jit(steps.make_policy_step(MODEL, PolicyLossConfig(),
+                                          steps.StepConfig(tagged_metrics=True)))
+    state = TrainState.create(fresh_params(), make_optimizer(OptimConfig(lr=1e-3)))
+    after_good, m_good = step(state, good)
+    after_bad, m_bad = step(after_good, bad)
+    assert int(after_good.step) == 1 and int(after_bad.step) == 1
+    assert_trees_close(after_bad.params, after_good.params, atol=0)
+    assert_trees_close(after_bad.opt_state, after_good.opt_state, atol=0)
+    assert float(m_good["skipped"].value) == 0.0 and float(m_bad["skipped"].value) == 1.0
+    combined = steps.metric_values(steps.combine_metrics([m_good, m_bad]))
+    assert float(combined["skipped"]) == 1.0
+    assert np.isnan(float(combined["loss"]))  # the bad minibatch's loss shows, not hidden
+
+
+def test_huge_log_ratio_token_does_not_skip_the_step():
+    # One policy token of row 0 (A > 0) has log-ratio 95: exp overflows to inf, and without
+    # the +-20 clamp the gradient is NaN (0 * inf) and the whole update is skipped.
+    batch = policy_batch()
+    lp, _ = token_logprobs(MODEL, fresh_params(), batch)
+    batch["old_logprobs"] = np.asarray(lp).copy()
+    row = int(np.argmax(batch["advantages"]))
+    col = int(np.flatnonzero(batch["loss_mask"][row])[0])
+    batch["old_logprobs"][row, col] -= 95.0
+    assert batch["advantages"][row] > 0
+    params = fresh_params()
+    state, metrics = run_step(steps.make_policy_step(MODEL, PolicyLossConfig()), params, batch)
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
+    np.testing.assert_allclose(metrics["ratio_max"], np.exp(20.0), rtol=1e-5)
+
+
+def test_empty_micro_batch_does_not_distort_metrics():
+    # Micro-batch 1 of 2 takes rows 1, 3, 5, 7: with their masks empty it sees no token, and
+    # its ratio_min / ratio_max (0 by the empty-mask convention) must not win the min; every
+    # token mean must equal the one big batch's.
+    batch = policy_batch()
+    batch["loss_mask"][1::2] = False
+    lp, _ = token_logprobs(MODEL, fresh_params(), batch)
+    batch["old_logprobs"] = np.asarray(lp) + np.random.RandomState(2).randn(B, T).astype(
+        np.float32) * 0.3
+    loss_cfg = PolicyLossConfig(clip_high=0.28)
+    one, m1 = run_step(steps.make_policy_step(MODEL, loss_cfg), fresh_params(), batch)
+    two, m2 = run_step(steps.make_policy_step(MODEL, loss_cfg, steps.StepConfig(micro_batches=2)),
+                       fresh_params(), batch)
+    assert float(m1["ratio_min"]) > 0.1
+    for key in m1:
+        np.testing.assert_allclose(m1[key], m2[key], atol=1e-6, err_msg=key)
+    assert_trees_close(one.params, two.params, atol=1e-6)
+
+
+def test_bapo_bounds_weighted_by_behaviour_logprobs_and_same_for_two_micro_batches():
+    # The policy step passes the batch's behaviour_logprobs: Eq. 8's pi_rollout weights. The
+    # bounds it reports are adapt_clip_bounds on the whole batch with those weights, for one
+    # micro-batch (from the loss's own log-probs) and for two (from the scoring pass).
+    batch = policy_batch()
+    params = fresh_params()
+    lp, _ = token_logprobs(MODEL, params, batch)
+    batch["old_logprobs"] = np.asarray(lp) + np.random.RandomState(1).randn(B, T).astype(
+        np.float32) * 0.3
+    # Positive-advantage rows were sampled with low probability: down-weighted, so the
+    # positive share is smaller and the bounds must move further than without weights.
+    batch["behaviour_logprobs"] = np.where(batch["advantages"][:, None] > 0, -4.0, -0.1
+                                           ).astype(np.float32)
+    loss_cfg = PolicyLossConfig(kind="bapo")
+    ratio = np.exp(np.where(batch["loss_mask"], np.asarray(lp) - batch["old_logprobs"], 0.0))
+    want_lo, want_hi, _ = adapt_clip_bounds(ratio, batch["advantages"], batch["loss_mask"],
+                                            loss_cfg.bapo, batch["behaviour_logprobs"])
+    _, unweighted_hi, _ = adapt_clip_bounds(ratio, batch["advantages"], batch["loss_mask"],
+                                            loss_cfg.bapo)
+    assert float(want_hi) > float(unweighted_hi)  # the weights matter on this batch
+
+    one, m1 = run_step(steps.make_policy_step(MODEL, loss_cfg), fresh_params(), batch)
+    two, m2 = run_step(steps.make_policy_step(MODEL, loss_cfg, steps.StepConfig(micro_batches=2)),
+                       fresh_params(), batch)
+    for m in (m1, m2):
+        np.testing.assert_allclose(m["bapo_c_high"], want_hi, atol=1e-7)
+        np.testing.assert_allclose(m["bapo_c_low"], want_lo, atol=1e-7)
+    assert_trees_close(one.params, two.params, atol=1e-6)
+    for key in ("loss", "clip_frac_high", "clip_frac_low", "bapo_rho", "bapo_iterations"):
+        np.testing.assert_allclose(m1[key], m2[key], atol=1e-6, err_msg=key)
+
+
+def test_any_policy_loss_can_declare_batch_statistics(monkeypatch):
+    # A made-up loss: PPO whose clip epsilon is the WHOLE batch's mean |log r| (+ 0.05). The
+    # step must compute it once over all B rows and give every micro-batch the same value.
+    seen_rows = []
+
+    def statistics(logprobs, batch, config):
+        seen_rows.append(logprobs.shape[0])
+        mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+        eps = 0.05 + jnp.sum(jnp.abs(logprobs - batch["old_logprobs"]) * mask) / jnp.sum(mask)
+        return {"eps": eps}, {"batch_eps": losses.Metric.of(eps)}
+
+    def ratio(logprobs, old_logprobs, advantages, mask, config, stats):
+        return (losses.token_ratio(logprobs, old_logprobs, mask), 1.0 - stats["eps"],
+                1.0 + stats["eps"], {})
+
+    monkeypatch.setitem(losses.POLICY_LOSSES._table, "ppo_batch_eps",
+                        losses.PolicyLossKind(ratio, batch_statistics=statistics))
+    loss_cfg = PolicyLossConfig(kind="ppo_batch_eps")
+    batch = policy_batch()
+    lp, _ = token_logprobs(MODEL, fresh_params(), batch)
+    batch["old_logprobs"] = np.asarray(lp) + np.random.RandomState(1).randn(B, T).astype(
+        np.float32) * 0.3
+    want = 0.05 + np.abs(np.asarray(lp) - batch["old_logprobs"])[batch["loss_mask"]].mean()
+
+    one, m1 = run_step(steps.make_policy_step(MODEL, loss_cfg), fresh_params(), batch)
+    two, m2 = run_step(steps.make_policy_step(MODEL, loss_cfg, steps.StepConfig(micro_batches=2)),
+                       fresh_params(), batch)
+    assert seen_rows == [B, B]  # once per step, over the whole batch, never per micro-batch
+    np.testing.assert_allclose(m1["batch_eps"], want, rtol=1e-5)
+    np.testing.assert_allclose(m2["batch_eps"], want, rtol=1e-5)
+    assert float(m1["clip_frac_high"]) + float(m1["clip_frac_low"]) > 0
+    assert_trees_close(one.params, two.params, atol=1e-6)
 
 
 def test_bf16_params_keep_an_fp32_master():

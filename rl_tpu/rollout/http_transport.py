@@ -1,0 +1,209 @@
+"""`HttpTransport`: JSON API calls to a pool of rollout servers, with retries and fail-over.
+
+The part of the SGLang client that knows nothing of SGLang: stdlib HTTP (keep-alive, one
+connection per thread and server), the retry/backoff/fail-over policy, and the choice of the
+least-loaded server. `SGLangEngine` (sglang.py) and the weight sync (weight_sync.py) speak to
+their servers only through it.
+
+Failures never hang the caller; each ends in a `RolloutError` naming the server and what went
+wrong, or in a fail-over:
+
+- connection refused, connection dropped, or HTTP 5xx: retried on the same server
+  `connect_retries` times with exponential backoff (`backoff_s`, doubling, capped at 30 s),
+  then the call fails over to the next server (callers only send calls that are safe to repeat:
+  a generation that never came back is simply drawn again);
+- no reply within the timeout: fails over at once (a hung server is not helped by waiting
+  longer on it);
+- HTTP 4xx, or HTTP 200 with a body that is not JSON: raised at once with the server's message
+  (the request is wrong; every server would say so).
+
+A server that failed is tried last for `failover_cooldown_s`. With one URL, the worst case
+before the error is `(connect_retries + 1)` attempts of at most the timeout each plus the
+backoff sleeps.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from typing import Any, Optional, Sequence
+
+from rl_tpu.rollout.engine import RolloutError
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+class ServerDown(Exception):
+    """One server could not answer (after its retries); the caller may fail over."""
+
+
+def normalise_url(url: str) -> str:
+    """`host:port` or `http(s)://host:port[/...]` -> `scheme://host:port`; ValueError otherwise."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"rollout server url must look like http://host:port, got {url!r}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def error_message(payload: Any, raw: bytes) -> str:
+    """The server's own words: SGLang `{"error": {"message"}}`, FastAPI `{"detail"}`, or text."""
+    if isinstance(payload, dict):
+        err = payload.get("error", payload.get("detail", payload.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            return str(err)
+    return raw[:300].decode("utf-8", "replace") if raw else "(empty reply)"
+
+
+class HttpTransport:
+    """JSON calls to `urls` (thread-safe).
+
+    Args:
+      urls: server base URLs, e.g. ["http://10.0.0.2:30000"] (normalised; no duplicates).
+      request_timeout_s: default seconds to wait for one reply.
+      connect_retries: extra attempts on one server after a failure (see the module doc).
+      backoff_s: seconds before the first retry; doubles after each.
+      failover_cooldown_s: how long a failed server is tried last.
+      api_key: sent as `Authorization: Bearer ...` (SGLang's `--api-key`).
+    """
+
+    def __init__(self, urls: Sequence[str], *, request_timeout_s: float = 300.0,
+                 connect_retries: int = 3, backoff_s: float = 0.5,
+                 failover_cooldown_s: float = 30.0, api_key: Optional[str] = None):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("a rollout client needs at least one server url")
+        self.urls = [normalise_url(u) for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"duplicate server urls in {self.urls}")
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries}")
+        self.request_timeout_s = float(request_timeout_s)
+        self.connect_retries, self.backoff_s = int(connect_retries), float(backoff_s)
+        self.failover_cooldown_s = float(failover_cooldown_s)
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._lock = threading.Lock()
+        self._inflight = {u: 0 for u in self.urls}
+        self._down_until = {u: 0.0 for u in self.urls}
+        self._turn = 0
+        self._local = threading.local()  # per-thread keep-alive connections (http.client is not
+        # thread-safe)
+
+    def _connection(self, url: str, timeout: float) -> http.client.HTTPConnection:
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(url)
+        if conn is None:
+            parts = urllib.parse.urlsplit(url)
+            https = parts.scheme == "https"
+            cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+            conn = conns[url] = cls(parts.hostname, parts.port, timeout=timeout)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def _drop_connection(self, url: str) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(url, None)
+        if conn is not None:
+            conn.close()
+
+    def call_one(self, url: str, method: str, path: str, body: Any = None,
+                 timeout: Optional[float] = None, retries: Optional[int] = None) -> Any:
+        """One API call to one server with retries; the decoded JSON reply (None if empty).
+
+        Raises RolloutError for answers no other server would change (4xx, a reply that is
+        not JSON) and ServerDown when this server cannot answer."""
+        data = json.dumps(body).encode() if body is not None else None
+        what = f"{method} {url}{path}"
+        timeout = self.request_timeout_s if timeout is None else timeout
+        retries = self.connect_retries if retries is None else retries
+        attempt, stale_retry_used = 0, False
+        while True:
+            conn = self._connection(url, timeout)
+            reused = conn.sock is not None
+            try:
+                conn.request(method, path, body=data, headers=self._headers)
+                response = conn.getresponse()
+                raw, status = response.read(), response.status
+            except TimeoutError as e:  # socket.timeout is TimeoutError on 3.10+
+                self._drop_connection(url)
+                raise ServerDown(f"{what}: no reply within {timeout:g}s (server hung or "
+                                 "overloaded)") from e
+            except (http.client.HTTPException, OSError) as e:
+                self._drop_connection(url)
+                if reused and not stale_retry_used:  # keep-alive closed by the server: redo now
+                    stale_retry_used = True
+                    continue
+                failure = (f"{what}: {type(e).__name__}: {e}" if not isinstance(
+                    e, (ConnectionRefusedError, socket.gaierror)) else
+                    f"{what}: cannot connect ({type(e).__name__}: {e})")
+            else:
+                try:
+                    payload = json.loads(raw) if raw else None
+                except ValueError:
+                    payload = None
+                    if status == 200:
+                        raise RolloutError(f"{what}: HTTP 200 with a reply that is not JSON: "
+                                           f"{raw[:200]!r}", url, status)
+                if status == 200:
+                    return payload
+                message = error_message(payload, raw)
+                if status < 500:
+                    raise RolloutError(f"{what} failed with HTTP {status}: {message}", url, status)
+                failure = f"{what}: HTTP {status}: {message}"
+            if attempt >= retries:
+                raise ServerDown(f"{failure} (after {attempt + 1} attempts)")
+            delay = min(self.backoff_s * 2 ** attempt, MAX_BACKOFF_S)
+            log.warning("%s; retrying in %.2fs", failure, delay)
+            time.sleep(delay)
+            attempt += 1
+
+    def ordered_urls(self) -> list[str]:
+        """Servers to try, best first: up ones by fewest in flight (ties rotate), then down ones."""
+        with self._lock:
+            now = time.monotonic()
+            self._turn += 1
+            n = len(self.urls)
+            rotated = [self.urls[(self._turn + k) % n] for k in range(n)]
+            return sorted(rotated, key=lambda u: (self._down_until[u] > now, self._inflight[u]))
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             urls: Optional[Sequence[str]] = None, timeout: Optional[float] = None
+             ) -> tuple[str, Any]:
+        """(url, reply) from the first server in `urls` (default: all, best first) that answers;
+        RolloutError naming every failure when none does."""
+        urls = list(urls) if urls is not None else self.ordered_urls()
+        failures = []
+        for url in urls:
+            with self._lock:
+                self._inflight[url] += 1
+            try:
+                reply = self.call_one(url, method, path, body, timeout)
+            except ServerDown as e:
+                failures.append(str(e))
+                with self._lock:
+                    self._down_until[url] = time.monotonic() + self.failover_cooldown_s
+                if url != urls[-1]:
+                    log.warning("%s; failing over to another server", e)
+                continue
+            finally:
+                with self._lock:
+                    self._inflight[url] -= 1
+            with self._lock:
+                self._down_until[url] = 0.0
+            return url, reply
+        hint = ("Is the rollout server running? Check its log and restart it (more urls give "
+                "fail-over)." if len(urls) == 1 else "Are the rollout servers running? Check "
+                "their logs and restart them.")
+        raise RolloutError("; ".join(failures) + ". " + hint, urls[0] if len(urls) == 1 else None)
