@@ -1,0 +1,120 @@
+"""One GRPO step end to end, seconds per phase: sample -> batch -> score -> advantages ->
+update -> weight sync, on the embedded JAX sampler and the trainer's learner.
+
+    python benchmarks/rl_step.py                    # 8 prompts x 4 samples, prompt 32, completion 64
+    python benchmarks/rl_step.py --prompts 32 --samples 8 --steps 5
+
+Completions run to their full length (ignore_eos: no EOS cuts them short), rewards are random
+0/1, so the shapes are exactly the ones named. The first step's time is mostly compilation and
+is reported on its own row; the steady rows are the median of the following steps. Prints
+markdown table rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from rl_tpu import parallel
+from rl_tpu.models import tiny
+from rl_tpu.models.transformer import ModelConfig, Transformer
+from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+from rl_tpu.rollout.sampler import JaxSampler
+from rl_tpu.train import steps
+from rl_tpu.train.learner import Learner, UpdateConfig
+from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
+
+# 3.74M params: 2 x (3584 x 256) embedding + head, 2 layers of 0.95M.
+RL_STEP_SHAPE = dict(arch="qwen2", vocab_size=3584, hidden_size=256, intermediate_size=1024,
+                     num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True)
+PHASES = ("sample", "batch", "score", "advantages", "update", "sync")
+
+
+def one_step(sampler, learner, mesh, prompts, args, step, rng):
+    times = {}
+    t = time.perf_counter()
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=args.completion, ignore_eos=True,
+                                                  temperature=1.0, seed=step * 1000 + i))
+                for i, p in enumerate(prompts) for _ in range(args.samples)]
+    results = sampler.generate(requests)
+    times["sample"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    n, length = len(results), args.prompt + args.completion
+    tokens = np.zeros((n, length), np.int32)
+    mask = np.zeros((n, length), bool)
+    behaviour = np.zeros((n, length), np.float32)
+    for i, (req, res) in enumerate(zip(requests, results)):
+        tokens[i, :args.prompt], tokens[i, args.prompt:] = req.prompt_ids, res.output_ids
+        mask[i, args.prompt:] = True
+        behaviour[i, args.prompt:] = res.logprobs
+    host = {"tokens": tokens, "loss_mask": mask, "behaviour_logprobs": behaviour,
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (n, length)).copy(),
+            "segment_ids": np.ones((n, length), np.int32),
+            "rewards": rng.integers(0, 2, n).astype(np.float32),
+            "group_ids": np.repeat(np.arange(len(prompts), dtype=np.int32), args.samples)}
+    batch = parallel.host_to_global(host, mesh)
+    times["batch"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    batch = learner.score(batch)
+    jax.block_until_ready(batch["old_logprobs"])
+    times["score"] = time.perf_counter() - t
+    t = time.perf_counter()
+    batch = learner.advantages(batch)
+    jax.block_until_ready(batch["advantages"])
+    times["advantages"] = time.perf_counter() - t
+    t = time.perf_counter()
+    learner.update(batch)
+    times["update"] = time.perf_counter() - t
+    t = time.perf_counter()
+    sampler.update_weights(learner.policy.params, str(step))
+    jax.block_until_ready(jax.tree.leaves(sampler._params))
+    times["sync"] = time.perf_counter() - t
+    times["total"] = sum(times.values())
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--completion", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4, help="steps after the first (compile) one")
+    args = parser.parse_args()
+
+    cfg = ModelConfig(**RL_STEP_SHAPE)
+    mesh = parallel.make_mesh({"data": -1})
+    params = tiny.random_params(cfg, mesh=mesh, scale=0.04)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    sampler = JaxSampler(cfg, params, mesh=parallel.make_mesh({}, devices=jax.devices()[:1]))
+    state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)))
+    learner = Learner(Transformer(cfg, mesh=mesh), state, mesh,
+                      PolicyLossConfig(kind="ppo"), UpdateConfig(advantage="grpo"))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(args.prompts)]
+
+    first = one_step(sampler, learner, mesh, prompts, args, 1, rng)
+    rest = [one_step(sampler, learner, mesh, prompts, args, s, rng)
+            for s in range(2, args.steps + 2)]
+    steady = {k: statistics.median(r[k] for r in rest) for k in first}
+    tokens = args.prompts * args.samples * args.completion
+    device = jax.devices()[0].device_kind
+    print(f"GRPO step, {n_params / 1e6:.2f}M-param qwen2, {args.prompts} prompts x "
+          f"{args.samples} samples, prompt {args.prompt}, completion {args.completion}, "
+          f"{jax.device_count()} x {device}")
+    print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | total s | sampled tok/s |")
+    print("|---" * (len(PHASES) + 3) + "|")
+    for name, row in (("first (compile)", first), (f"steady (median of {args.steps})", steady)):
+        cells = " | ".join(f"{row[p]:.3f}" for p in PHASES)
+        print(f"| {name} | {cells} | {row['total']:.3f} | {tokens / row['sample']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
