@@ -103,6 +103,9 @@ class Trajectory:
     finish: str  # one of FINISH_REASONS
     messages: list[dict]  # chat transcript for logging (ends with the final observation, if any)
     info: dict  # sample_index, env_steps, env_step_s, step_infos, error, final_observation...
+    # What behaviour_logprobs are the log of (rollout/engine.py LOGPROB_CONVENTIONS):
+    # "truncated" when any turn's engine reported renormalised top-p/top-k log-probs.
+    logprob_convention: str = "full"
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -126,6 +129,7 @@ class _Episode:
         self.messages: list[dict] = []
         self.rewards: list[float] = []
         self.weight_versions: list = []
+        self.logprob_convention = "full"
         self.step_infos: list[dict] = []
         self.success: Optional[bool] = None  # last `success` an env info reported
         self.finish: Optional[str] = None
@@ -343,6 +347,8 @@ def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResu
                            f"request {request.request_id}")
     ep.extend(ids, generated=True, turn=turn, logprobs=logprobs)
     ep.weight_versions.append(result.weight_version)
+    if result.logprob_convention != "full":
+        ep.logprob_convention = result.logprob_convention
     ep.rewards.append(0.0)  # replaced by the env's reward if the step happens
     text = _content_text(ids, result.matched_stop, tokenizer, stop_ids)
     ep.messages.append({"role": "assistant", "content": text})
@@ -432,6 +438,7 @@ def _finalize(ep: _Episode, reward_reduce) -> Trajectory:
         turn_ids=np.asarray(ep.turn_ids, np.int32),
         rewards=list(ep.rewards), reward=reward, success=bool(success),
         num_turns=len(ep.rewards), weight_versions=list(ep.weight_versions),
+        logprob_convention=ep.logprob_convention,
         task_id=ep.task.task_id, group_id=ep.group_id, finish=ep.finish or "env_error",
         messages=ep.messages, info=ep.info)
 

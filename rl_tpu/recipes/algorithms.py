@@ -5,16 +5,16 @@ and rollout-side extras. `algo_config(name)` returns the `algo` config block wit
 algorithm's defaults filled in, so an experiment file shows every knob it can sweep; the
 functions below turn the (possibly overridden) block into the objects the learner takes.
 
-| name          | advantage     | policy loss                     | extras                           |
-|---------------|---------------|---------------------------------|----------------------------------|
-| ppo           | gae (critic)  | ppo clip [0.8, 1.2], token mean | value step after the policy step |
-| grpo          | grpo          | ppo clip [0.8, 1.2], seq mean   |                                  |
-| dr_grpo       | dr_grpo       | ppo clip, fixed normaliser      | normaliser = generation budget   |
-| dapo          | grpo          | clip-higher [0.8, 1.28], token  | dynamic sampling, overlong shape |
-| gspo          | grpo          | gspo (sequence ratio) 3e-4/4e-4 | sequence-level aggregation       |
-| rloo          | rloo          | ppo clip, token mean            |                                  |
-| reinforce_pp  | reinforce_pp  | ppo clip, token mean            | KL to the reference in the reward|
-| bapo          | grpo          | bapo adaptive bounds            | dual clip 3.0                    |
+| name         | advantage    | policy loss                     | extras                          |
+|--------------|--------------|---------------------------------|---------------------------------|
+| ppo          | gae (critic) | ppo clip [0.8, 1.2], token mean | value step after the policy step|
+| grpo         | grpo         | ppo clip [0.8, 1.2], seq mean   |                                 |
+| dr_grpo      | dr_grpo      | ppo clip, fixed normaliser      | normaliser = generation budget  |
+| dapo         | grpo         | clip-higher [0.8, 1.28], token  | dynamic sampling, overlong shape|
+| gspo         | grpo         | gspo (sequence ratio) 3e-4/4e-4 | sequence-level aggregation      |
+| rloo         | rloo         | ppo clip, token mean            |                                 |
+| reinforce_pp | reinforce_pp | ppo clip, token mean            | KL to the reference, in reward  |
+| bapo         | grpo         | bapo adaptive bounds (Eq. 8)    | variant=verl: dual clip 3.0     |
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.loss = _LOSS_KIND.get(name, "ppo")
     c.clip_low = 3e-4 if name == "gspo" else 0.2
     c.clip_high = {"dapo": 0.28, "gspo": 4e-4}.get(name, 0.2)
-    c.dual_clip = 3.0 if name == "bapo" else 0.0  # 0 = off
+    c.dual_clip = 0.0  # 0 = off (bapo.variant="verl" turns on its own 3.0)
     c.aggregation = {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
                      "dr_grpo": "fixed_normalizer"}.get(name, "token_mean")
     c.entropy_coef = 0.0
@@ -59,10 +59,9 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.dynamic_sampling = name == "dapo"  # drop groups whose rewards are all equal, refill
     c.max_refill_rounds = 3
     c.overlong_buffer = 0  # DAPO overlong shaping: the last N tokens of the budget are penalised
-    c.overlong_penalty = 1.0  # ... linearly up to this much at the full budget
-    if name == "dapo":
-        c.overlong_buffer = 0  # set per experiment: it must be < the generation budget
-    c.bapo = ml_collections.ConfigDict(vars(BapoConfig()) | {})
+    c.overlong_penalty = 1.0  # ... linearly up to this much at the full budget (DAPO: set
+    # the buffer per experiment, below the generation budget)
+    c.bapo = ml_collections.ConfigDict(vars(BapoConfig()))
     c.value_clip = 0.2
     c.value_lr = 1e-5
     return c

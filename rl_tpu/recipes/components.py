@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rl_tpu import parallel
-from rl_tpu.envs.base import Env, make as make_env_by_name
+from rl_tpu.envs.base import Env, TaskSource, make as make_env_by_name
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.models.transformer import ModelConfig, Transformer
@@ -88,6 +88,19 @@ def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
     name, kwargs = config.env.name, config.env.kwargs.to_dict()
     make_env_by_name(name, **kwargs).close()  # a bad env name or kwarg fails here, by name
     return lambda: make_env_by_name(name, **kwargs)
+
+
+def task_source(config: ml_collections.ConfigDict, make_env: Callable[[], Env]) -> TaskSource:
+    """The tasks to train and evaluate on: a dataset built by `launch.make_dataset` when
+    `env.dataset_dir` names one, else the env's own task source."""
+    if config.env.dataset_dir:
+        from rl_tpu.data.jsonl import JsonlTaskSource
+        return JsonlTaskSource(config.env.dataset_dir)
+    env = make_env()
+    try:
+        return env.tasks()
+    finally:
+        env.close()
 
 
 def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int],

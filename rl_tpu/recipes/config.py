@@ -50,6 +50,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.env = ml_collections.ConfigDict()
     c.env.name = "largest"
     c.env.kwargs = ml_collections.ConfigDict()
+    c.env.dataset_dir = ""  # tasks from a dataset made by launch.make_dataset ("" = the env's)
     c.env.train_split = "train"
     c.env.eval_split = "eval"
     c.env.max_turns = 1

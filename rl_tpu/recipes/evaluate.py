@@ -62,8 +62,8 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     if not model_path:
         step, params = _checkpoint_params(config, workdir, model_cfg, params, mesh)
     make_env = components.make_env_factory(config)
-    tasks = [t for _, t in eval_tasks(make_env().tasks(), config.env.eval_split,
-                                      config.eval.num_tasks)]
+    source = components.task_source(config, make_env)
+    tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     engine = components.make_engine(config, model_cfg, params, tokenizer, workdir or "/tmp")
     result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
                       max_turns=config.env.max_turns, max_new_tokens=config.env.max_new_tokens,

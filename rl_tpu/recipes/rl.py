@@ -72,7 +72,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     path = components.model_path(config, workdir)
     model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
     make_env = components.make_env_factory(config)
-    source = make_env().tasks()
+    source = components.task_source(config, make_env)
     env_cfg, train_cfg, algo = config.env, config.train, config.algo
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
@@ -168,10 +168,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             trajectories, length_buckets=train_cfg.length_buckets,
             row_multiple=_row_multiple(config, mesh), group_ids=group_ids,
             length=_agreed_length(trajectories, train_cfg.length_buckets))
-        batch = parallel.host_to_global(
-            {k: host[k] for k in ("tokens", "positions", "segment_ids", "loss_mask",
-                                  "behaviour_logprobs", "token_rewards", "rewards",
-                                  "group_ids", "turn_ids")}, mesh)
+        keys = ["tokens", "positions", "segment_ids", "loss_mask", "token_rewards", "rewards",
+                "group_ids", "turn_ids"]
+        if _behaviour_logprobs_usable(trajectories, algo):
+            keys.append("behaviour_logprobs")
+        batch = parallel.host_to_global({k: host[k] for k in keys}, mesh)
         batch = learner.advantages(learner.score(batch))
         jax.block_until_ready(batch["advantages"])
         t_score = time.time() - t0
@@ -265,6 +266,25 @@ def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: i
     return played, [t.group_id for t in played], metrics
 
 
+def _behaviour_logprobs_usable(trajectories: list[Trajectory], algo) -> bool:
+    """Whether the engine's log-probs may enter the loss. They must be of the full
+    distribution (docs/architecture.md, logprob conventions): renormalised top-p / top-k
+    log-probs differ by -log(kept mass) per token and would bias IS weights and BAPO's Eq. 8
+    weights. Needed but truncated: a clear error. Not needed: left out of the batch."""
+    truncated = any(t.logprob_convention != "full" for t in trajectories)
+    if not truncated:
+        return True
+    needs = algo.behaviour_is != "none" or (algo.loss == "bapo" and algo.bapo.variant == "paper")
+    if needs:
+        raise ValueError(
+            "the rollout engine reported truncated (top-p/top-k renormalised) log-probs, but "
+            f"algo.behaviour_is={algo.behaviour_is!r} / BAPO's Eq. 8 weights need log-probs of "
+            "the full distribution. Sample without truncation (rollout.top_p=1, "
+            "rollout.top_k=-1), use an engine that reports full log-probs, or set "
+            "algo.behaviour_is='none' (and algo.bapo.variant='verl' for BAPO)")
+    return False
+
+
 def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     sums = np.array([len(trajectories), sum(t.reward for t in trajectories),
                      sum(t.success for t in trajectories),
@@ -277,7 +297,9 @@ def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, sums.size).sum(0)
     n = max(sums[0], 1)
     versions = [_as_int(v) for t in trajectories for v in t.weight_versions]
-    return {"rollout/weight_version": float(min(versions, default=-1)),"rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
+    # the oldest policy any sample of this step came from (on-policy: the previous step)
+    return {"rollout/weight_version": float(min(versions, default=-1)),
+            "rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
             "rollout/response_length": sums[3] / n, "rollout/turns": sums[4] / n,
             "rollout/env_error_frac": sums[5] / n, "rollout/context_limit_frac": sums[6] / n}
 

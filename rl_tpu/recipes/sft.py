@@ -167,7 +167,7 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
     if s.data_path:
         examples = chat_examples(s.data_path, tokenizer)
     else:
-        source = make_env().tasks()
+        source = components.task_source(config, make_env)
         tasks = [source.get(config.env.train_split, i) for i in range(s.num_demos)]
         examples = teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed)
     optim = components.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
@@ -209,8 +209,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     params = warm_start(config, params, model, mesh, tokenizer, make_env, writer)
     engine = components.make_engine(config, model_cfg, params, tokenizer, workdir)
     from rl_tpu.data.tasks import eval_tasks
-    tasks = [t for _, t in eval_tasks(make_env().tasks(), config.env.eval_split,
-                                      config.eval.num_tasks)]
+    source = components.task_source(config, make_env)
+    tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
                       max_turns=config.env.max_turns, max_new_tokens=config.env.max_new_tokens,
                       max_context_tokens=config.env.max_context_tokens, seed=config.seed)

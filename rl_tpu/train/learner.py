@@ -123,9 +123,8 @@ class Learner:
     def update(self, batch: dict) -> dict[str, float]:
         """E epochs x N minibatches of the policy step (then the value step); host metrics."""
         keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs",
-                "advantages", "behaviour_logprobs"]
-        if "ref_logprobs" in batch:
-            keys.append("ref_logprobs")
+                "advantages"]
+        keys += [k for k in ("behaviour_logprobs", "ref_logprobs") if k in batch]
         self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys})
         metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()}
         if self._value_update is not None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -105,9 +106,26 @@ class TrainState:
 
 
 def create_state(params, tx: optax.GradientTransformation) -> TrainState:
-    """TrainState built under jit, so every optimizer leaf lands beside its param's shards.
-    `params` are donated (their buffers become the state's)."""
-    return jax.jit(lambda p: TrainState.create(p, tx), donate_argnums=0)(params)
+    """TrainState built under jit, every optimizer leaf sharded like the param it belongs to
+    (Adam's moments like their weights; counts replicated), so no device ever holds a full
+    copy of the optimizer state. `params` are donated (their buffers become the state's).
+
+    The shardings are explicit: XLA does not carry a param's sharding over to a
+    `zeros_like` of it, and left alone would replicate every moment on every device.
+    """
+    create = lambda p: TrainState.create(p, tx)  # noqa: E731
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    some = jax.tree.leaves(param_shardings)[0]
+    if not isinstance(some, NamedSharding):
+        return jax.jit(create, donate_argnums=0)(params)
+    replicated = NamedSharding(some.mesh, P())
+    abstract = jax.eval_shape(create, params)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated)
+    out = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                     master=None if abstract.master is None else param_shardings, tx=tx)
+    return jax.jit(create, out_shardings=out, donate_argnums=0)(params)
 
 
 def shardings_of(tree):

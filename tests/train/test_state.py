@@ -1,5 +1,6 @@
 """Optimizer schedule and decay mask, checked against values worked out by hand."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,3 +44,24 @@ def test_bad_optimizer_config_is_named():
         OptimConfig(schedule="exp")
     with pytest.raises(ValueError, match="optim.lr must be > 0"):
         OptimConfig(lr=0.0)
+
+
+def test_optimizer_moments_are_sharded_like_their_params():
+    """Adam's mu and nu follow each weight's sharding (a replicated copy on every device
+    would cost 2x the model per device); the step count is replicated."""
+    from rl_tpu import parallel
+    from rl_tpu.models import tiny
+    from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
+
+    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg = tiny.tiny_config("qwen2", vocab_size=128, hidden_size=32, intermediate_size=64,
+                           num_layers=1, head_dim=8)
+    params = tiny.random_params(cfg, mesh=mesh)
+    specs = jax.tree.map(lambda x: x.sharding.spec, params)
+    state = create_state(params, make_optimizer(OptimConfig(lr=1e-3, weight_decay=0.1)))
+    adam = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda n: hasattr(n, "mu"))
+            if hasattr(s, "mu")]
+    assert adam, "no Adam state found"
+    for moments in (adam[0].mu, adam[0].nu):
+        assert jax.tree.map(lambda x: x.sharding.spec, moments) == specs
+    assert state.step.sharding.spec == jax.sharding.PartitionSpec()
