@@ -1,4 +1,4 @@
-"""Shared bits of the benchmarks: model shapes by name, device peak FLOP/s, table printing."""
+"""Shared bits of the benchmarks: model shapes by name, device peak FLOP/s, timing, tables."""
 
 from __future__ import annotations
 
@@ -75,6 +75,20 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmul_params += cfg.vocab_size * d  # the LM head (an embedding lookup costs no FLOPs)
     attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * h
     return 6 * matmul_params + attention
+
+
+def median_ms(fn, repeats: int = 10) -> float:
+    """Median wall time of `fn()` in milliseconds, waiting for its device work (jax's dispatch
+    is asynchronous); one untimed call first, for compilation and warm caches."""
+    import time
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def print_table(header: list[str], rows: list[list]):

@@ -1,24 +1,28 @@
 """The embedded JAX rollout engine: batched prefill + KV-cache decode in compiled chunks.
 
 Shape letters: B batch (rows = samples), P prompt length (bucketed), L new tokens (bucketed),
-S = P + L cache slots, V vocab, X stop ids per row.
+S = P + L cache slots, V vocab, X stop ids per row, NB x BS the vocab in blocks (two-level draw).
 
 One compiled prefill and one compiled decode per (B, P, L) bucket serve every mix of sampling
-parameters: greedy, temperature, top-p and top-k, stop token ids and max_new_tokens are
-per-row *arrays*, not compile-time constants. Prompts are right-padded; row r's token at
-position p sits in cache slot p, so rows of different prompt lengths decode side by side with
-no left padding. Decode is a `lax.while_loop` over up to `decode_chunk` tokens that ends as
-soon as every row has stopped; between chunks the host applies aborts, pauses and weight
-updates.
+parameters: greedy, temperature, top-p and top-k, stop token ids, min_new_tokens and
+max_new_tokens are per-row *arrays*, not compile-time constants. Prompts are right-padded; row
+r's token at position p sits in cache slot p, so rows of different prompt lengths decode side
+by side with no left padding. Decode is a `lax.while_loop` over up to `decode_chunk` tokens
+that ends as soon as every row has stopped; between chunks the host applies aborts, pauses and
+weight updates.
 
 Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
-final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax.
+final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax
+('full' convention: before top-p/top-k truncation). Tokens are drawn from exactly that
+distribution (renormalised over the kept tokens when truncated): a Gumbel-max draw in two
+levels, see `sample_next`.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 from typing import Optional, Sequence
 
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
 from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
@@ -36,48 +40,129 @@ from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
 GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
 
 
+def _owned_copy(params, num_layers: int, dtype: Optional[str]):
+    """Jitted with the sampler's out_shardings: unstacked, cast, and in buffers of its own.
+    `jnp.array(copy=True)` keeps the output from being the input itself (jit may forward an
+    output that is an unchanged input); XLA never aliases a non-donated input to an output."""
+    def own(x):
+        return jnp.array(x, dtype=dtype if jnp.issubdtype(x.dtype, jnp.floating) else None,
+                         copy=True)
+    return jax.tree.map(own, unstack_layers(params, num_layers))
+
+
 def _next_power_of_two(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def gumbel_from_bits(hi, lo):
+    """Standard Gumbel variates from two uint32 words each (any shape): g = -log(E), E ~ Exp(1).
+
+    What decides a Gumbel-max draw is the upper tail of g, i.e. E near 0. `E = -log(U)` with a
+    float32 uniform U (steps of 2^-23 below 1) stops at E = 2^-23, g <= 15.9, so each entry
+    loses the draws it would win only with a larger g: up to ~1.2e-7 of probability apiece,
+    which adds up over sqrt(V) or V entries. Here W = 1 - U carries 56 random bits in floating
+    point (the top 24 exactly, the next 32 below them), so E = -log1p(-W) keeps full relative
+    precision down to 2^-56 and g reaches 38.8: the tail cut is P(g > 38.8) ~ 1e-17 per entry.
+    """
+    v = (hi >> 8).astype(jnp.float32) * 2.0 ** -24 + lo.astype(jnp.float32) * 2.0 ** -56
+    # v rounds up to 1.0 with probability 2^-25 (E = inf, g = -inf would lose even as the one
+    # candidate left): clamp to the largest uniform below 1, a shift far below fp32 precision.
+    v = jnp.minimum(v, 1.0 - 2.0 ** -24)
+    return -jnp.log(-jnp.log1p(-v))
+
+
+def _gumbel_argmax(scores, keys):
+    """scores [B, N] log-weights (-inf = never) -> [B] index drawn with prob softmax(scores)."""
+    bits = jax.vmap(lambda k: jax.random.bits(k, (2,) + scores.shape[1:], jnp.uint32))(keys)
+    noisy = scores + gumbel_from_bits(bits[:, 0], bits[:, 1])
+    # -inf + inf (a zero exponential, p = 2^-56) would be nan, which argmax would pick
+    return jnp.argmax(jnp.where(scores > -jnp.inf, noisy, -jnp.inf), axis=-1)
+
+
+def _block_size(v: int) -> int:
+    """BS: the power of two at or above sqrt(V), so both levels of the draw are ~sqrt(V) wide."""
+    return 1 << max(0, math.ceil(math.log2(math.sqrt(v))))
+
+
+def two_level_logits(logits):
+    """logits [B, V] (-inf = removed) -> (block log-masses [B, NB], logits in blocks
+    [B, NB, BS], V padded to NB x BS with -inf). Token `NB_index * BS + j` is drawn with
+    probability softmax(block log-masses)[NB_index] x softmax(block NB_index)[j], which is
+    softmax(logits) up to the rounding of the block logsumexps (~1e-7 relative)."""
+    b, v = logits.shape
+    bs = _block_size(v)
+    nb = -(-v // bs)
+    # centred on the row max: scores stay O(1), where fp32 adds Gumbel noise most precisely
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    padded = jnp.pad(logits - top, ((0, 0), (0, nb * bs - v)), constant_values=-jnp.inf)
+    blocks = padded.reshape(b, nb, bs)
+    return jax.nn.logsumexp(blocks, axis=-1), blocks
+
+
+def draw_from_logits(logits, keys):
+    """One exact draw per row from softmax(logits [B, V]); keys [B]. Returns tokens [B] i32.
+
+    Gumbel-max (argmax of logits + Gumbel noise is an exact draw) in two levels: a block by
+    Gumbel-max over the NB block log-masses, then a token inside it by Gumbel-max over its BS
+    logits. That needs NB + BS ~ 2 sqrt(V) noise values per row instead of V, and no
+    cumulative sum, whose fp32 rounding (not even monotone at V = 152k) and the uniform's 2^-23
+    steps made the former inverse-CDF draw differ from the reported distribution by 1.5e-3 to
+    2.4e-3 in total variation at V = 152k (now < 1e-6; tests/rollout/test_sampler.py).
+    """
+    block_logits, blocks = two_level_logits(logits)
+    level_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2]
+    block = _gumbel_argmax(block_logits, level_keys[:, 0])
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, BS]
+    token = _gumbel_argmax(inside, level_keys[:, 1])
+    return (block * blocks.shape[-1] + token).astype(jnp.int32)
+
+
+def truncate(scaled, top_p, top_k):
+    """scaled logits [B, V] -> the same with every token outside the top-k [B] (-1 = all) and
+    outside the smallest prefix of mass >= top-p [B] set to -inf."""
+    order = jnp.argsort(-scaled, axis=-1)  # sort once for both
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    rank = jnp.arange(scaled.shape[-1])[None, :]
+    # top_p = 1 keeps all: in fp32 the mass before the last tokens can round up to 1.0, which
+    # would drop them from a row that asked for no top-p (it shares the batch with one that did)
+    keep = (((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+            & ((top_k[:, None] < 0) | (rank < top_k[:, None])))
+    filtered = jnp.full_like(scaled, -jnp.inf)
+    return jax.vmap(lambda f, o, v: f.at[o].set(v))(
+        filtered, order, jnp.where(keep, sorted_logits, -jnp.inf))
 
 
 def sample_next(logits, temperature, top_p, top_k, key):
     """One token per row. logits [B, V] fp32; temperature/top_p [B] f32; top_k [B] i32
     (-1 = all); key [B] keys. Returns (token [B], logprob [B] of the temperature-scaled
-    distribution before truncation, the quantity the trainer recomputes)."""
+    distribution before truncation, the quantity the trainer recomputes).
+
+    The token is an exact draw from softmax(logits / T) restricted to the top-k tokens and the
+    smallest top-p prefix (renormalised); greedy rows (T < 1e-6) take the argmax.
+    """
     greedy = temperature < GREEDY_BELOW
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
 
-    def truncated():
-        # Sort once; keep the top-k and the smallest prefix whose mass reaches top-p.
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        rank = jnp.arange(scaled.shape[-1])[None, :]
-        keep = (mass_before < top_p[:, None]) & ((top_k[:, None] < 0) | (rank < top_k[:, None]))
-        filtered = jnp.full_like(scaled, -jnp.inf)
-        return jax.vmap(lambda f, o, v: f.at[o].set(v))(
-            filtered, order, jnp.where(keep, sorted_logits, -jnp.inf))
-
     def sample():
         needs_truncation = jnp.any((top_p < 1.0) | (top_k > 0))
-        candidates = jax.lax.cond(needs_truncation, truncated, lambda: scaled)
-        # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocab entry
-        # (B x V random bits per step would cost more than the model on small batches).
-        probs = jax.nn.softmax(candidates, axis=-1)
-        cdf = jnp.cumsum(probs, axis=-1)
-        u = jax.vmap(lambda k: jax.random.uniform(k))(key) * cdf[:, -1]
-        index = jnp.sum(cdf <= u[:, None], axis=-1)
-        # never land on a token the filter removed (possible only through rounding at the edge)
-        return jnp.where(jnp.take_along_axis(probs, jnp.minimum(index, scaled.shape[-1] - 1)[:, None],
-                                             -1)[:, 0] > 0,
-                         jnp.minimum(index, scaled.shape[-1] - 1), jnp.argmax(candidates, -1))
+        candidates = jax.lax.cond(needs_truncation, lambda: truncate(scaled, top_p, top_k),
+                                  lambda: scaled)
+        return draw_from_logits(candidates, key)
 
     argmax = jnp.argmax(scaled, axis=-1)
-    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, sample)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax.astype(jnp.int32), sample)
     token = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
     logprob, _ = logprobs_of(scaled, token, with_entropy=False)
     return token, logprob
+
+
+def ban_tokens(logits, ids, active):
+    """logits [B, V] with the ids [B, X] (-1 = none) of rows where `active` [B] set to -inf."""
+    b, v = logits.shape
+    cols = jnp.where((ids >= 0) & (ids < v) & active[:, None], ids, v)  # v: dropped
+    return logits.at[jnp.arange(b)[:, None], cols].set(-jnp.inf, mode="drop")
 
 
 @struct.dataclass
@@ -95,28 +180,36 @@ class DecodeState:
     stopped: jax.Array  # [B] ended by a stop id (else by max_new, or not yet)
     prompt_lens: jax.Array  # [B]
     max_new: jax.Array  # [B]
+    min_new: jax.Array  # [B] no stop id may be sampled at output index < min_new
     temperature: jax.Array  # [B]
     top_p: jax.Array  # [B]
     top_k: jax.Array  # [B]
-    stop_ids: jax.Array  # [B, X]
+    stop_ids: jax.Array  # [B, X] ids that end a sample (-1 = none)
+    ban_ids: jax.Array  # [B, X] ids masked before min_new (eos + stop_token_ids, -1 = none)
     keys: jax.Array  # [B] PRNG keys
 
 
 def _emit(model: Transformer, params, hidden, state: DecodeState, step):
     keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(state.keys)
     logits = logits_from_hidden(model.cfg, params, hidden)
+    # min_new_tokens as SGLang's MinNewTokensPenalizer: the stop ids' logits are -inf until
+    # `min_new` tokens exist, so the reported logprob is then that of the penalised
+    # distribution, exactly as SGLang reports it (the trainer, which applies no penalty, sees a
+    # ratio != 1 on those tokens: the price of the constraint).
+    logits = ban_tokens(logits, state.ban_ids, step < state.min_new)
     token, logprob = sample_next(logits, state.temperature, state.top_p, state.top_k, keys)
     is_stop = jnp.any(token[:, None] == state.stop_ids, axis=-1)
     return token, logprob, is_stop
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_steps"))
-def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, temperature, top_p,
-            top_k, stop_ids, keys, max_steps: int) -> DecodeState:
+def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
+            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int) -> DecodeState:
     """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
 
-    prompt_lens, max_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 = all);
-    stop_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the output capacity.
+    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
+    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
+    output capacity.
     """
     cfg = model.cfg
     b, p = prompt_ids.shape
@@ -130,8 +223,8 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, temper
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logprobs=jnp.zeros((b, max_steps), jnp.float32), count=jnp.ones((b,), jnp.int32),
         done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
-        max_new=max_new, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=stop_ids,
-        keys=keys)
+        max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys)
     token, logprob, is_stop = _emit(model, params, last, state, 0)
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
@@ -173,9 +266,16 @@ def decode(model: Transformer, params, state: DecodeState, chunk: int) -> Decode
 class JaxSampler(RolloutEngine):
     """RolloutEngine over `prefill` + chunked `decode`, batching requests into bucketed shapes.
 
-    params live on `mesh` (sharded by the logical rules); `update_weights` moves the trainer's
-    params there device to device (a no-op when they already are) with no host round trip. A
-    weight update lands between decode chunks: samples in flight continue on the new weights
+    Weights: the sampler owns its own copy of the weights it samples with. The constructor and
+    `update_weights` copy the given params on device, with no host round trip, into the
+    sampler's shardings on `mesh` (unstacking scanned layers, casting to `dtype` when given,
+    e.g. "bfloat16"); the copy never shares a buffer with its source, so the trainer may
+    donate or delete its params the moment the call returns (a compiled train step donates its
+    state), and nothing but `update_weights` changes what the sampler samples with. The price
+    is one params-sized copy per update (benchmarks/weight_copy.py) and the memory of a
+    second set of weights.
+
+    A weight update lands between decode chunks: samples in flight continue on the new weights
     and report both versions (`info['weight_versions']` spans, as SGLang's `retract` does).
     `abort` ends samples between chunks, returning what they generated so far (finish
     'abort'), the basis of partial rollouts; `pause`/`resume` hold decoding between chunks.
@@ -184,16 +284,22 @@ class JaxSampler(RolloutEngine):
     def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
                  rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
-                 seed: int = 0, version: str = "0"):
+                 seed: int = 0, version: str = "0", dtype: Optional[str] = None):
         # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
         # is then its own buffer, updated in place, where a scan would slice the stacked cache
         # in and out every step. Scanned params are unstacked on the way in.
         cfg = cfg.replace(scan_layers=False, remat="none")
+        if dtype is not None:  # sample in another precision than the trainer's (weights + math)
+            cfg = cfg.replace(dtype=str(jnp.dtype(dtype)), param_dtype=str(jnp.dtype(dtype)))
         self.cfg = cfg
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
         self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
         abstract, names = parallel.logical_axes_of(self.model, np.zeros((1, 1), np.int32))
+        self._abstract = abstract
         self._shardings = parallel.param_shardings(abstract, names, self.mesh, rules)
+        copy_dtype = None if dtype is None else cfg.param_dtype  # None: keep the trainer's
+        self._copy_fn = jax.jit(functools.partial(_owned_copy, num_layers=cfg.num_layers,
+                                                  dtype=copy_dtype), out_shardings=self._shardings)
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.min_prompt_bucket, self.min_new_bucket = min_prompt_bucket, min_new_bucket
@@ -202,7 +308,7 @@ class JaxSampler(RolloutEngine):
         self._counter = itertools.count()
         self._weights_lock = threading.Lock()
         self._device_lock = threading.Lock()  # one batch on the device at a time
-        self._params = jax.device_put(unstack_layers(params, cfg.num_layers), self._shardings)
+        self._params = self._own_copy(params)
         self._version = str(version)
         self._resume = threading.Event()
         self._resume.set()
@@ -224,8 +330,9 @@ class JaxSampler(RolloutEngine):
         return self._params is not None
 
     def update_weights(self, params, version: str) -> None:
-        # unstack scanned layers, and reshard if the trainer's mesh differs: device to device
-        params = jax.device_put(unstack_layers(params, self.cfg.num_layers), self._shardings)
+        """Samples from a copy of `params` from the next decode chunk on; `params` stay the
+        caller's (see the class docstring)."""
+        params = self._own_copy(params)  # outside the lock: decoding goes on meanwhile
         with self._weights_lock:
             self._params, self._version = params, str(version)
 
@@ -260,6 +367,46 @@ class JaxSampler(RolloutEngine):
 
     # -- internals -----------------------------------------------------------------------
 
+    def _own_copy(self, params):
+        """A copy of `params` (the trainer's layout: scanned or not, any mesh) in the sampler's
+        shardings, made on device, sharing no buffer with `params`."""
+        self._check_layout(params)
+        devices = set(self.mesh.devices.flat)
+        if any(not isinstance(x, jax.Array) or x.sharding.device_set != devices
+               for x in jax.tree.leaves(params)):
+            # Another device set (a trainer mesh over more chips) cannot feed one compiled
+            # program: move there first, device to device. device_put may hand back the source's
+            # own buffer for a shard already in place (e.g. a replicated leaf), even with
+            # may_alias=False, so the copy below still runs.
+            params = jax.device_put(params, self._layout_shardings(params))
+        return self._copy_fn(params)
+
+    def _layout_shardings(self, params):
+        """The sampler's shardings for params laid out as given: stacked [L, ...] leaves under
+        'layers' (scan_layers) take layer 0's sharding with the layer axis unsharded."""
+        if "layers" not in params:  # (_check_layout has made sure params is the model's dict)
+            return self._shardings
+        out = {k: v for k, v in self._shardings.items() if not k.startswith("layers_")}
+        out["layers"] = jax.tree.map(
+            lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec)),
+            self._shardings["layers_0"])
+        return out
+
+    def _check_layout(self, params):
+        want = self._abstract
+        if isinstance(params, dict) and "layers" in params:  # scanned: [L, ...] per leaf
+            want = {k: v for k, v in want.items() if not k.startswith("layers_")}
+            want["layers"] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((self.cfg.num_layers,) + x.shape, x.dtype),
+                self._abstract["layers_0"])
+        if jax.tree.structure(params) != jax.tree.structure(want) or any(
+                np.shape(x) != y.shape for x, y in zip(jax.tree.leaves(params),
+                                                        jax.tree.leaves(want))):
+            raise ValueError(
+                f"params do not fit the sampler's model ({self.cfg.num_layers} layers, vocab "
+                f"{self.cfg.vocab_size}, hidden {self.cfg.hidden_size}): pass the params of the "
+                "model the sampler was built for (same ModelConfig), scanned or not")
+
     def _check(self, req: GenerateRequest):
         if len(req.prompt_ids) == 0:
             raise ValueError("empty prompt: a request needs at least one prompt token")
@@ -293,18 +440,26 @@ class JaxSampler(RolloutEngine):
         ids = np.zeros((b, p), np.int32)
         lens = np.ones((b,), np.int32)
         max_new = np.ones((b,), np.int32)
+        min_new = np.zeros((b,), np.int32)
         temperature = np.zeros((b,), np.float32)
         top_p = np.ones((b,), np.float32)
         top_k = np.full((b,), -1, np.int32)
         stops = [self._stop_ids(req) for req, _ in rows]
-        stop_ids = np.full((b, max(1, max(len(s) for s in stops))), -1, np.int32)
+        bans = [self._ban_ids(req) for req, _ in rows]
+        # One width for both; bans are empty without min_new_tokens and otherwise the stop ids
+        # (plus eos under ignore_eos), so min_new_tokens adds no compiled shape of its own.
+        width = max(1, max(len(s) for s in stops + bans))
+        stop_ids = np.full((b, width), -1, np.int32)
+        ban_ids = np.full((b, width), -1, np.int32)
         seeds = np.zeros((b,), np.uint32)
         for i, (req, k) in enumerate(rows):
             s = req.sampling
             ids[i, :len(req.prompt_ids)] = req.prompt_ids
             lens[i], max_new[i] = len(req.prompt_ids), max(s.max_new_tokens, 1)
+            min_new[i] = s.min_new_tokens
             temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
             stop_ids[i, :len(stops[i])] = stops[i]
+            ban_ids[i, :len(bans[i])] = bans[i]
             seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
@@ -312,8 +467,8 @@ class JaxSampler(RolloutEngine):
         with self._device_lock:
             self._resume.wait()
             params, version = self._weights()
-            state = prefill(self.model, params, ids, lens, max_new, temperature, top_p, top_k,
-                            stop_ids, keys, max_steps=steps)
+            state = prefill(self.model, params, ids, lens, max_new, min_new, temperature, top_p,
+                            top_k, stop_ids, ban_ids, keys, max_steps=steps)
             spans = [(version, 0)]  # (version, first output index decoded with it)
             while True:
                 done = np.asarray(state.done)
@@ -340,6 +495,13 @@ class JaxSampler(RolloutEngine):
             return ()
         return tuple(dict.fromkeys(tuple(s.stop_token_ids) + self.eos_ids))
 
+    def _ban_ids(self, req: GenerateRequest) -> tuple[int, ...]:
+        """The ids min_new_tokens masks: SGLang's penalizer takes stop_token_ids and eos
+        whether or not ignore_eos is set, and so do we (its distributions are the reference)."""
+        if req.sampling.min_new_tokens <= 0:
+            return ()
+        return tuple(dict.fromkeys(tuple(req.sampling.stop_token_ids) + self.eos_ids))
+
     def _result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
         s = req.sampling
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
@@ -360,7 +522,8 @@ class JaxSampler(RolloutEngine):
                 if start < len(tokens)] or [{"version": spans[0][0], "start": 0, "end": 0}]
         return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
                               weight_version=used[-1]["version"], matched_stop=matched,
-                              prompt_tokens=len(req.prompt_ids), info={"weight_versions": used})
+                              prompt_tokens=len(req.prompt_ids), info={"weight_versions": used},
+                              logprob_convention="full")
 
     def _first_stop_string(self, tokens, stops) -> Optional[tuple[int, str]]:
         """(number of tokens up to and including the one completing the earliest stop string,

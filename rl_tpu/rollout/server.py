@@ -42,6 +42,7 @@ def sampling_from_json(raw: Any) -> SamplingParams:
     try:
         return SamplingParams(
             max_new_tokens=int(raw.get("max_new_tokens", 128)),
+            min_new_tokens=int(raw.get("min_new_tokens") or 0),
             temperature=float(raw.get("temperature", 1.0)),
             top_p=float(raw.get("top_p", 1.0)), top_k=int(raw.get("top_k", -1)),
             stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids") or ()),

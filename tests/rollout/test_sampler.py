@@ -204,3 +204,330 @@ def test_update_weights_from_a_trainer_mesh_reshards(setup):
     res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=6,
                                                                        **GREEDY))])[0]
     assert res.output_ids == full_forward_greedy(setup, params_b, PROMPTS[0], 6)
+
+
+# ------------------------------------------------------------------ weights: the sampler's own
+
+
+@pytest.fixture(scope="module")
+def trainer(setup):
+    """An SFT step compiled once on the sampler's one-device mesh (where device_put onto the
+    sampler's sharding is a no-op), fresh params and states for it."""
+    import optax
+
+    from rl_tpu import parallel
+    from rl_tpu.train import steps
+    from rl_tpu.train.state import create_state
+
+    tx = optax.sgd(0.5)
+    fresh_params = lambda: hf.load(str(setup["root"] / "a"))[1]  # noqa: E731
+    fresh_state = lambda: create_state(fresh_params(), tx)  # noqa: E731  (donates the params)
+    mesh = parallel.make_mesh({}, devices=jax.devices()[:1])
+    step = steps.compile_step(steps.make_sft_step(Transformer(setup["cfg"])), fresh_state(), mesh)
+    rng = np.random.RandomState(0)
+    batch = dict(tokens=rng.randint(0, 320, (2, 16)).astype(np.int32),
+                 loss_mask=np.ones((2, 16), bool))
+    return dict(step=lambda state: step(state, batch)[0], fresh_params=fresh_params,
+                fresh_state=fresh_state, tx=tx)
+
+
+def greedy6(sampler):
+    return sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=6,
+                                                                        **GREEDY))])[0]
+
+
+def buffer_pointers(tree) -> set:
+    return {shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+            for shard in x.addressable_shards}
+
+
+def test_sampler_owns_its_weights_in_every_order(setup, trainer):
+    """The compiled train step donates its state: whatever the order of building, updating
+    and stepping, the sampler keeps sampling with the weights it was last given."""
+    from rl_tpu.train.state import create_state
+
+    step, cfg, tok = trainer["step"], setup["cfg"], setup["tok"]
+    # built before the state: create_state donates the very arrays the sampler was given
+    params = trainer["fresh_params"]()
+    sampler = JaxSampler(cfg, params, tokenizer=tok)
+    state = step(create_state(params, trainer["tx"]))
+    assert greedy6(sampler).output_ids == full_forward_greedy(setup, setup["params"], PROMPTS[0], 6)
+    # built from the state, then a step
+    before = full_forward_greedy(setup, state.params, PROMPTS[0], 6)
+    sampler = JaxSampler(cfg, state.params, tokenizer=tok)
+    state = step(state)
+    assert greedy6(sampler).output_ids == before
+    # update_weights, a step, generate
+    before = full_forward_greedy(setup, state.params, PROMPTS[0], 6)
+    sampler.update_weights(state.params, "2")
+    state = step(state)
+    res = greedy6(sampler)
+    assert res.output_ids == before and res.weight_version == "2"
+
+
+def test_generate_in_a_thread_while_steps_run(setup, trainer):
+    """A rollout in flight while the trainer steps (donating its state) and publishes new
+    weights: the steps run after the rollout's first decode chunk was dispatched, before its
+    second; the sample finishes on the last published weights."""
+    import threading
+
+    import rl_tpu.rollout.sampler as sampler_module
+
+    state = trainer["fresh_state"]()
+    sampler = JaxSampler(setup["cfg"], state.params, tokenizer=setup["tok"], decode_chunk=4)
+    out, errors = {}, []
+    started, stepped = threading.Event(), threading.Event()
+    real_decode = sampler_module.decode
+
+    def decode_then_wait(*args, **kwargs):
+        new_state = real_decode(*args, **kwargs)  # dispatched, maybe still running
+        if not started.is_set():
+            started.set()
+            stepped.wait(timeout=120)
+        return new_state
+
+    def rollout():
+        try:
+            out["r"] = sampler.generate([GenerateRequest(PROMPTS[1], SamplingParams(
+                max_new_tokens=20, **GREEDY))])[0]
+        except Exception as err:  # noqa: BLE001 - reported by the assert below
+            errors.append(err)
+
+    worker = threading.Thread(target=rollout)
+    sampler_module.decode = decode_then_wait
+    try:
+        worker.start()
+        assert started.wait(timeout=120)
+        for version in range(1, 4):
+            state = trainer["step"](state)
+            sampler.update_weights(state.params, str(version))
+        state = trainer["step"](state)  # donates the params of version 3, which it samples with
+        stepped.set()
+        worker.join(timeout=120)
+    finally:
+        stepped.set()
+        sampler_module.decode = real_decode
+    assert not errors, errors
+    assert len(out["r"].output_ids) == 20 and out["r"].finish_reason == "length"
+    assert [span["version"] for span in out["r"].info["weight_versions"]] == ["0", "3"]
+    res = greedy6(sampler)
+    assert res.weight_version == "3" and len(res.output_ids) == 6
+
+
+def test_the_copy_shares_no_buffer_and_outlives_its_source(setup, trainer):
+    params = trainer["fresh_params"]()
+    sampler = JaxSampler(setup["cfg"], params, tokenizer=setup["tok"])
+    assert not buffer_pointers(params) & buffer_pointers(sampler._params)
+    for leaf in jax.tree.leaves(params):
+        leaf.delete()
+    expected = full_forward_greedy(setup, setup["params"], PROMPTS[0], 6)
+    assert greedy6(sampler).output_ids == expected
+    # scanned (stacked) params, unstacked on the way in, and a bf16 copy of them
+    _, scanned = hf.load(str(setup["root"] / "a"), scan_layers=True)
+    with jax.transfer_guard("disallow_explicit"):  # device to device only: no host round trip
+        sampler.update_weights(scanned, "scanned")
+    assert not buffer_pointers(scanned) & buffer_pointers(sampler._params)
+    bf16 = JaxSampler(setup["cfg"], scanned, tokenizer=setup["tok"], dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(bf16._params)} == {np.dtype(jax.numpy.bfloat16)}
+    assert bf16.cfg.dtype == "bfloat16" and bf16.cfg.param_dtype == "bfloat16"
+    for leaf in jax.tree.leaves(scanned):
+        leaf.delete()
+    assert greedy6(sampler).output_ids == expected
+    res = greedy6(bf16)
+    tokens = np.array([PROMPTS[0] + res.output_ids], np.int32)
+    lp, _ = token_logprobs(Transformer(setup["cfg"]), setup["params"], {"tokens": tokens})
+    # bf16 weights and math: the fp32 trainer's logprobs of the same tokens, to bf16 accuracy
+    np.testing.assert_allclose(res.logprobs, np.asarray(lp)[0, len(PROMPTS[0]):], atol=0.1)
+
+
+def test_a_replicated_trainer_copy_is_copied_not_aliased(setup):
+    """device_put from a leaf replicated over 8 devices to one of them hands back the source's
+    own shard (even with may_alias=False): the sampler must still own a copy."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from rl_tpu import parallel
+
+    mesh = parallel.make_mesh({"data": 8})
+    _, params_b = hf.load(str(setup["root"] / "b"))
+    expected = full_forward_greedy(setup, params_b, PROMPTS[0], 6)
+    # (this device_put itself reuses params_b's buffers as the device-0 shards)
+    replicated = jax.device_put(params_b, NamedSharding(mesh, PartitionSpec()))
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    sampler.update_weights(replicated, "rep")
+    assert not buffer_pointers(replicated) & buffer_pointers(sampler._params)
+    for leaf in jax.tree.leaves(replicated):
+        leaf.delete()
+    assert greedy6(sampler).output_ids == expected
+
+
+def test_params_of_another_model_are_refused_clearly(setup):
+    deep = tiny.tiny_config("qwen3", vocab_size=320, num_layers=3)
+    with pytest.raises(ValueError, match="do not fit the sampler's model"):
+        setup["sampler"].update_weights(tiny.random_params(deep), "deep")
+    assert setup["sampler"].weight_version == "v0"
+
+
+# ------------------------------------------------------------------ sampling: exact draws
+
+# p = [.05, .3, .02, .15, .1, .2, .08, .04, .01, .05] (sums to 1), logits = log p + 3
+BASE_P = np.array([.05, .3, .02, .15, .1, .2, .08, .04, .01, .05])
+SQUARED = BASE_P ** 2 / 0.176  # T = 0.5: p^2 / sum p^2, sum p^2 = 0.176
+DRAWS = 20000
+
+
+def _on(indices, values):
+    out = np.zeros(10)
+    out[list(indices)] = values
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,expected", [
+    (1.0, 1.0, -1, BASE_P),
+    (0.5, 1.0, -1, SQUARED),
+    # top-p 0.7: sorted .3 .2 .15 .1 .08..., mass before each 0 .3 .5 .65 .75: keep 4 (.75)
+    (1.0, 0.7, -1, _on([1, 5, 3, 4], np.array([.3, .2, .15, .1]) / .75)),
+    (1.0, 1.0, 3, _on([1, 5, 3], np.array([.3, .2, .15]) / .65)),
+    (1.0, 0.9, 2, _on([1, 5], [.6, .4])),
+], ids=["plain", "temperature", "top_p", "top_k", "both"])
+def test_draws_follow_the_stated_distribution(temperature, top_p, top_k, expected):
+    """Chi-square over V = 10 (two levels of 3 blocks x 4, padded): plain, temperature, top-p,
+    top-k sampling draw exactly softmax(logits / T) renormalised over the kept tokens."""
+    from jax.scipy.stats import chi2
+
+    from rl_tpu.rollout.sampler import sample_next
+
+    logits = np.tile(np.log(BASE_P).astype(np.float32) + 3.0, (DRAWS, 1))
+    keys = jax.vmap(jax.random.key)(jax.numpy.arange(DRAWS))
+    full = lambda x: np.full(DRAWS, x)  # noqa: E731
+    tokens, logprobs = jax.jit(sample_next)(logits, full(np.float32(temperature)),
+                                            full(np.float32(top_p)), full(np.int32(top_k)), keys)
+    counts = np.bincount(np.asarray(tokens), minlength=10)
+    kept = expected > 0
+    assert counts[~kept].sum() == 0  # never a truncated token
+    stat = np.sum((counts[kept] - DRAWS * expected[kept]) ** 2 / (DRAWS * expected[kept]))
+    assert float(chi2.sf(stat, kept.sum() - 1)) > 1e-3, (counts, DRAWS * expected)
+    # the reported logprob is the full (untruncated) distribution's, convention "full"
+    full_logp = np.log(np.where(temperature == 1.0, BASE_P, SQUARED))
+    np.testing.assert_allclose(logprobs, full_logp[np.asarray(tokens)], atol=1e-5)
+
+
+def test_sampled_distribution_is_the_reported_one_at_152k_vocab():
+    """Total variation between the distribution the draw follows and exp(reported logprobs)
+    at Qwen's V = 151,936. The draw is Gumbel-max over block log-masses, then over the chosen
+    block's logits, so it follows softmax(block lse)[b] x softmax(block b)[j] exactly (given
+    exact Gumbel noise, see the next test); that product is computed here in float64 from the
+    sampler's own fp32 block quantities. The inverse-CDF draw it replaces was off by 2.4e-3 on
+    these logits (2^-23 uniform steps and a non-monotone fp32 cumsum)."""
+    from rl_tpu.rollout.sampler import truncate, two_level_logits
+
+    v = 151936
+    rng = np.random.RandomState(0)
+    logits = jax.numpy.asarray((rng.randn(3, v) * 3).astype(np.float32))
+    top_p, top_k = np.array([1.0, 0.9, 1.0], np.float32), np.array([-1, -1, 1000], np.int32)
+    candidates = truncate(logits, top_p, top_k)
+    block_lse, blocks = (np.asarray(x, np.float64) for x in two_level_logits(candidates))
+    p_block = np.exp(block_lse - np.logaddexp.reduce(block_lse, axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore"):  # blocks with every token truncated: 0 / 0
+        p_inside = np.exp(blocks - np.logaddexp.reduce(blocks, axis=-1, keepdims=True))
+    drawn = np.nan_to_num(p_block[:, :, None] * p_inside).reshape(3, -1)[:, :v]
+    # reported: log softmax of the whole vocab (what logprobs_of computes), renormalised over
+    # the kept tokens for the truncated rows
+    reported = np.exp(np.asarray(logits - jax.nn.logsumexp(logits, -1, keepdims=True),
+                                 np.float64))
+    kept = np.isfinite(np.asarray(candidates))
+    assert kept[0].all() and 1000 < kept[1].sum() < v and kept[2].sum() == 1000
+    target = np.where(kept, reported, 0.0)
+    target /= target.sum(-1, keepdims=True)
+    tv = 0.5 * np.abs(drawn - target).sum(-1)
+    assert np.all(tv < 1e-5), tv
+
+
+def test_gumbel_noise_reaches_the_far_tail():
+    """The draw is exact only as far as the Gumbel noise is: its upper tail (E = -log U near
+    0) must be resolved far below float32's 2^-23 uniform steps."""
+    from rl_tpu.rollout.sampler import gumbel_from_bits
+
+    hi = np.array([0, 0, 0, 1 << 8, 0xFFFFFFFF], np.uint32)
+    lo = np.array([1, 2, 1 << 20, 0, 0xFFFFFFFF], np.uint32)
+    g = np.asarray(gumbel_from_bits(hi, lo), np.float64)
+    u = np.array([2.0 ** -56, 2.0 ** -55, 2.0 ** -36, 2.0 ** -24])  # 1 - U for the first four
+    np.testing.assert_allclose(g[:4], -np.log(-np.log1p(-u)), rtol=1e-6)
+    assert g[0] > 38 and np.isfinite(g[4]) and g[4] < -2.7  # 1 - U clamped below 1
+    # and in bulk, the standard Gumbel CDF exp(-exp(-g)) (Kolmogorov-Smirnov, n = 1e5)
+    bits = np.asarray(jax.random.bits(jax.random.key(0), (2, 100000), jax.numpy.uint32))
+    sample = np.sort(np.asarray(gumbel_from_bits(bits[0], bits[1]), np.float64))
+    cdf = np.exp(-np.exp(-sample))
+    ks = np.max(np.abs(cdf - np.arange(1, sample.size + 1) / sample.size))
+    assert ks < 1.95 / np.sqrt(sample.size)  # p ~ 1e-3
+
+
+def test_draws_at_152k_vocab_land_on_the_right_tokens():
+    """The block/offset arithmetic at full size: four likely tokens in different blocks (one in
+    the padded last block), the rest e^-40 below: every draw is one of the four, at their odds."""
+    from jax.scipy.stats import chi2
+
+    from rl_tpu.rollout.sampler import sample_next
+
+    v, b = 151936, 64
+    heads, probs = np.array([7, 70000, 151000, 151935]), np.array([.4, .3, .2, .1])
+    logits = np.full((b, v), -40.0, np.float32)
+    logits[:, heads] = np.log(probs)
+    keys = jax.vmap(jax.random.key)(jax.numpy.arange(b))
+    tokens, _ = jax.jit(sample_next)(logits, np.ones(b, np.float32), np.ones(b, np.float32),
+                                     np.full(b, -1, np.int32), keys)
+    tokens = np.asarray(tokens)
+    assert np.isin(tokens, heads).all()
+    counts = np.array([(tokens == h).sum() for h in heads])
+    assert float(chi2.sf(np.sum((counts - b * probs) ** 2 / (b * probs)), 3)) > 1e-3, counts
+
+
+def test_results_declare_the_full_logprob_convention(setup):
+    res = gen(setup, PROMPTS[:1], max_new_tokens=2, temperature=1.0, top_p=0.5, seed=1)[0]
+    assert res.logprob_convention == "full"
+
+
+# ------------------------------------------------------------------ min_new_tokens
+
+
+def test_min_new_tokens_holds_off_likely_stops(setup):
+    """A third of the vocab ends a sample (eos is likely): without min_new_tokens samples stop
+    within a few tokens; with k, none stops (nor samples a stop id) before k tokens."""
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    sampler.eos_ids = tuple(range(0, 320, 3))
+    stops, k = set(sampler.eos_ids), 6
+    run = lambda **kw: sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(  # noqa
+        max_new_tokens=12, temperature=1.0, n=8, seed=3, **kw))])
+    assert min(len(r.output_ids) for r in run()) < k
+    held = run(min_new_tokens=k)
+    for res in held:
+        assert len(res.output_ids) >= k and not stops & set(res.output_ids[:k])
+        assert (res.finish_reason == "stop") == (res.output_ids[-1] in stops)
+    # per-row arrays: other values compile nothing new
+    sizes = prefill._cache_size(), decode._cache_size()
+    run(min_new_tokens=2)
+    run(min_new_tokens=11)
+    assert (prefill._cache_size(), decode._cache_size()) == sizes
+    # stop_token_ids are held off as well, and the request's min applies per row
+    sampler.eos_ids = ()
+    rows = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(
+        max_new_tokens=12, temperature=1.0, n=8, seed=3, min_new_tokens=m,
+        stop_token_ids=tuple(stops))) for m in (0, k)])
+    assert min(len(r.output_ids) for r in rows[:8]) < k
+    assert all(len(r.output_ids) >= k and not stops & set(r.output_ids[:k]) for r in rows[8:])
+
+
+def test_min_new_tokens_reports_the_penalised_logprob(setup):
+    """As SGLang: before the minimum the stop ids' logits are -inf, so a greedy sample takes
+    the best other token and reports its logprob under that penalised distribution."""
+    first = gen(setup, PROMPTS[:1], max_new_tokens=1, **GREEDY)[0].output_ids[0]
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"])
+    sampler.eos_ids = (first,)
+    res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(
+        max_new_tokens=6, min_new_tokens=1, temperature=0.0))])[0]
+    x = np.zeros((1, len(PROMPTS[0]) + 6), np.int32)
+    x[0, :len(PROMPTS[0])] = PROMPTS[0]
+    logits = np.array(setup["forward"](setup["params"], x))[0, len(PROMPTS[0]) - 1]
+    logits[first] = -np.inf
+    assert res.output_ids[0] == int(np.argmax(logits)) != first
+    np.testing.assert_allclose(res.logprobs[0], logits.max() - np.logaddexp.reduce(logits),
+                               atol=1e-5)

@@ -102,3 +102,24 @@ def test_pause_continue_and_abort(server):
     assert call(server, "/abort_request", {})[0] == 400
     assert call(server, "/abort_request", {"abort_all": True})[0] == 200
     assert call(server, "/flush_cache", {})[0] == 200
+
+
+def test_min_new_tokens_is_honoured(server):
+    """Half the vocab stops a sample: without min_new_tokens samples end within a few tokens;
+    with it, none ends (or samples a stop id) before the minimum, as SGLang's penalizer."""
+    stops = list(range(0, 320, 2))
+
+    def body(**extra):
+        return {"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 10, "temperature": 1.0, "n": 6, "sampling_seed": 1,
+            "stop_token_ids": stops, **extra}}
+
+    status, free = call(server, "/generate", body())
+    assert status == 200 and min(r["meta_info"]["completion_tokens"] for r in free) < 5
+    status, held = call(server, "/generate", body(min_new_tokens=5))
+    assert status == 200 and len(held) == 6
+    for reply in held:
+        assert reply["meta_info"]["completion_tokens"] >= 5
+        assert not set(stops) & set(reply["output_ids"][:5])
+    status, reply = call(server, "/generate", body(min_new_tokens=11))
+    assert status == 400 and "min_new_tokens" in reply["error"]["message"]
