@@ -12,4 +12,9 @@ ENV_MODULES: dict[str, str] = {
     "reasoning_gym": "reasoning",
     "math": "math",
     "largest": "largest",
+    # AgentGym-compatible modes: AgentGym's actions, observations, rewards and task indexing
+    "babyai_agentgym": "babyai_agentgym",
+    "textcraft_agentgym": "textcraft_agentgym",
+    "sciworld_agentgym": "sciworld_agentgym",
+    "searchqa_agentgym": "search_agentgym",
 }
