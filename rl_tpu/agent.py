@@ -9,7 +9,9 @@ observation to its history as a new user message, and repeats until every episod
 Token accounting, the part the trainer depends on:
 
 - The history is built token-exactly. The prompt is the chat template over
-  [system (env.system_prompt), user (first observation)] plus the generation prompt; after that
+  [system (env.system_prompt), user (first observation)] plus the generation prompt (or, for an
+  env that defines `conversation_start()`, over the messages it returns followed by the first
+  observation as a user message: see `conversation_start`); after that
   the model's sampled ids are appended as they are, and each observation is tokenized once
   (`ChatTokenizer.append_message`) and appended. Nothing is ever re-tokenized, so the
   behaviour logprobs stay attached to the very ids they were computed for.
@@ -261,25 +263,57 @@ def run_episodes(
     return [_finalize(ep, reward_reduce) for ep in episodes]
 
 
+def conversation_start(env: Env) -> list[dict]:
+    """The messages an episode's prompt holds before the env's first observation.
+
+    An env may define `conversation_start(self) -> list[dict]` (chat messages, each with a
+    string `role` and `content`): AgentGym-RL starts every conversation with the env's
+    instruction as a user turn and a fixed assistant acknowledgement, then the first
+    observation as the next user turn, and an env that wants that prompt returns the first two
+    messages. Returning None, or not defining it, gives rl_tpu's default: a system message with
+    `env.system_prompt` (none when it is empty). Called after `reset`, so it may depend on the
+    task. Raises ValueError for anything but a list of such messages.
+    """
+    method = getattr(env, "conversation_start", None)
+    start = method() if callable(method) else None
+    if start is None:
+        system = getattr(env, "system_prompt", "") or ""
+        return [{"role": "system", "content": system}] if system else []
+    if not isinstance(start, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in start):
+        raise ValueError(f"{type(env).__name__}.conversation_start() returned {start!r:.200}; "
+                         "it must return a list of {'role': str, 'content': str} messages "
+                         "(or None for the system-prompt default)")
+    if start and start[-1]["role"] == "user":
+        # The first observation follows as a user message; two user turns in a row would
+        # make a prompt the model never saw in training.
+        raise ValueError(f"{type(env).__name__}.conversation_start() ends with a user message; "
+                         "the first observation is the user turn that follows it, so end with "
+                         "an assistant (or system) message")
+    return [dict(m) for m in start]
+
+
 def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
     """Builds and resets every env in parallel; tokenizes each first prompt."""
 
     def start(ep):
         def call():
             ep.env = make_env()  # set before reset, so a timed-out reset can still be closed
-            return ep.env.reset(ep.task)
+            first = ep.env.reset(ep.task)
+            # In the worker too: a remote env may answer over the network.
+            return first, conversation_start(ep.env)
         return call
 
     for ep, outcome in zip(episodes, workers.map([start(ep) for ep in episodes])):
-        if _failed(ep, outcome, "make_env/reset"):
+        if _failed(ep, outcome, "make_env/reset/conversation_start"):
             continue
-        if not isinstance(outcome.value, str):
-            ep.end("env_error", f"reset returned {type(outcome.value).__name__}, not the first "
+        first, start_messages = outcome.value
+        if not isinstance(first, str):
+            ep.end("env_error", f"reset returned {type(first).__name__}, not the first "
                                 "observation (str)")
             continue
-        system = getattr(ep.env, "system_prompt", "") or ""
-        ep.messages = ([{"role": "system", "content": system}] if system else [])
-        ep.messages.append({"role": "user", "content": outcome.value})
+        ep.messages = start_messages + [{"role": "user", "content": first}]
         ep.extend(tokenizer.apply_chat_template(ep.messages, add_generation_prompt=True),
                   generated=False, turn=-1)
         if len(ep.tokens) >= max_context_tokens:

@@ -488,3 +488,71 @@ def test_episode_stats(tok):
     d = stats.as_dict()
     assert d["rollout/success_rate"] == 0.5 and d["rollout/finish/turn_limit"] == 0.5
     assert agent.EpisodeStats.of([]).num_episodes == 0
+
+
+# --- conversation start (AgentGym-RL's prompt) ---------------------------------------------
+
+ACK = "OK. I'll follow your instructions and try my best to solve the task."
+
+
+class InstructedGuessEnv(GuessEnv):
+    """GuessEnv that starts its conversations as AgentGym-RL does: instruction, then ack."""
+
+    instruction = "You are playing guess the number. Answer with 'guess <n>'."
+
+    def conversation_start(self):
+        return [{"role": "user", "content": self.instruction},
+                {"role": "assistant", "content": ACK}]
+
+
+def test_conversation_start_builds_the_prompt(tok):
+    # The scripted engine counts assistant turns in the prompt, the ack among them.
+    engine = ScriptedEngine(tok, script_policy({"a": ["(never asked)", "guess 2", "guess 7"]}))
+    (traj,) = agent.run_episodes(engine, InstructedGuessEnv, [Task("a")], tokenizer=tok,
+                                 max_turns=4, max_new_tokens_per_turn=32,
+                                 max_context_tokens=1024)
+    first = "Task a: the number is between 0 and 9."
+    start = [{"role": "user", "content": InstructedGuessEnv.instruction},
+             {"role": "assistant", "content": ACK},
+             {"role": "user", "content": first}]
+    assert traj.messages[:3] == start  # no system message: the env's start replaces it
+    prompt = tok.apply_chat_template(start, add_generation_prompt=True)
+    assert traj.tokens[:len(prompt)].tolist() == prompt
+    assert (traj.turn_ids[:len(prompt)] == -1).all() and traj.turn_ids[len(prompt)] == 0
+    assert not traj.loss_mask[:len(prompt)].any()  # the fixed ack is prompt, not a sample
+    # The rest of the loop is unchanged: the history is still the template of the whole talk.
+    assert traj.finish == "done" and traj.num_turns == 2
+    assert tok.decode(traj.tokens[traj.loss_mask]) == "guess 2<|im_end|>guess 7<|im_end|>"
+    assert assistant_contents(traj) == [ACK, "guess 2", "guess 7"]
+    conv = through_last_assistant(traj.messages)
+    assert traj.tokens.tolist() + tok.encode("\n") == tok.apply_chat_template(conv)
+
+
+def test_conversation_start_none_keeps_the_system_prompt(tok):
+    class Default(GuessEnv):
+        def conversation_start(self):
+            return None
+
+    engine = ScriptedEngine(tok, script_policy({"a": ["guess 7"]}))
+    (traj,) = agent.run_episodes(engine, Default, [Task("a")], tokenizer=tok, max_turns=2,
+                                 max_new_tokens_per_turn=32, max_context_tokens=1024)
+    assert traj.messages[0] == {"role": "system", "content": GuessEnv.system_prompt}
+    prompt = tok.apply_chat_template(traj.messages[:2], add_generation_prompt=True)
+    assert traj.tokens[:len(prompt)].tolist() == prompt
+
+
+@pytest.mark.parametrize("start,match", [
+    ("instructions", "list of"),
+    ([{"role": "user"}], "list of"),
+    ([{"role": "user", "content": "do it"}], "ends with a user message"),
+])
+def test_bad_conversation_start_is_an_env_error(tok, start, match):
+    class Bad(GuessEnv):
+        def conversation_start(self):
+            return start
+
+    engine = ScriptedEngine(tok, script_policy({"a": ["guess 7"]}))
+    trajs = agent.run_episodes(engine, Bad, [Task("a")], tokenizer=tok, max_turns=2,
+                               max_new_tokens_per_turn=32, max_context_tokens=1024)
+    assert trajs[0].finish == "env_error" and re.search(match, trajs[0].info["error"])
+    assert trajs[0].num_turns == 0 and engine.calls == []

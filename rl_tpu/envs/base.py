@@ -79,14 +79,20 @@ _ACTION_LINE = re.compile(r"action\s*[:：]\s*(.*)", re.IGNORECASE)
 
 def action_line(text: str) -> Optional[str]:
     """The action a free-form response states: its last `Action: ...` line, else its last
-    non-empty line (so a bare command works too). None for no text at all."""
+    non-empty line (so a bare command works too). None for no text at all.
+
+    A marker with nothing after it on its line takes the next non-empty line: AgentGym's
+    answer format is `Thought:\n...\n\nAction:\n<action>`, with the action on its own line.
+    A bare marker with no line after it gives "" (the response named no action)."""
     if not isinstance(text, str):
         return None
     lines = [line for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        match = _ACTION_LINE.search(line)
+    for at in range(len(lines) - 1, -1, -1):
+        match = _ACTION_LINE.search(lines[at])
         if match:
-            return match.group(1)
+            if match.group(1).strip() or at + 1 == len(lines):
+                return match.group(1)
+            return lines[at + 1].strip()
     return lines[-1] if lines else None
 
 

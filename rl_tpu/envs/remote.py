@@ -1,24 +1,50 @@
-"""`RemoteEnv`: an `Env` whose episodes run in an env server (AgentGym HTTP API).
+"""`RemoteEnv`: an `Env` whose episodes run in an env server (AgentGym's HTTP API).
 
-Talks to `rl_tpu.envs.server` (or any AgentGym `agentenv-*` server that has the routes used):
-the first `reset` creates an instance with `POST /create`, later ones reuse it with
-`POST /reset {id, data_idx}`, `step` is `POST /step {id, action}`, `close` is `POST /close`.
-Tasks from the server's own task source (`RemoteEnv.tasks()`, or any task whose data carries
-`split` and `index`) travel as a data index; other tasks travel whole as `{"task_id", "data"}`.
+One client for AgentGym's own `agentenv-*` servers and for rl_tpu's (`rl_tpu.envs.server`,
+`python -m launch.serve_env`), which answers in the same shapes. Two protocols:
 
-One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra dependency).
-Failures are `RemoteEnvError`s that name the server URL, the request and what went wrong:
+`protocol="agentgym"` (the default for env_name babyai, textcraft, sciworld, searchqa) does
+what AgentGym's own client for that env does, on the routes AgentGym's servers have:
 
+  env        first reset                          reset                     step body
+  babyai     POST /create (no body) -> {"id"}     /reset {"id","data_idx"}  {"id","action"}
+  sciworld   as babyai; the first observation is task_description + "\\n" + observation
+  textcraft  POST /create {} -> {"id", ...}       /reset {"id","data_idx"}  {"id","action"}
+  searchqa   POST /create {"id": item} -> env_idx /reset {"env_idx","id"}   {"env_idx","action"}
+             (the reset reply is the prompt string itself)
+
+  `reset(Task(f"{env}_{i}", {"data_idx": i}))` plays item i (a task id `<env>_<i>` alone works
+  too, as does a task from an rl_tpu server's `tasks()`). `step(reply)` takes the model's WHOLE
+  reply and parses it as AgentGym's client does (`rl_tpu.envs.agentgym_parse`): BabyAI and
+  TextCraft send the one `Action:` line, filtered, and a reply with two markers gets the
+  TOO_MANY_ACTIONS observation, reward 0, not done, without a request; SciWorld sends the text
+  after the last marker; SearchQA sends the reply whole. The reward is what AgentGym's client
+  reports: the server's `score` where it sends one (BabyAI, SciWorld), else its `reward`.
+  There is no system prompt (AgentGym's servers have no /info); pass `instruction` to get
+  AgentGym-RL's conversation start (`conversation_start()`, used by `rl_tpu.agent`).
+
+`protocol="rl_tpu"` (any other env_name, or none) is rl_tpu's generic one: the reply is sent
+whole (the env parses it), tasks travel as a data index or whole (`{"task": {...}}`), and the
+system prompt and task source come from the rl_tpu-only `GET /info` and `GET /task`.
+
+Errors are `RemoteEnvError`s that name the server URL, the request and what went wrong; the
+agent loop then ends that episode (`finish="env_error"`, reward 0 for the turn), which is what
+AgentGym-RL does with an episode whose server answered an error (it scores it 0):
+
+- an HTTP 200 `{"error": msg}` reply (AgentGym's BabyAI, TextCraft and SciWorld servers answer
+  a bad id, a step after the end, or an env that raised this way): raised with `msg`;
+- an HTTP error status: raised with the server's message (SearchQA answers every failure with a
+  bare 500 "Internal Server Error"; FastAPI's 404/422 carry a `detail`); a 404 on `reset`
+  re-creates the instance, since a new episode may start anywhere;
 - connection refused (server down or not yet up): retried with exponential backoff, `retries`
   times, then raised; safe for every request since nothing reached the server;
 - connection dropped after the request was sent: retried only for requests that are safe to
   repeat (GET, /reset, /close), plus once for any request on a reused keep-alive connection
   (a server-side idle close looks the same, and an action is then not applied twice in
   practice); a dropped `/step` on a fresh connection is raised, never replayed;
-- no reply within `timeout` seconds: raised at once (a hung server is not helped by waiting
-  longer);
-- an HTTP error status: raised with the server's message (a 404 on `reset` re-creates the
-  instance, since a new episode may start anywhere).
+- no reply within `timeout` seconds: raised at once (a hung server is not helped by waiting).
+
+One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra dependency).
 """
 
 from __future__ import annotations
@@ -26,29 +52,42 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import socket
 import time
 import urllib.parse
 from typing import Any, Optional
 
+from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
 
 log = logging.getLogger(__name__)
 
 _IDEMPOTENT = {"/reset", "/close"}
 
+AGENTGYM_ENVS = ("babyai", "textcraft", "sciworld", "searchqa")
+PROTOCOLS = ("agentgym", "rl_tpu")
+# AgentGym-RL's fixed assistant turn after the instruction (rl_dataset.py).
+ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve the task."
+SEARCHQA_ACKNOWLEDGEMENT = "Ok."
+
+_ITEM_SUFFIX = re.compile(r"_(\d+)$")
+
 
 class RemoteEnvError(RuntimeError):
-    """A request to an env server failed; `status` is the HTTP code, or None if there was no
-    reply at all."""
+    """A request to an env server failed. `status` is the HTTP code (200 for AgentGym's
+    `{"error": ...}` replies), or None if there was no reply at all; `server_error` is the
+    message the server sent, if any."""
 
-    def __init__(self, message: str, status: Optional[int] = None):
+    def __init__(self, message: str, status: Optional[int] = None,
+                 server_error: Optional[str] = None):
         super().__init__(message)
         self.status = status
+        self.server_error = server_error
 
 
 class RemoteTaskSource(TaskSource):
-    """The server's task source, read through `GET /info` and `GET /task`."""
+    """An rl_tpu server's task source, read through `GET /info` and `GET /task`."""
 
     def __init__(self, env: "RemoteEnv"):
         self._env = env
@@ -70,27 +109,46 @@ class RemoteEnv(Env):
 
     Args:
       url: the server's base URL, e.g. "http://127.0.0.1:36001".
-      env_name: the env the server must be serving; checked on first contact when given.
+      env_name: the env the server serves. One of AGENTGYM_ENVS selects that env's AgentGym
+        client behaviour (see the module docstring); with the rl_tpu protocol it is checked
+        against the server's `GET /info` on first contact.
       timeout: seconds to wait for one reply (connecting included).
       retries: extra attempts after a connection failure (see the module docstring).
       backoff: seconds before the first retry; doubles after each.
+      protocol: "agentgym" or "rl_tpu"; default "agentgym" for AgentGym's env names, else
+        "rl_tpu".
+      instruction: the env's instruction (AgentGym client's `conversation_start[0]`); when
+        given, `conversation_start()` returns it as a user turn and AgentGym-RL's fixed
+        acknowledgement as the assistant turn.
     """
 
     def __init__(self, url: str, env_name: Optional[str] = None, timeout: float = 60.0,
-                 retries: int = 3, backoff: float = 0.2):
+                 retries: int = 3, backoff: float = 0.2, *, protocol: Optional[str] = None,
+                 instruction: Optional[str] = None):
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"env server url must look like http://host:port, got {url!r}")
+        if protocol is None:
+            protocol = "agentgym" if env_name in AGENTGYM_ENVS else "rl_tpu"
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if protocol == "agentgym" and env_name not in AGENTGYM_ENVS:
+            raise ValueError(f"the agentgym protocol needs env_name in {AGENTGYM_ENVS} (it says "
+                             f"which server's reply shapes and parsing to use), got {env_name!r}")
         self.url = f"{parts.scheme}://{parts.netloc}"
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
         self.name = env_name or "remote"
         self._expected_name = env_name
+        self.protocol = protocol
+        self.instruction = instruction
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self._conn: Optional[http.client.HTTPConnection] = None
         self._id: Optional[int] = None
         self._info: Optional[dict] = None
         self._done = True
+        # SearchQA names the instance `env_idx` (its `id` is the item); the others `id`.
+        self._id_key = "env_idx" if env_name == "searchqa" else "id"
 
     # -- transport --------------------------------------------------------------------------
 
@@ -142,29 +200,56 @@ class RemoteEnv(Env):
             time.sleep(delay)
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _decode(what: str, status: int, raw: bytes) -> Any:
+    def _decode(self, what: str, status: int, raw: bytes) -> Any:
         try:
             payload = json.loads(raw.decode("utf-8")) if raw else None
         except (UnicodeDecodeError, ValueError):
-            raise RemoteEnvError(f"{what}: HTTP {status} with a reply that is not JSON: "
-                                 f"{raw[:200]!r}", status)
+            if status == 200:
+                raise RemoteEnvError(f"{what}: HTTP 200 with a reply that is not JSON: "
+                                     f"{raw[:200]!r}; is {self.url} an env server?", status)
+            # e.g. SearchQA's bare 500 "Internal Server Error"
+            payload = raw[:500].decode("utf-8", "replace")
         if status != 200:
-            message = payload.get("error") if isinstance(payload, dict) else payload
-            raise RemoteEnvError(f"{what} failed with HTTP {status}: {message}", status)
+            message = payload
+            if isinstance(payload, dict):
+                message = payload.get("error", payload.get("detail", payload))
+            hint = ""
+            if status == 404 and message == "Not Found":
+                hint = (" (no such route: AgentGym's servers have no /info, /task or /health, "
+                        "so an rl_tpu-only call such as tasks() or system_prompt cannot work "
+                        "there; build tasks as Task(f'{env}_{i}', {'data_idx': i}))")
+            elif status == 500 and self._expected_name == "searchqa":
+                hint = (" (AgentGym's SearchQA server answers every failure, a bad env_idx "
+                        "included, with HTTP 500; its log has the cause)")
+            raise RemoteEnvError(f"{what} failed with HTTP {status}: {message}{hint}", status,
+                                 message if isinstance(message, str) else None)
         if isinstance(payload, dict) and "error" in payload:
-            # AgentGym's own servers answer 200 with {"error": ...}.
-            raise RemoteEnvError(f"{what}: the server reported an error: {payload['error']}")
+            # AgentGym's BabyAI, TextCraft and SciWorld servers answer failures with HTTP 200.
+            raise RemoteEnvError(
+                f"{what}: the env server answered with an error: {payload['error']}. The "
+                "episode cannot go on (AgentGym-RL scores it 0); reset to start a new one",
+                status, str(payload["error"]))
         return payload
+
+    def _reply(self, what: str, reply: Any, *keys: str) -> dict:
+        """`reply` checked to be an object with `keys`; else an error that says so."""
+        if not isinstance(reply, dict) or any(key not in reply for key in keys):
+            raise RemoteEnvError(f"{what} on {self.url} answered {reply!r:.300}, not an object "
+                                 f"with {list(keys)}; is it a {self.name} server "
+                                 f"(env_name={self._expected_name!r}, protocol={self.protocol!r})?")
+        return reply
 
     # -- Env --------------------------------------------------------------------------------
 
     def server_info(self) -> dict:
-        """`GET /info` (cached): env name, system prompt, split sizes."""
+        """`GET /info` (cached, rl_tpu servers only): env name, system prompt, split sizes."""
         if self._info is None:
             info = self._request("GET", "/info")
-            if self._expected_name is not None and info.get("env") != self._expected_name:
-                raise RemoteEnvError(f"the env server at {self.url} serves {info.get('env')!r}, "
+            served = info.get("env")
+            # An rl_tpu server serving `babyai_agentgym` is what RemoteEnv(url, "babyai") wants.
+            if self._expected_name is not None and served not in (
+                    self._expected_name, f"{self._expected_name}_agentgym"):
+                raise RemoteEnvError(f"the env server at {self.url} serves {served!r}, "
                                      f"not {self._expected_name!r}")
             self._info = info
             self.name = self._expected_name or info.get("env", "remote")
@@ -172,9 +257,21 @@ class RemoteEnv(Env):
 
     @property
     def system_prompt(self) -> str:  # type: ignore[override]
+        if self.protocol == "agentgym":
+            return ""  # AgentGym states the format in the instruction (conversation_start)
         return self.server_info().get("system_prompt", "")
 
+    def conversation_start(self) -> Optional[list[dict]]:
+        """AgentGym-RL's first two turns when an `instruction` was given, else None (the
+        agent loop then uses `system_prompt`)."""
+        if self.instruction is None:
+            return None
+        ack = SEARCHQA_ACKNOWLEDGEMENT if self._expected_name == "searchqa" else ACKNOWLEDGEMENT
+        return [{"role": "user", "content": self.instruction},
+                {"role": "assistant", "content": ack}]
+
     def tasks(self) -> TaskSource:
+        """The server's task source (rl_tpu servers only; AgentGym's have none)."""
         return RemoteTaskSource(self)
 
     @staticmethod
@@ -189,25 +286,88 @@ class RemoteEnv(Env):
                              "env needs JSON task data or a task from env.tasks()") from e
         return {"task": {"task_id": task.task_id, "data": data}}
 
+    @staticmethod
+    def _item(task: Task) -> dict:
+        """AgentGym's item for a task: `{"data_idx": i}` (plus the split of a task from an rl_tpu
+        server's own source, which AgentGym's servers would ignore)."""
+        data = task.data or {}
+        index = data.get("data_idx")
+        if isinstance(data.get("split"), str) and isinstance(data.get("index"), int):
+            return {"data_idx": data["index"], "split": data["split"]}
+        if index is None:
+            match = _ITEM_SUFFIX.search(task.task_id)
+            index = int(match.group(1)) if match else None
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"task {task.task_id!r} names no AgentGym item: give it data "
+                             "{'data_idx': i} or an id '<env>_<i>' (i a non-negative int)")
+        return {"data_idx": index}
+
     def reset(self, task: Task) -> str:
+        if self.protocol == "agentgym":
+            return self._reset_agentgym(task)
         if self._expected_name is not None:
             self.server_info()
         body = self._task_body(task)
-        reply = None
-        if self._id is not None:
-            try:
-                reply = self._request("POST", "/reset", {"id": self._id, **body})
-            except RemoteEnvError as e:
-                if e.status != 404:  # anything but "that id is gone" is a real failure
-                    raise
-                log.warning("env %s is gone from %s (%s); creating a new one", self._id,
-                            self.url, e)
-                self._id = None
+        reply = self._reset_known(body)
         if reply is None:
-            reply = self._request("POST", "/create", body)
+            reply = self._reply("POST /create", self._request("POST", "/create", body),
+                                "id", "observation")
             self._id = int(reply["id"])
+        reply = self._reply("POST /reset", reply, "observation")
         self._done = bool(reply.get("done", False))
         return reply["observation"]
+
+    def _reset_known(self, body: dict) -> Any:
+        """`POST /reset` on the instance this client holds, if any; None when there is none or
+        the server no longer knows it (a 404 from an rl_tpu server that dropped it)."""
+        if self._id is None:
+            return None
+        try:
+            return self._request("POST", "/reset", {self._id_key: self._id, **body})
+        except RemoteEnvError as e:
+            if e.status != 404:  # anything but "that id is gone" is a real failure
+                raise
+            log.warning("env %s is gone from %s (%s); creating a new one", self._id, self.url, e)
+            self._id = None
+            return None
+
+    def _reset_agentgym(self, task: Task) -> str:
+        item = self._item(task)
+        if self._expected_name == "searchqa":
+            body = {"id": item["data_idx"]}
+            reply = self._reset_known(body)
+            if reply is None:
+                created = self._request("POST", "/create", body)
+                if not isinstance(created, int) or isinstance(created, bool):
+                    raise RemoteEnvError(f"POST /create on {self.url} answered {created!r:.200}, "
+                                         "not SearchQA's integer env_idx")
+                self._id = created
+                reply = self._request("POST", "/reset", {"env_idx": self._id, **body})
+            if not isinstance(reply, str):
+                raise RemoteEnvError(f"POST /reset on {self.url} answered {reply!r:.200}, not "
+                                     "SearchQA's prompt string")
+            self._done = False
+            return reply
+        reply = self._reset_known(item)
+        if reply is None:
+            # BabyAI and SciWorld create with no body; TextCraft's /create needs one.
+            body = {} if self._expected_name == "textcraft" else None
+            created = self._reply("POST /create", self._request("POST", "/create", body), "id")
+            self._id = int(created["id"])
+            reply = self._request("POST", "/reset", {"id": self._id, **item})
+        reply = self._reply("POST /reset", reply, "observation")
+        self._done = bool(reply.get("done", False))
+        if "task_description" in reply:  # SciWorld: the client puts the task first
+            return f"{reply['task_description']}\n{reply['observation']}"
+        return reply["observation"]
+
+    def _action(self, reply: str) -> tuple[Optional[str], Optional[str]]:
+        """(action to send, None) or (None, observation to answer without sending)."""
+        if self.protocol != "agentgym" or self._expected_name == "searchqa":
+            return reply, None
+        if self._expected_name == "sciworld":
+            return parse_sciworld_action(reply), None
+        return parse_action(reply)
 
     def step(self, action: str) -> StepResult:
         if self._id is None or self._done:
@@ -216,23 +376,36 @@ class RemoteEnv(Env):
                               info={"invalid_action": True, "episode_over": True})
         if not isinstance(action, str):  # same treatment as a local env: unreadable action
             action = ""
-        reply = self._request("POST", "/step", {"id": self._id, "action": action})
+        sent, refusal = self._action(action)
+        if refusal is not None:  # AgentGym's client answers this itself, sending nothing
+            return StepResult(observation=refusal, reward=0.0, done=False,
+                              info={"invalid_action": True, "too_many_actions": True})
+        reply = self._reply("POST /step", self._request(
+            "POST", "/step", {self._id_key: self._id, "action": sent}), "observation", "done")
+        if "score" not in reply and "reward" not in reply:
+            raise RemoteEnvError(f"POST /step on {self.url} answered {reply!r:.300} with "
+                                 "neither 'score' nor 'reward'")
         self._done = bool(reply["done"])
-        return StepResult(observation=reply["observation"], reward=float(reply["reward"]),
-                          done=self._done, info=dict(reply.get("info") or {}))
+        # AgentGym's clients report the running score where the server keeps one.
+        reward = float(reply["score"] if "score" in reply else reply["reward"])
+        info = dict(reply.get("info") or {})
+        if self.protocol == "agentgym":
+            info["action"] = sent
+        return StepResult(observation=reply["observation"], reward=reward, done=self._done,
+                          info=info)
 
     def observation(self) -> str:
         """`GET /observation`: the instance's last observation."""
         if self._id is None:
             raise RemoteEnvError(f"no episode on {self.url} yet: call reset first")
-        return self._request("GET", f"/observation?id={self._id}")
+        return self._request("GET", f"/observation?{self._id_key}={self._id}")
 
     def close(self) -> None:
         """Frees the server-side instance. A dead server is logged, not raised: close runs in
         cleanup paths, where the error that killed the server is already being reported."""
         if self._id is not None:
             try:
-                self._request("POST", "/close", {"id": self._id})
+                self._request("POST", "/close", {self._id_key: self._id})
             except RemoteEnvError as e:
                 log.warning("closing env %s on %s failed: %s", self._id, self.url, e)
             self._id = None

@@ -1,18 +1,42 @@
 """Serve any registered env over the AgentGym env-server HTTP API.
 
-Wire format (JSON bodies; AgentGym's `agentenv-*` servers use the same routes and fields):
+Wire format (JSON bodies; the routes and fields of AgentGym's BabyAI / TextCraft / SciWorld
+servers, so `rl_tpu.envs.remote.RemoteEnv` and AgentGym's own clients read both alike):
 
-  POST /create  {}  or {"data_idx": i, "split": "train"}      -> {"id", "observation", "reward", "done"}
-  POST /step    {"id": n, "action": "..."}                    -> {"observation", "reward", "done", "info"}
-  POST /reset   {"id": n, "data_idx": i, "split": "train"}    -> {"id", "observation", "reward", "done"}
-  GET  /observation?id=n                                       -> the last observation (a JSON string)
-  POST /close   {"id": n}                                      -> {"id", "closed": true}
+  POST /create  no body, {} or {"data_idx": i, "split": "train"}
+                                        -> {"id", "observation", "reward", "score", "done"}
+  POST /step    {"id": n, "action": "..."}
+                                        -> {"observation", "reward", "score", "done", "info"}
+  POST /reset   {"id": n, "data_idx": i, "split": "train"}
+                                        -> {"id", "observation", "reward", "score", "done"}
+  GET  /observation?id=n                -> the last observation (a JSON string)
+  POST /close   {"id": n}               -> {"id", "closed": true}
+  GET  /                                -> a JSON string naming the server, as AgentGym's do
+
+`score` is the env's reward, the number AgentGym's clients report (rl_tpu's AgentGym-mode envs
+already report BabyAI's and SciWorld's running score as their reward). A data index without a
+split is an index into the "train" split.
+
+The `action` of `/step` is what AgentGym's client sends: the action already parsed out of the
+model's reply. rl_tpu's AgentGym-mode envs (`babyai_agentgym`, `textcraft_agentgym`,
+`sciworld_agentgym`) take the whole reply and parse it themselves, so for them the server hands
+the env `"Action: " + action`, which their parsers read back as exactly `action` (a parsed
+action has no `Action:` marker and nothing the filter drops). Other envs get `action` as sent.
 
 rl_tpu additions: `/create` and `/reset` also take `"task": {"task_id", "data"}` instead of a
-data index (tasks that are not in the env's own task source); `GET /` (health), `GET /info`
-(env name, system prompt, split sizes), `GET /task?split=&index=` (a task's id and data).
+data index (tasks that are not in the env's own task source); `GET /health` (live instances),
+`GET /info` (env name, system prompt, split sizes), `GET /task?split=&index=` (a task's id and
+data).
 
-Failure modes, each answered and never fatal to the server: a malformed request gets 400 with
+SearchQA's dialect, served for `searchqa_agentgym` (or `make_server(..., dialect="searchqa")`):
+the instance is `env_idx` and `id` is the item, `POST /create {"id": item}` -> env_idx (an
+int), `POST /reset {"env_idx", "id"}` -> the first observation (a string), `POST /step
+{"env_idx", "action"}` -> {"observation", "reward", "done", "info"}, `GET /observation?env_idx=`,
+`POST /close {"env_idx"}`; the action goes to the env as sent (SearchQA sends the whole reply).
+
+Failure modes, each answered and never fatal to the server (AgentGym's servers answer HTTP 200
+`{"error": ...}` instead; `RemoteEnv` raises a `RemoteEnvError` either way, and the status codes
+let it re-create an instance the server dropped): a malformed request gets 400 with
 what was wrong; an unknown id gets 404; past `max_instances` live envs, `/create` gets 503 until
 some are closed; an env that raises gets 500 with the exception's message, and that instance is
 dropped (its state is suspect). Requests on different instances run in parallel threads; requests
@@ -40,6 +64,10 @@ from rl_tpu.envs.base import Env, Task, make
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # far above any action; bounds what a broken client can make us read
+
+# Envs that parse AgentGym's whole reply themselves: the server gives them "Action: <action>".
+AGENTGYM_MODE_ENVS = ("babyai_agentgym", "textcraft_agentgym", "sciworld_agentgym")
+DIALECTS = ("agentgym", "searchqa")
 
 
 class RequestError(Exception):
@@ -70,10 +98,16 @@ class EnvService:
     """The API's logic, free of HTTP: a table of live env instances keyed by integer id."""
 
     def __init__(self, env_factory: Callable[[], Env], max_instances: int = 256,
-                 env_name: Optional[str] = None):
+                 env_name: Optional[str] = None, action_prefix: str = "",
+                 dialect: str = "agentgym"):
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
+        self.searchqa = dialect == "searchqa"
+        self._id_key = "env_idx" if self.searchqa else "id"
         self._factory = env_factory
+        self.action_prefix = action_prefix  # see the module docstring
         self.max_instances = max_instances
         self._instances: dict[int, _Instance] = {}
         self._lock = threading.Lock()
@@ -116,9 +150,10 @@ class EnvService:
         return source.get(split, index)
 
     def _instance(self, body: dict) -> tuple[int, _Instance]:
-        env_id = body.get("id")
+        env_id = body.get(self._id_key)
         if not isinstance(env_id, int) or isinstance(env_id, bool):
-            raise RequestError(400, f"'id' must be an integer env id, got {env_id!r}")
+            raise RequestError(400, f"'{self._id_key}' must be an integer env id, "
+                                    f"got {env_id!r}")
         with self._lock:
             instance = self._instances.get(env_id)
         if instance is None:
@@ -142,8 +177,14 @@ class EnvService:
 
     # -- routes -----------------------------------------------------------------------------
 
-    def create(self, body: dict) -> dict:
-        task = self._task_from(body)
+    def _searchqa_item(self, body: dict) -> dict:
+        """SearchQA's `id` is the item: the same request in rl_tpu's terms."""
+        if "id" not in body:
+            raise RequestError(400, "SearchQA's /create and /reset need the item as 'id'")
+        return {"data_idx": body["id"]}
+
+    def create(self, body: dict) -> Any:
+        task = self._task_from(self._searchqa_item(body) if self.searchqa else body)
         with self._lock:
             if len(self._instances) >= self.max_instances:
                 raise RequestError(503, f"instance limit reached: {len(self._instances)} live "
@@ -168,7 +209,10 @@ class EnvService:
             raise RequestError(500, f"creating the env failed with {type(e).__name__}: {e}")
         finally:
             instance.lock.release()
-        return {"id": env_id, "observation": instance.observation, "reward": 0.0, "done": False}
+        if self.searchqa:
+            return env_id
+        return {"id": env_id, "observation": instance.observation, "reward": 0.0, "score": 0.0,
+                "done": False}
 
     def step(self, body: dict) -> dict:
         action = body.get("action")
@@ -179,19 +223,19 @@ class EnvService:
             if instance.closed:
                 raise RequestError(404, f"env {env_id} was closed")
             try:
-                result = instance.env.step(action)
+                result = instance.env.step(self.action_prefix + action)
                 reward = float(result.reward)
                 if not math.isfinite(reward):
                     raise ValueError(f"non-finite reward {result.reward!r}")
             except Exception as e:
                 raise self._drop(env_id, instance, e)
             instance.observation = result.observation
-        return {"observation": result.observation, "reward": reward, "done": bool(result.done),
-                "info": _jsonable(result.info)}
+        return {"observation": result.observation, "reward": reward, "score": reward,
+                "done": bool(result.done), "info": _jsonable(result.info)}
 
-    def reset(self, body: dict) -> dict:
+    def reset(self, body: dict) -> Any:
         env_id, instance = self._instance(body)
-        task = self._task_from(body)
+        task = self._task_from(self._searchqa_item(body) if self.searchqa else body)
         with instance.lock:
             if instance.closed:
                 raise RequestError(404, f"env {env_id} was closed")
@@ -199,15 +243,17 @@ class EnvService:
                 instance.observation = instance.env.reset(task)
             except Exception as e:
                 raise self._drop(env_id, instance, e)
-        return {"id": env_id, "observation": instance.observation, "reward": 0.0, "done": False,
-                "task_id": task.task_id}
+        if self.searchqa:
+            return instance.observation
+        return {"id": env_id, "observation": instance.observation, "reward": 0.0, "score": 0.0,
+                "done": False, "task_id": task.task_id}
 
     def observation(self, query: dict) -> str:
         try:
-            env_id = int(query.get("id", [""])[0])
+            env_id = int(query.get(self._id_key, [""])[0])
         except ValueError:
-            raise RequestError(400, "GET /observation needs an integer ?id=")
-        _, instance = self._instance({"id": env_id})
+            raise RequestError(400, f"GET /observation needs an integer ?{self._id_key}=")
+        _, instance = self._instance({self._id_key: env_id})
         return instance.observation
 
     def close(self, body: dict) -> dict:
@@ -221,6 +267,10 @@ class EnvService:
             except Exception as e:
                 log.warning("env %d raised on close: %s", env_id, e)
         return {"id": env_id, "closed": True}
+
+    def hello(self) -> str:
+        """`GET /`: a JSON string, as AgentGym's servers answer."""
+        return f"This is rl_tpu's env server for {self.env_name}."
 
     def health(self) -> dict:
         with self._lock:
@@ -264,7 +314,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     service: EnvService            # set on the subclass `make_server` builds
 
     _POST = {"/create": "create", "/step": "step", "/reset": "reset", "/close": "close"}
-    _GET = {"/": "health", "/health": "health", "/info": "info", "/observation": "observation",
+    _GET = {"/": "hello", "/health": "health", "/info": "info", "/observation": "observation",
             "/task": "task"}
 
     def setup(self):
@@ -351,15 +401,25 @@ class EnvHTTPServer(http.server.ThreadingHTTPServer):
 
 
 def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", port: int = 0,
-                max_instances: int = 256, env_kwargs: Optional[dict] = None) -> EnvHTTPServer:
+                max_instances: int = 256, env_kwargs: Optional[dict] = None,
+                action_prefix: Optional[str] = None,
+                dialect: Optional[str] = None) -> EnvHTTPServer:
     """A bound (not yet serving) server for `make(env, **env_kwargs)`, or for envs built by
     `env()` when it is a factory; port 0 picks a free port (see `server.server_address`).
-    Run it with `serve_forever()` (in a thread, say) and stop it with `shutdown()`."""
+    Run it with `serve_forever()` (in a thread, say) and stop it with `shutdown()`.
+    `action_prefix` goes before every `/step` action (default: "Action: " for the
+    AGENTGYM_MODE_ENVS, "" otherwise) and `dialect` is "searchqa" (the default for
+    `searchqa_agentgym`) or "agentgym"; see the module docstring."""
     env_kwargs = dict(env_kwargs or {})
+    if action_prefix is None:
+        action_prefix = "Action: " if env in AGENTGYM_MODE_ENVS else ""
+    if dialect is None:
+        dialect = "searchqa" if env == "searchqa_agentgym" else "agentgym"
     if isinstance(env, str):
-        service = EnvService(lambda: make(env, **env_kwargs), max_instances, env)
+        service = EnvService(lambda: make(env, **env_kwargs), max_instances, env, action_prefix,
+                             dialect)
     else:
-        service = EnvService(env, max_instances)
+        service = EnvService(env, max_instances, action_prefix=action_prefix, dialect=dialect)
     handler = type("EnvHandler", (_Handler,), {"service": service})
     server = EnvHTTPServer((host, port), handler)
     server.service = service

@@ -86,6 +86,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.eval.every = 10  # RL steps; eval also runs at step 0 and after the last step
     c.eval.num_tasks = 100
     c.eval.pass_k = 0  # > 0: also sample k replies a task at the rollout temperature (pass@k)
+    c.eval.max_turns = 0  # the eval turn limit (0 = the training horizon of that step)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10

@@ -66,7 +66,8 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     engine = components.make_engine(config, model_cfg, params, tokenizer, workdir or "/tmp")
     result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
-                      max_turns=config.env.max_turns, max_new_tokens=config.env.max_new_tokens,
+                      max_turns=config.eval.max_turns or config.env.max_turns,
+                      max_new_tokens=config.env.max_new_tokens,
                       max_context_tokens=config.env.max_context_tokens,
                       pass_k=config.eval.pass_k,
                       sampling=components.sampling_params(config, None), seed=config.seed,

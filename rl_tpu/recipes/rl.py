@@ -135,7 +135,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     def run_eval(step: int, extra: dict | None = None) -> dict[str, float]:
         started = time.time()
         result = evaluate(engine, make_env, eval_list, tokenizer=tokenizer,
-                          max_turns=_horizon(config, step), max_new_tokens=env_cfg.max_new_tokens,
+                          max_turns=config.eval.max_turns or _horizon(config, step),
+                          max_new_tokens=env_cfg.max_new_tokens,
                           max_context_tokens=env_cfg.max_context_tokens,
                           pass_k=config.eval.pass_k,
                           sampling=components.sampling_params(config, None),
@@ -154,7 +155,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         print(f"teacher success {start_metrics['eval/teacher_success']:.3f}, "
               f"policy at the start of RL {last_eval['eval/success']:.3f}", flush=True)
 
-    for step in range(start + 1, train_cfg.steps + 1):
+    for step in metrics_lib.progress(range(start + 1, train_cfg.steps + 1), "RL steps",
+                                     enabled=is_chief):
         t_step = time.time()
         # --- rollout -------------------------------------------------------------------
         horizon = _horizon(config, step - 1)

@@ -150,7 +150,9 @@ def train(state: TrainState, model, mesh, examples: Sequence[Example], *, num_st
     step_fn = steps.compile_step(steps.make_sft_step(model), state, mesh)
     data = batches(examples, batch_size, buckets, seed,
                    host=(jax.process_index(), jax.process_count()))
-    for i in range(num_steps):
+    from rl_tpu.metrics import progress
+
+    for i in progress(range(num_steps), "SFT steps", enabled=jax.process_index() == 0):
         state, m = step_fn(state, parallel.host_to_global(next(data), mesh))
         if on_step is not None:
             on_step(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
@@ -212,7 +214,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     source = components.task_source(config, make_env)
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
-                      max_turns=config.env.max_turns, max_new_tokens=config.env.max_new_tokens,
+                      max_turns=config.eval.max_turns or config.env.max_turns,
+                      max_new_tokens=config.env.max_new_tokens,
                       max_context_tokens=config.env.max_context_tokens, seed=config.seed)
     writer.write(config.sft.steps, {f"eval/{k}": v for k, v in result.items()})
     writer.close()

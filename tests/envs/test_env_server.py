@@ -104,7 +104,8 @@ def test_remote_matches_in_process(servers):
     }
     for name, make_actions in cases.items():
         local = base.make(name)
-        remote = RemoteEnv(servers[name], env_name=name, timeout=10)
+        # rl_tpu's own envs parse the whole reply themselves: the rl_tpu protocol sends it whole.
+        remote = RemoteEnv(servers[name], env_name=name, timeout=10, protocol="rl_tpu")
         assert remote.system_prompt == local.system_prompt
         assert remote.tasks().size("eval") == local.tasks().size("eval")
         for index in range(5):
@@ -184,7 +185,8 @@ def test_bad_requests_get_400(thread_server):
     assert raw("GET", f"/observation?id={env_id}") == (200, reply["observation"])
     assert raw("POST", "/close", json.dumps({"id": env_id}).encode())[0] == 200
     assert raw("POST", "/close", json.dumps({"id": env_id}).encode())[0] == 404
-    assert raw("GET", "/")[1]["instances"] == 0
+    assert raw("GET", "/health")[1]["instances"] == 0
+    assert raw("GET", "/") == (200, "This is rl_tpu's env server for textcraft.")  # as AgentGym
 
 
 def test_instance_cap(thread_server):
@@ -227,7 +229,7 @@ def test_env_exception_is_500_and_drops_the_instance():
         assert err.value.status == 404
         assert env.reset(base.Task("t", {})) == "ready"  # reset re-creates it
         assert env.step("again").observation == "echo again"
-        assert server.raw("GET", "/")[1]["instances"] == 1
+        assert server.raw("GET", "/health")[1]["instances"] == 1
         env.close()
     finally:
         server.close()
@@ -238,7 +240,7 @@ def test_concurrent_clients():
     errors = []
 
     def play(worker):
-        env = RemoteEnv(server.url, "babyai", timeout=10)
+        env = RemoteEnv(server.url, "babyai", timeout=10, protocol="rl_tpu")
         try:
             for index in range(worker, 40, 8):
                 task = env.tasks().get("eval", index)

@@ -17,7 +17,8 @@ from rl_tpu.recipes import rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sciworld_ppo",
-           "search_grpo"]
+           "search_grpo", "agentgym_babyai", "agentgym_textcraft", "agentgym_sciworld",
+           "agentgym_searchqa"]
 
 
 def config(name, variant="smoke"):
@@ -69,7 +70,7 @@ def _finite(record):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_smoke_variant_trains_end_to_end(tmp_path, name):
-    if name == "sciworld_ppo":
+    if "sciworld" in name:
         from rl_tpu.envs import sciworld
         try:
             sciworld._require_java()
@@ -87,6 +88,15 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
     assert os.path.isfile(tmp_path / "final_hf" / "config.json")
     if name == "sciworld_ppo":
         assert "critic/value_loss" in last
+    if name == "quickstart":
+        # launch.eval's recipe, from the checkpoint and from the exported HF dir, measures
+        # what the run's own final eval measured
+        from rl_tpu.recipes import evaluate
+        from_ckpt = evaluate.run(c, workdir=str(tmp_path))
+        from_hf = evaluate.run(c, model_path=str(tmp_path / "final_hf"))
+        assert from_ckpt["checkpoint_step"] == 2
+        assert from_ckpt["success"] == from_hf["success"] == result["eval/success"]
+        assert from_ckpt["tokens"] == from_hf["tokens"] == result["eval/tokens"]
 
 
 def _train(workdir, *extra, timeout=600):

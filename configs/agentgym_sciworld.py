@@ -1,0 +1,50 @@
+"""AgentGym-RL on SciWorld: AgentGym's flat 4639-task index, raw 0-100 score, -100 on failure.
+
+    python -m launch.train --config configs/agentgym_sciworld.py \\
+        --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/agentgym_sciworld
+    python -m launch.train --config configs/agentgym_sciworld.py:fixed ...   # AgentGym-RL, fixed turns
+
+AgentGym-RL's setting: the `sciworld_agentgym` env (AgentGym's actions, observations, rewards and task
+indexing; the conversation opens with the env's instruction as a user turn and the fixed
+assistant acknowledgement), GRPO, 20 turns in training and 30 in evaluation.
+The default variant grows the horizon as ScalingInter-RL does: (10, 20, 30) turns, a stage every
+100 steps; `:fixed` keeps 20 turns throughout. `:smoke` runs two steps on a tiny
+random model.
+Needs a Java runtime (ScienceWorld).
+"""
+
+from rl_tpu.recipes.config import base_config, shrink_for_smoke
+
+
+def get_config(arg: str = ""):
+    c = base_config("grpo")
+    c.env.name = "sciworld_agentgym"
+    c.env.max_turns = 20
+    c.eval.max_turns = 30
+    c.env.max_new_tokens = 256
+    c.env.max_context_tokens = 12288
+    # AgentGym reports the running score each turn; its trajectory reward is the last one
+    c.env.reward_reduce = "last"
+    c.env.step_timeout_s = 120.0
+    c.train.length_buckets = (2048, 4096, 8192, 12288)
+    c.schedules.horizon_turns = (10, 20, 30)
+    c.schedules.horizon_every = 100
+    c.train.steps = 300
+    c.train.tasks_per_step = 32
+    c.train.samples_per_task = 8
+    c.train.minibatches = 4
+    c.optim.lr = 1e-6
+    c.model.dtype = "bfloat16"
+    c.model.remat = "dots"
+    c.eval.every = 25
+    c.eval.num_tasks = 100
+    if arg == "fixed":
+        c.schedules.horizon_turns = ()
+    elif arg == "smoke":
+        shrink_for_smoke(c)
+        c.eval.max_turns = 2
+        c.env.max_context_tokens = 2048
+        c.train.length_buckets = (1024, 2048)
+    elif arg:
+        raise ValueError(f"unknown variant {arg!r}; use '', 'fixed' or 'smoke'")
+    return c
