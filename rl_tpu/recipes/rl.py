@@ -228,6 +228,7 @@ def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: i
              ) -> tuple[list[Trajectory], list[int], dict[str, Any]]:
     """This host's trajectories for one step, their group ids, and rollout metrics."""
     env_cfg, algo, g = config.env, config.algo, config.train.samples_per_task
+
     def play(tasks, round_index):
         # group_id_offset: each host's tasks are a contiguous run of the step's global
         # positions, so group ids (and the per-episode seeds keyed by them) are global.
@@ -240,7 +241,8 @@ def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: i
                 config, step_seed(config.seed, step, 10 + round_index)),
             samples_per_task=g, step_timeout_s=env_cfg.step_timeout_s,
             reward_reduce=env_cfg.reward_reduce)
-        assert all(traj.group_id == tasks[i // g][0] for i, traj in enumerate(trajs))
+        if any(traj.group_id != tasks[i // g][0] for i, traj in enumerate(trajs)):
+            raise RuntimeError("run_episodes returned trajectories out of task order")
         algorithms.shape_overlong(trajs, algo, env_cfg.max_new_tokens)
         return trajs
 
@@ -250,7 +252,8 @@ def _rollout(config, engine, make_env, stream: TaskStream, tokenizer, horizon: i
     if algo.dynamic_sampling:
         groups = algorithms.informative_groups(played)
         for round_index in range(1, algo.max_refill_rounds + 1):
-            if len(groups) >= len(tasks):
+            # every host refills in the same rounds, so their task streams stay in step
+            if not _any_host(len(groups) < len(tasks)):
                 break
             more = play(stream.next(), round_index)
             played += more
@@ -285,6 +288,13 @@ def _behaviour_logprobs_usable(trajectories: list[Trajectory], algo) -> bool:
             "rollout.top_k=-1), use an engine that reports full log-probs, or set "
             "algo.behaviour_is='none' (and algo.bapo.variant='verl' for BAPO)")
     return False
+
+
+def _any_host(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.bool_(flag))))
 
 
 def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
