@@ -84,6 +84,23 @@ def new_state(params, optim: OptimConfig) -> TrainState:
     return create_state(params, make_optimizer(optim))
 
 
+def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg: ModelConfig,
+                     mesh: Mesh) -> TrainState:
+    """The critic's TrainState: the policy's trunk copied, a zero head (values start at 0),
+    with its own learning rate `algo.value_lr`."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rl_tpu.models.value import value_params_from
+
+    def on_mesh(x):  # the fresh head is not on the mesh yet: replicate it there
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P()))
+
+    params = jax.tree.map(on_mesh, value_params_from(policy_params, model_cfg))
+    return new_state(params, optim_config(config.algo.value_lr, config, config.train.steps))
+
+
 def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
     name, kwargs = config.env.name, config.env.kwargs.to_dict()
     make_env_by_name(name, **kwargs).close()  # a bad env name or kwarg fails here, by name

@@ -28,7 +28,7 @@ from rl_tpu.recipes.config import check
 def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     """The latest checkpoint's policy params, restored into the trainer's state layout."""
     from rl_tpu.checkpoint import Checkpointer
-    from rl_tpu.recipes import algorithms, rl
+    from rl_tpu.recipes import algorithms
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     if ckpt.latest_step() is None:
@@ -37,11 +37,8 @@ def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     target = {"policy": components.new_state(
         params, components.optim_config(config.optim.lr, config, config.train.steps))}
     if algorithms.uses_critic(config.algo):
-        from rl_tpu.models.value import value_params_from
-        critic = rl._on_mesh(value_params_from(target["policy"].params, model_cfg),
-                             mesh)
-        target["critic"] = components.new_state(
-            critic, components.optim_config(config.algo.value_lr, config, config.train.steps))
+        target["critic"] = components.new_critic_state(config, target["policy"].params,
+                                                       model_cfg, mesh)
     if algorithms.uses_reference(config.algo):
         target["reference"] = jax.tree.map(lambda x: x.copy(), target["policy"].params)
     step, restored, _ = ckpt.restore(target)

@@ -45,7 +45,7 @@ from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import evaluate
 from rl_tpu.models import hf
-from rl_tpu.models.value import ValueModel, value_params_from
+from rl_tpu.models.value import ValueModel
 from rl_tpu.recipes import algorithms, components, sft
 from rl_tpu.recipes.config import check
 from rl_tpu.train import rollout_batch, steps
@@ -108,9 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     critic, value_model = None, None
     if algorithms.uses_critic(algo):
         value_model = ValueModel(model_cfg, mesh=mesh)
-        critic = components.new_state(
-            _on_mesh(value_params_from(params, model_cfg), mesh),
-            components.optim_config(algo.value_lr, config, train_cfg.steps))
+        critic = components.new_critic_state(config, params, model_cfg, mesh)
     policy = components.new_state(
         params, components.optim_config(config.optim.lr, config, train_cfg.steps))
     del params  # donated into the state
@@ -346,17 +344,6 @@ def _agreed_length(trajectories, buckets) -> int:
         from jax.experimental import multihost_utils
         longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
     return bucket_length(longest, buckets)
-
-
-def _on_mesh(tree, mesh):
-    """Arrays not yet on the mesh (e.g. a fresh critic head) become replicated on it."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    def one(x):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x
-        return jax.device_put(x, NamedSharding(mesh, P()))
-    return jax.tree.map(one, tree)
 
 
 # ----------------------------------------------------------------------------- checkpoint
