@@ -4,11 +4,10 @@ Greedy success, pass@k (`--config.eval.pass_k=4`), mean turns and tokens on the 
 split, from the latest checkpoint in W or from an HF directory D.
 """
 
-import sys
-
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+import launch
 from rl_tpu.recipes import evaluate
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
@@ -19,10 +18,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
-        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    launch.start(argv)
     f = flags.FLAGS
     result = evaluate.run(f.config, f.workdir or None, f.model_path or None)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))

@@ -5,11 +5,10 @@ Demonstrations from the env's teacher (`sft.teacher_skill`) or a JSONL of chats
 then a greedy eval and an HF export to W/final_hf.
 """
 
-import sys
-
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+import launch
 from rl_tpu.recipes import sft
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
@@ -19,10 +18,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
-        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    launch.start(argv)
     result = sft.run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 

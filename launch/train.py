@@ -7,11 +7,10 @@ servers (empty: the embedded JAX sampler). Rerunning the same command resumes fr
 checkpoint in W. Multi-host: run the same command on every host.
 """
 
-import sys
-
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+import launch
 from rl_tpu.recipes import rl
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
@@ -23,10 +22,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
-        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    launch.start(argv)
     config = flags.FLAGS.config
     if flags.FLAGS.rollout_urls:
         config.rollout.engine = "sglang"
