@@ -3,7 +3,7 @@
   python -m launch.serve_rollout --model_path /tmp/rl_tpu_tiny --port 30000
 
 Answers /generate, /update_weights_from_disk, /model_info, /health_generate... as SGLang does
-(shared/SGLANG.md), so the trainer's SGLang client drives it unchanged. Binds 127.0.0.1 unless
+(docs/architecture.md, "SGLang native API"), so the trainer's SGLang client drives it unchanged. Binds 127.0.0.1 unless
 --host says otherwise.
 """
 

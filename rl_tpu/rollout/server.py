@@ -1,8 +1,8 @@
 """An SGLang-compatible HTTP server around the embedded JAX sampler.
 
-For rollout hosts where real SGLang does not run (TPU): it answers the requests of
-shared/SGLANG.md with the same reply shapes, so `SGLangEngine` (and any SGLang client) cannot
-tell it from the real thing. Standard library only (ThreadingHTTPServer): one process, one
+For rollout hosts where real SGLang does not run (TPU): it answers SGLang's native requests
+(docs/architecture.md, "SGLang native API") with the same reply shapes, so `SGLangEngine`
+(and any SGLang client) cannot tell it from the real thing. Standard library only (ThreadingHTTPServer): one process, one
 sampler; concurrent requests queue on the sampler.
 
 Endpoints: POST /generate, /update_weights_from_disk, /flush_cache, /abort_request,

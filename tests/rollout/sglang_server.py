@@ -236,7 +236,7 @@ def write_sgl_kernel_stub(directory: str) -> str:
 
 def start_sglang_server(model_dir: str, *flags: str, timeout: float = 180.0,
                         env: Optional[dict] = None) -> ServerProcess:
-    """A real SGLang 0.5.23 server on CPU serving `model_dir` (flags as in shared/SGLANG.md;
+    """A real SGLang 0.5.23 server on CPU serving `model_dir` (the CPU flags below;
     `--dtype float32` so a float32 tiny model is served as saved). `env` adds variables to the
     server's environment (e.g. SGLANG_RETURN_ORIGINAL_LOGPROB)."""
     env_overrides = dict(env or {})
