@@ -25,7 +25,6 @@ from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rl.losses import PolicyLossConfig
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
-from rl_tpu.train import steps
 from rl_tpu.train.learner import Learner, UpdateConfig
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 

@@ -72,7 +72,6 @@ def measure(shape: str, copy_dtypes: list[str], f) -> list[list]:
         rows.append([shape, f"{cfg.num_params() / 1e6:.1f}M", f"{params_bytes / 2**20:.2f} MiB",
                      f"{cfg.param_dtype} -> {dtype}", f"{copy_ms:.2f}",
                      f"{f.batch} x {f.seq_len}", f"{step_ms:.1f}", f"{copy_ms / step_ms:.1%}"])
-        del sampler
     return rows
 
 

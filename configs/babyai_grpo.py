@@ -8,26 +8,11 @@ stages (6, 13, 20) every 100 steps as in AgentGym-RL. Reward: the env's success 
 `get_config("smoke")` runs two steps of two-turn episodes on a tiny random model.
 """
 
-from rl_tpu.recipes.config import base_config, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
 
 
 def get_config(arg: str = ""):
-    c = base_config("grpo")
-    c.env.name = "babyai"
-    c.env.max_turns = 20
-    c.env.max_new_tokens = 128
-    c.env.max_context_tokens = 8192
-    c.train.length_buckets = (1024, 2048, 4096, 8192)
-    c.schedules.horizon_turns = (6, 13, 20)
-    c.schedules.horizon_every = 100
-    c.train.steps = 300
-    c.train.tasks_per_step = 32
-    c.train.samples_per_task = 8
-    c.train.minibatches = 4
-    c.optim.lr = 1e-6
-    c.model.dtype = "bfloat16"
-    c.model.remat = "dots"
-    c.eval.every = 25
+    c = multi_turn_agent(base_config("grpo"), "babyai", turns=20, horizon_stages=(6, 13, 20))
     c.eval.num_tasks = 200
     if arg == "smoke":
         shrink_for_smoke(c)

@@ -9,30 +9,14 @@ Crafting goals of depth 2-4 through `get`, `craft` and `inventory` actions, turn
 `get_config("smoke")` runs two steps on a tiny random model.
 """
 
-from rl_tpu.recipes.config import base_config, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
 
 
 def get_config(arg: str = ""):
-    c = base_config("bapo")
-    c.env.name = "textcraft"
-    c.env.max_turns = 30
-    c.env.max_new_tokens = 128
-    c.env.max_context_tokens = 8192
-    c.train.length_buckets = (1024, 2048, 4096, 8192)
-    c.schedules.horizon_turns = (10, 20, 30)
-    c.schedules.horizon_every = 100
-    c.train.steps = 300
-    c.train.tasks_per_step = 32
-    c.train.samples_per_task = 8
-    c.train.minibatches = 4
-    c.optim.lr = 1e-6
-    c.model.dtype = "bfloat16"
-    c.model.remat = "dots"
-    c.eval.every = 25
-    c.eval.num_tasks = 100
+    c = multi_turn_agent(base_config("bapo"), "textcraft", turns=30,
+                         horizon_stages=(10, 20, 30))
     if arg == "smoke":
         shrink_for_smoke(c)
-        c.train.minibatches = 2
         c.env.max_context_tokens = 2048
         c.train.length_buckets = (1024, 2048)
     elif arg:

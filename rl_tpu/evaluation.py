@@ -18,13 +18,14 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from rl_tpu.agent import Trajectory, run_episodes
+from rl_tpu.agent import EpisodeStats, Trajectory, run_episodes
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 
 
-def _global_sums(values: np.ndarray) -> np.ndarray:
+def global_sums(values: np.ndarray) -> np.ndarray:
+    """Elementwise sums over every host's `values` (the same result on each host)."""
     if jax.process_count() == 1:
         return values
     from jax.experimental import multihost_utils
@@ -32,16 +33,19 @@ def _global_sums(values: np.ndarray) -> np.ndarray:
     return np.asarray(gathered).reshape(jax.process_count(), -1).sum(axis=0)
 
 
-def summarize(trajectories: Sequence[Trajectory]) -> np.ndarray:
-    """[count, successes, reward, turns, generated tokens, env errors] summed (host-local)."""
-    return np.array([
-        len(trajectories),
-        sum(t.success for t in trajectories),
-        sum(t.reward for t in trajectories),
-        sum(t.num_turns for t in trajectories),
-        sum(t.num_generated for t in trajectories),
-        sum(t.finish == "env_error" for t in trajectories),
-    ], np.float64)
+def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """`EpisodeStats` over every host's trajectories: `episodes` (count), the means `success`,
+    `reward`, `turns` and `tokens` (generated), and the counts `env_errors` and
+    `context_limits`. Each host's means are weighted back into sums, added, divided again."""
+    local = EpisodeStats.of(trajectories)
+    n = local.num_episodes
+    n, wins, reward, turns, tokens, errors, cut = global_sums(np.array([
+        n, local.success_rate * n, local.mean_reward * n, local.mean_turns * n,
+        local.tokens_generated, local.finish_counts.get("env_error", 0),
+        local.finish_counts.get("context_limit", 0)], np.float64))
+    per = max(n, 1)
+    return {"episodes": n, "success": wins / per, "reward": reward / per, "turns": turns / per,
+            "tokens": tokens / per, "env_errors": errors, "context_limits": cut}
 
 
 def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,
@@ -55,9 +59,9 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
                   step_timeout_s=step_timeout_s, reward_reduce=reward_reduce)
     greedy = run_episodes(engine, make_env, list(tasks),
                           sampling=SamplingParams(temperature=0.0, seed=seed), **common)
-    n, wins, reward, turns, tokens, errors = _global_sums(summarize(greedy))
-    out = {"success": wins / max(n, 1), "reward": reward / max(n, 1), "turns": turns / max(n, 1),
-           "tokens": tokens / max(n, 1), "num_tasks": n, "env_errors": errors}
+    stats = episode_stats(greedy)
+    out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors")}
+    out["num_tasks"] = stats["episodes"]
     if pass_k > 0:
         if sampling is None:
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")
@@ -65,6 +69,6 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
                                sampling=dataclasses.replace(sampling, seed=seed), **common)
         solved = np.array([any(t.success for t in samples[i * pass_k:(i + 1) * pass_k])
                            for i in range(len(tasks))], np.float64)
-        total = _global_sums(np.array([solved.sum(), len(tasks)], np.float64))
+        total = global_sums(np.array([solved.sum(), len(tasks)], np.float64))
         out[f"pass@{pass_k}"] = total[0] / max(total[1], 1)
     return {k: float(v) for k, v in out.items()}

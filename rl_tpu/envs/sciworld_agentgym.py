@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Optional
 
 from rl_tpu.envs import sciworld as _sciworld
 from rl_tpu.envs.agentgym_parse import parse_sciworld_action

@@ -84,7 +84,7 @@ def advantage_options(algo: ml_collections.ConfigDict) -> tuple:
     by_estimator = {"gae": {"gamma": algo.gamma, "lam": algo.lam},
                     "reinforce_pp": {"gamma": algo.gamma},
                     "grpo": {"ddof": algo.std_ddof},
-                    "rloo": {}, "dr_grpo": {}, "tl_grpo": {}}
+                    "rloo": {}, "dr_grpo": {}}
     if algo.advantage not in by_estimator:
         raise ValueError(f"algo.advantage={algo.advantage!r}; choose one of {sorted(by_estimator)}")
     return tuple(sorted(by_estimator[algo.advantage].items()))
@@ -111,7 +111,10 @@ def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int
     for traj in trajectories:
         over = traj.num_generated - start
         if over > 0:
-            traj.reward -= min(over / buffer, 1.0) * algo.overlong_penalty
+            penalty = min(over / buffer, 1.0) * algo.overlong_penalty
+            traj.reward -= penalty
+            if traj.rewards:  # the last turn's reward too, so token-level rewards agree
+                traj.rewards[-1] -= penalty
 
 
 def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:

@@ -120,17 +120,15 @@ def task_source(config: ml_collections.ConfigDict, make_env: Callable[[], Env]) 
         env.close()
 
 
-def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int],
-                    greedy: bool = False) -> SamplingParams:
+def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int]) -> SamplingParams:
     r = config.rollout
-    if greedy:
-        return SamplingParams(temperature=0.0, seed=seed)
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed)
 
 
 def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, params,
-                tokenizer: ChatTokenizer, workdir: str) -> RolloutEngine:
-    """The rollout engine the config names, serving `params` as version 0."""
+                tokenizer: ChatTokenizer, workdir: str, version: str = "0") -> RolloutEngine:
+    """The rollout engine the config names, serving `params` as `version` (one weight sync:
+    the sampler's own copy, or one HF export the servers load)."""
     r = config.rollout
     if r.engine == "sglang":
         from rl_tpu.rollout.sglang import SGLangEngine
@@ -138,7 +136,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         engine = SGLangEngine(urls, model_config=model_cfg,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
                               tokenizer=tokenizer)
-        engine.update_weights(params, "0")
+        engine.update_weights(host_local_params(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
     devices = jax.local_devices()
@@ -149,7 +147,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     if config.model.sampler_dtype:
         kwargs["dtype"] = config.model.sampler_dtype
     return JaxSampler(model_cfg, host_local_params(params), mesh=mesh, tokenizer=tokenizer,
-                      max_batch=r.max_batch, seed=config.seed, version="0", **kwargs)
+                      max_batch=r.max_batch, seed=config.seed, version=version, **kwargs)
 
 
 def host_local_params(params):

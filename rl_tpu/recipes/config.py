@@ -113,6 +113,32 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     return c
 
 
+def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
+                     horizon_stages: tuple = (), max_new_tokens: int = 128,
+                     max_context_tokens: int = 8192) -> ml_collections.ConfigDict:
+    """The settings every multi-turn agent experiment shares (AgentGym-RL's scale: 32 tasks x 8
+    samples a step, 4 minibatches, lr 1e-6, bf16 with remat, 300 steps, horizon stages every
+    100 steps); an experiment file sets the env and changes what differs."""
+    c.env.name = env
+    c.env.max_turns = turns
+    c.env.max_new_tokens = max_new_tokens
+    c.env.max_context_tokens = max_context_tokens
+    c.train.length_buckets = tuple(b for b in (1024, 2048, 4096, 8192, 12288, 16384)
+                                   if b < max_context_tokens) + (max_context_tokens,)
+    c.schedules.horizon_turns = tuple(horizon_stages)
+    c.schedules.horizon_every = 100
+    c.train.steps = 300
+    c.train.tasks_per_step = 32
+    c.train.samples_per_task = 8
+    c.train.minibatches = 4
+    c.optim.lr = 1e-6
+    c.model.dtype = "bfloat16"
+    c.model.remat = "dots"
+    c.eval.every = 25
+    c.eval.num_tasks = 100
+    return c
+
+
 def shrink_for_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The `smoke` variant of any experiment: a tiny random model, 2 steps of 2 tasks x 2
     samples, short turns; the same code path, on a CPU in well under a minute."""

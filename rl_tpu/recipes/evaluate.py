@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Optional
 
 import jax
@@ -61,7 +62,9 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     make_env = components.make_env_factory(config)
     source = components.task_source(config, make_env)
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
-    engine = components.make_engine(config, model_cfg, params, tokenizer, workdir or "/tmp")
+    # an HF export for SGLang servers goes under the workdir, else a fresh temporary dir
+    sync_root = workdir or tempfile.mkdtemp(prefix="rl_tpu_eval_")
+    engine = components.make_engine(config, model_cfg, params, tokenizer, sync_root)
     result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
                       max_turns=config.eval.max_turns or config.env.max_turns,
                       max_new_tokens=config.env.max_new_tokens,

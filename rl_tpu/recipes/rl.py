@@ -43,7 +43,7 @@ from rl_tpu import parallel, schedules
 from rl_tpu.agent import Trajectory, run_episodes
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.tasks import TaskStream, eval_tasks
-from rl_tpu.evaluation import evaluate
+from rl_tpu.evaluation import episode_stats, evaluate
 from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.recipes import algorithms, components, sft
@@ -127,8 +127,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         writer = metrics_lib.MetricsWriter(workdir, resume_step=start + 1,
                                            tensorboard=config.log.tensorboard, enabled=is_chief)
         log.warning("resumed from step %d", start)
-    engine = components.make_engine(config, model_cfg, learner.policy.params, tokenizer, workdir)
-    engine.update_weights(components.host_local_params(learner.policy.params), str(start))
+    engine = components.make_engine(config, model_cfg, learner.policy.params, tokenizer, workdir,
+                                    version=str(start))
 
     def run_eval(step: int, extra: dict | None = None) -> dict[str, float]:
         started = time.time()
@@ -296,22 +296,15 @@ def _any_host(flag: bool) -> bool:
 
 
 def _rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    sums = np.array([len(trajectories), sum(t.reward for t in trajectories),
-                     sum(t.success for t in trajectories),
-                     sum(t.num_generated for t in trajectories),
-                     sum(t.num_turns for t in trajectories),
-                     sum(t.finish == "env_error" for t in trajectories),
-                     sum(t.finish == "context_limit" for t in trajectories)], np.float64)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, sums.size).sum(0)
-    n = max(sums[0], 1)
+    stats = episode_stats(trajectories)
+    n = max(stats["episodes"], 1)
     versions = [_as_int(v) for t in trajectories for v in t.weight_versions]
     # the oldest policy any sample of this step came from (on-policy: the previous step)
     return {"rollout/weight_version": float(min(versions, default=-1)),
-            "rollout/reward": sums[1] / n, "rollout/success": sums[2] / n,
-            "rollout/response_length": sums[3] / n, "rollout/turns": sums[4] / n,
-            "rollout/env_error_frac": sums[5] / n, "rollout/context_limit_frac": sums[6] / n}
+            "rollout/reward": stats["reward"], "rollout/success": stats["success"],
+            "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
+            "rollout/env_error_frac": stats["env_errors"] / n,
+            "rollout/context_limit_frac": stats["context_limits"] / n}
 
 
 def _as_int(version) -> int:

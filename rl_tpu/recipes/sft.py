@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.agent import conversation_start
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import components
@@ -39,8 +40,8 @@ Example = tuple[list[int], list[bool]]  # (ids, loss mask)
 
 
 def prompt_ids(tokenizer: ChatTokenizer, env: Env, observation: str) -> list[int]:
-    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
-    messages.append({"role": "user", "content": observation})
+    """The first prompt exactly as the agent loop builds it (after `env.reset`)."""
+    messages = conversation_start(env) + [{"role": "user", "content": observation}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
@@ -111,21 +112,17 @@ def _chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
 
 
 def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
-            seed: int, start_step: int = 0, host: tuple[int, int] = (0, 1)) -> Iterator[dict]:
+            seed: int, host: tuple[int, int] = (0, 1)) -> Iterator[dict]:
     """This host's rows of global batches of `batch_size` examples, reshuffled each epoch
     (deterministic by seed, the same order on every host). host = (index, count)."""
     index, count = host
     local = batch_size // count
     rng = np.random.RandomState(seed)
     order: list[int] = []
-    step = 0
     while True:
         if len(order) < batch_size:
             order += list(rng.permutation(len(examples)))
         rows, order = order[:batch_size], order[batch_size:]
-        step += 1
-        if step <= start_step:
-            continue
         # every host pads to the bucket of the longest row of the GLOBAL batch
         t = bucket_length(max(len(examples[r][0]) for r in rows), buckets)
         rows = rows[index * local:(index + 1) * local]

@@ -27,7 +27,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
@@ -139,7 +138,7 @@ class Learner:
 
     def _advantages_fn(self, batch):
         cfg = self.cfg
-        inputs = {k: v for k, v in batch.items()}
+        inputs = dict(batch)
         options = dict(cfg.advantage_options)
         if cfg.reward_kl_coef and "ref_logprobs" in batch:
             # REINFORCE++'s KL-shaped reward: log pi_old - log pi_ref on the policy's tokens.

@@ -43,7 +43,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     group_ids: one per trajectory (default: each trajectory's own `group_id`). length: the T to
     pad to (default: the bucket of the longest row); multi-host callers pass the bucket all
     hosts agreed on. Returns tokens, positions, segment_ids, loss_mask, behaviour_logprobs,
-    turn_ids, token_rewards [B, T] and rewards, group_ids, valid, num_turns [B].
+    turn_ids, token_rewards [B, T] and rewards, group_ids, valid [B].
     """
     if not trajectories:
         raise ValueError("no trajectories to batch: the rollout produced nothing")
@@ -66,7 +66,6 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     rewards = np.zeros((b,), np.float32)
     out_ids = np.full((b,), -1, np.int32)
     valid = np.zeros((b,), bool)
-    num_turns = np.zeros((b,), np.int32)
 
     for i, (traj, gid) in enumerate(zip(trajectories, ids)):
         length_i = len(traj)
@@ -75,7 +74,6 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
         turn_ids[i, :length_i] = traj.turn_ids
         behaviour[i, :length_i] = traj.behaviour_logprobs
         rewards[i] = traj.reward
-        num_turns[i] = traj.num_turns
         if traj.finish in UNSCORED_FINISHES:
             continue  # no loss, no group membership: the row stays like padding
         valid[i] = True
@@ -87,7 +85,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
             "loss_mask": loss_mask, "behaviour_logprobs": behaviour, "turn_ids": turn_ids,
             "token_rewards": token_rewards, "rewards": rewards, "group_ids": out_ids,
-            "valid": valid, "num_turns": num_turns}
+            "valid": valid}
 
 
 def _place_turn_rewards(row: np.ndarray, traj: Trajectory) -> None:

@@ -17,14 +17,18 @@ from rl_tpu.recipes import rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sciworld_ppo",
-           "search_grpo", "agentgym_babyai", "agentgym_textcraft", "agentgym_sciworld",
-           "agentgym_searchqa"]
+           "search_grpo", "agentgym:babyai", "agentgym:textcraft", "agentgym:sciworld",
+           "agentgym:searchqa"]
 
 
 def config(name, variant="smoke"):
+    """configs/<file>.py's get_config; "file:arg" names an experiment whose arg picks the env,
+    and gets ",smoke" appended."""
+    name, _, arg = name.partition(":")
     sys.path.insert(0, REPO)
     try:
-        return importlib.import_module(f"configs.{name}").get_config(variant)
+        return importlib.import_module(f"configs.{name}").get_config(
+            f"{arg},{variant}" if arg else variant)
     finally:
         sys.path.remove(REPO)
 

@@ -1,0 +1,49 @@
+"""AgentGym-RL's setting on its envs: `get_config("<env>[,fixed|,smoke]")`.
+
+    python -m launch.train --config configs/agentgym.py:babyai \\
+        --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/agentgym_babyai
+    python -m launch.train --config configs/agentgym.py:textcraft,fixed ...   # fixed turns
+    python -m launch.train --config configs/agentgym.py:sciworld,smoke ...    # tiny, 2 steps
+
+<env> is babyai, textcraft, sciworld (needs Java) or searchqa: the `<env>_agentgym` envs, with
+AgentGym's actions, observations, rewards and task indexing, and the conversation opened as
+AgentGym-RL opens it (the env's instruction as a user turn, a fixed assistant
+acknowledgement). GRPO; AgentGym reports a running score each turn, so the trajectory reward
+is the last one. Turn limits are AgentGym-RL's (train / eval): BabyAI 20 / 20, TextCraft
+30 / 30, SciWorld 20 / 30, SearchQA 5 / 30. The default grows the horizon in ScalingInter-RL's
+stages, one every 100 steps; `fixed` keeps the training limit throughout. SearchQA searches
+rl_tpu's shipped corpus (AgentGym's server uses an e5 index over wiki-18) with the same
+protocol.
+"""
+
+from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+
+# env: (train turns, eval turns, ScalingInter-RL stages, tokens a turn, step timeout s)
+SETTINGS = {
+    "babyai": (20, 20, (6, 13, 20), 256, 60.0),
+    "textcraft": (30, 30, (10, 20, 30), 256, 60.0),
+    "sciworld": (20, 30, (10, 20, 30), 256, 120.0),
+    "searchqa": (5, 30, (5, 8, 10), 512, 60.0),
+}
+
+
+def get_config(arg: str = "babyai"):
+    env, *variant = arg.split(",")
+    if env not in SETTINGS or len(variant) > 1 or variant[:1] not in ([], ["fixed"], ["smoke"]):
+        raise ValueError(f"unknown variant {arg!r}; use '<env>', '<env>,fixed' or "
+                         f"'<env>,smoke' with <env> one of {sorted(SETTINGS)}")
+    train_turns, eval_turns, stages, new_tokens, timeout = SETTINGS[env]
+    c = multi_turn_agent(base_config("grpo"), f"{env}_agentgym", turns=train_turns,
+                         horizon_stages=stages, max_new_tokens=new_tokens,
+                         max_context_tokens=12288 if env != "babyai" else 8192)
+    c.eval.max_turns = eval_turns
+    c.env.reward_reduce = "last"
+    c.env.step_timeout_s = timeout
+    if variant == ["fixed"]:
+        c.schedules.horizon_turns = ()
+    elif variant == ["smoke"]:
+        shrink_for_smoke(c)
+        c.eval.max_turns = 2
+        c.env.max_context_tokens = 2048
+        c.train.length_buckets = (1024, 2048)
+    return c
