@@ -7,12 +7,12 @@ Single-turn: one reply per task, scored by reasoning-gym's own checker (1.0 righ
 well-formed wrong answer). `get_config("smoke")` runs two steps on a tiny random model.
 """
 
-from rl_tpu.recipes.config import base_config, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke
 
 
 def get_config(arg: str = ""):
     c = base_config("grpo")
-    c.env.name = "countdown"
+    set_env(c, "countdown")
     c.env.max_turns = 1
     c.env.max_new_tokens = 1024
     c.env.max_context_tokens = 1536

@@ -13,15 +13,13 @@ math-verify. `get_config("smoke")`: a tiny random model served by `launch.serve_
 reasoning-gym, two steps; the tests pass the server's url with --rollout_urls.
 """
 
-from rl_tpu.recipes.config import base_config, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke
 
 
 def get_config(arg: str = ""):
     c = base_config("dapo")
     c.rollout.engine = "sglang"
-    c.env.name = "math"
-    with c.unlocked():  # env kwargs are each env's own: declare the ones this env takes
-        c.env.kwargs.path = ""  # the JSONL of problems (question + answer per line)
+    set_env(c, "math")  # env.kwargs.path: the JSONL of problems (question + answer per line)
     c.env.max_turns = 1
     c.env.max_new_tokens = 2048
     c.env.max_context_tokens = 3072
@@ -38,9 +36,7 @@ def get_config(arg: str = ""):
     c.eval.num_tasks = 200
     if arg == "smoke":
         shrink_for_smoke(c)
-        c.env.name = "arithmetic"
-        with c.unlocked():
-            del c.env.kwargs["path"]
+        set_env(c, "arithmetic")
         c.algo.overlong_buffer = 4
         c.env.max_context_tokens = 512
         c.train.length_buckets = (256, 512)

@@ -1,8 +1,45 @@
-"""Thin command-line entry points; `python -m launch` lists them."""
+"""Thin command-line entry points; `python -m launch` lists them.
 
+The launchers that take a `--config` (train, sft, eval) start through `launch.run(main)`: the
+flags are parsed and the config finished and checked (`finish_config`) before `main` builds
+anything. A mistake a user can make there (an unknown key, a value of the wrong type, a failed
+`check`, a bad env kwarg, a config file that is not there), and a missing file or package once
+the run has started, ends the process with one line on stderr and exit status 2;
+RL_TPU_DEBUG=1 shows the full traceback instead.
+"""
+
+import importlib.util
+import os
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
+
+DEBUG_ENV = "RL_TPU_DEBUG"
+
+# What a command line can get wrong while the flags are parsed and the config finished: absl's
+# flag errors, ml_collections' (an unknown key is an AttributeError, a bad value a TypeError or
+# ValueError, a config file that cannot be read an OSError) and check's ValueErrors.
+_START_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError,
+                 ImportError)
+# What a setup can get wrong once the run has started: a path that is not there, a package
+# that is not installed. Anything else is a bug and keeps its traceback.
+_RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError)
+
+
+def run(main, prepare=None) -> None:
+    """`app.run(main)` for a launcher with a `--config` flag (see the module docstring);
+    `prepare(config)` applies the launcher's own flags to the config before it is checked."""
+    def parse(argv):
+        args = flags.FLAGS(argv)
+        finish_config(prepare=prepare)
+        return args
+
+    def start_and_main(argv):
+        start(argv)
+        return main(argv)
+
+    app.run(lambda argv: _one_line_errors(_RUN_ERRORS, start_and_main, argv),
+            flags_parser=lambda argv: _one_line_errors(_START_ERRORS, parse, argv))
 
 
 def start(argv) -> None:
@@ -12,3 +49,108 @@ def start(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
         logging.set_verbosity(logging.WARNING)
+
+
+def finish_config(flag_values: flags.FlagValues = flags.FLAGS, prepare=None):
+    """The config the command line asks for, checked: the file's with its overrides, where an
+    overridden `algo.name` or `env.name` also rebuilds that block from the new name's defaults
+    (`set_algo`: the algo block; `set_env`: env.kwargs) and re-applies the command line's other
+    overrides of the block, in their order; then `prepare(config)`, if given. Logs one line for
+    each block rebuilt."""
+    from rl_tpu.recipes import config as config_lib
+
+    config = flag_values["config"].value
+    overrides = flag_values["config"].override_values  # path -> value, command-line order
+
+    def renamed(key: str):  # the config file's value, when the command line changed it
+        old = flag_values[f"config.{key}"].default if key in overrides else None
+        return old if old is not None and old != overrides[key] else None
+
+    old = renamed("algo.name")
+    if old:
+        before = config.algo.to_dict()
+        config_lib.set_algo(config, config.algo.name, {
+            k[len("algo."):]: v for k, v in overrides.items()
+            if k.startswith("algo.") and k != "algo.name"})
+        changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in config.algo.to_dict().items()
+                   if before[k] != v]
+        logging.warning("--config.algo.name=%s: the algo block is rebuilt from %s's defaults "
+                        "(the config file's was %s's), then the command line's other algo "
+                        "overrides; changed: %s", config.algo.name, config.algo.name, old,
+                        ", ".join(changed) or "nothing")
+    old = renamed("env.name")
+    if old:
+        kwargs = {}
+        for k, v in overrides.items():
+            if k == "env.kwargs":  # the whole block given as a dict
+                kwargs.update(v.items())
+            elif k.startswith("env.kwargs."):
+                kwargs[k[len("env.kwargs."):]] = v
+        config_lib.set_env(config, config.env.name, **kwargs)
+        logging.warning("--config.env.name=%s: env.kwargs are %s's kwargs with their defaults "
+                        "(the config file's were %s's), then the command line's env.kwargs "
+                        "overrides: %s", config.env.name, config.env.name, old,
+                        dict(config.env.kwargs.items()))
+    if prepare:
+        prepare(config)
+    config_lib.check(config)
+    return config
+
+
+def _one_line_errors(errors: tuple, fn, argv):
+    """fn(argv); an exception in `errors` becomes one line on stderr and exit status 2."""
+    try:
+        return fn(argv)
+    except errors as e:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(f"error: {_message(e)}  ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _message(e: BaseException) -> str:
+    # ml_collections raises AttributeError(KeyError("'key'\nDid you mean ...")) for an unknown
+    # key: the KeyError's text, naming the override it came from.
+    while e.args and isinstance(e.args[0], BaseException):
+        e = e.args[0]
+    if isinstance(e, KeyError) and e.args:
+        key, _, hint = str(e.args[0]).partition("\n")
+        key = key.strip("'\"")
+        given = [a.split("=", 1)[0] for a in sys.argv if a.startswith("--config.")
+                 and key in a.split("=", 1)[0].split(".")]
+        where = given[0] if given else key
+        if where.startswith("--config.env.kwargs."):
+            hint = f"{hint} {_env_kwargs_of_config_file()}"
+        return f"{where}: no such config key {key!r}. {hint}".strip()
+    config_file = _config_arg().split(":", 1)[0]
+    if isinstance(e, OSError) and not os.path.isfile(config_file):
+        return f"--config={config_file}: no such config file"
+    text = str(e)
+    # A config file's own exception reaches us inside absl's flag error, its traceback as text:
+    # keep absl's prefix (the flag) and the exception's last line.
+    if "Traceback (most recent call last)" in text:
+        lines = text.splitlines()
+        text = f"{lines[0].split(':', 1)[0]}: {lines[-1]}"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _config_arg() -> str:
+    """The --config value on the command line (`configs/X.py[:variant]`)."""
+    for at, arg in enumerate(sys.argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and at + 1 < len(sys.argv):
+            return sys.argv[at + 1]
+    return ""
+
+
+def _env_kwargs_of_config_file() -> str:
+    """Which env the config file sets and the kwargs it takes (its config is not at hand when
+    an override fails, so the file is read again)."""
+    path, *variant = _config_arg().split(":", 1)
+    spec = importlib.util.spec_from_file_location("config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(*variant)
+    return (f"The config file's env {config.env.name!r} takes: "
+            f"{', '.join(config.env.kwargs) or '(no kwargs)'}")

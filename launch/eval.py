@@ -4,7 +4,7 @@ Greedy success, pass@k (`--config.eval.pass_k=4`), mean turns and tokens on the 
 split, from the latest checkpoint in W or from an HF directory D.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import launch
@@ -18,11 +18,11 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    launch.start(argv)
+    del argv  # launch.run has checked it
     f = flags.FLAGS
     result = evaluate.run(f.config, f.workdir or None, f.model_path or None)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main)

@@ -5,7 +5,7 @@ Demonstrations from the env's teacher (`sft.teacher_skill`) or a JSONL of chats
 then a greedy eval and an HF export to W/final_hf.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import launch
@@ -18,10 +18,10 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    launch.start(argv)
+    del argv  # launch.run has checked it
     result = sft.run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main)

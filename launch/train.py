@@ -7,7 +7,7 @@ servers (empty: the embedded JAX sampler). Rerunning the same command resumes fr
 checkpoint in W. Multi-host: run the same command on every host.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 import launch
@@ -21,15 +21,17 @@ flags.DEFINE_string("rollout_urls", "", "Comma-separated SGLang-compatible serve
 flags.mark_flags_as_required(["config"])
 
 
-def main(argv):
-    launch.start(argv)
-    config = flags.FLAGS.config
+def use_rollout_urls(config):
     if flags.FLAGS.rollout_urls:
         config.rollout.engine = "sglang"
         config.rollout.urls = flags.FLAGS.rollout_urls
-    result = rl.run(config, flags.FLAGS.workdir)
+
+
+def main(argv):
+    del argv  # launch.run has checked it
+    result = rl.run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main, prepare=use_rollout_urls)

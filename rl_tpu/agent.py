@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -61,6 +60,8 @@ from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
 from rl_tpu.envs.workers import Outcome, WorkerPool
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from rl_tpu.trajectory import (NO_VERSION, EpisodeStats,  # noqa: F401 (EpisodeStats: API)
+                               Trajectory, token_versions)
 
 log = logging.getLogger(__name__)
 
@@ -81,42 +82,6 @@ def default_parse_action(text: str) -> str:
     return text.strip()
 
 
-@dataclasses.dataclass
-class Trajectory:
-    """One episode, host side (see docs/architecture.md, "Trajectory").
-
-    Turn ids: -1 on the initial prompt; k (0-based) on the k-th action's generated ids AND on
-    the text appended after them (the template's closing text, the env's observation, the next
-    generation prompt). So segment k is "action k and what it caused", and `rewards[k]` is the
-    env's reward for it. The loss mask, not the turn id, says which ids the policy produced.
-    """
-
-    tokens: np.ndarray  # int32[T]: prompt + all turns
-    loss_mask: np.ndarray  # bool[T]: exactly the ids the engine sampled
-    behaviour_logprobs: np.ndarray  # float32[T]: the engine's logprob of each sampled id, else 0
-    turn_ids: np.ndarray  # int32[T]: -1 prompt, k for turn k (see above)
-    rewards: list[float]  # per turn, len == num_turns (0.0 for a turn the env never scored)
-    reward: float  # reward_reduce(rewards), "sum" by default
-    success: bool
-    num_turns: int  # actions generated
-    weight_versions: list  # engine weight version per turn
-    task_id: str
-    group_id: int  # samples of the same task share it
-    finish: str  # one of FINISH_REASONS
-    messages: list[dict]  # chat transcript for logging (ends with the final observation, if any)
-    info: dict  # sample_index, env_steps, env_step_s, step_infos, error, final_observation...
-    # What behaviour_logprobs are the log of (rollout/engine.py LOGPROB_CONVENTIONS):
-    # "truncated" when any turn's engine reported renormalised top-p/top-k log-probs.
-    logprob_convention: str = "full"
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def num_generated(self) -> int:
-        return int(self.loss_mask.sum())
-
-
 class _Episode:
     """Mutable state of one episode while the loop runs."""
 
@@ -127,6 +92,7 @@ class _Episode:
         self.tokens: list[int] = []
         self.mask: list[bool] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # per token: the weight version that sampled it, or -1
         self.turn_ids: list[int] = []
         self.messages: list[dict] = []
         self.rewards: list[float] = []
@@ -140,10 +106,12 @@ class _Episode:
         self.pending_invalid: Optional[StepResult] = None  # answer to an unparseable action
 
     def extend(self, ids: Sequence[int], generated: bool, turn: int,
-               logprobs: Optional[Sequence[float]] = None):
+               logprobs: Optional[Sequence[float]] = None,
+               versions: Optional[Sequence[int]] = None):
         self.tokens.extend(int(i) for i in ids)
         self.mask.extend([generated] * len(ids))
         self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(ids))
+        self.versions.extend(list(versions) if generated else [NO_VERSION] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
 
     def end(self, finish: str, error: Optional[str] = None):
@@ -186,6 +154,7 @@ def run_episodes(
     num_threads: Optional[int] = None,
     reward_reduce: RewardReduce = "sum",
     group_id_offset: int = 0,
+    group_ids: Optional[Sequence[int]] = None,
 ) -> list[Trajectory]:
     """Plays `samples_per_task` episodes of every task, all at once; one Trajectory each.
 
@@ -211,6 +180,8 @@ def run_episodes(
       reward_reduce: "sum" | "last" | "max" | callable(rewards) -> float, giving `reward`.
       group_id_offset: added to the task index to form `group_id` (keeps ids unique across
         calls, e.g. when a replay buffer mixes batches).
+      group_ids: one id per task instead (tasks that are not a contiguous run of positions,
+        e.g. those a resumed producer plays again); overrides group_id_offset.
 
     Returns:
       list[Trajectory], len(tasks) * samples_per_task.
@@ -244,7 +215,11 @@ def run_episodes(
     if tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
 
-    episodes = [_Episode(ti * samples_per_task + s, task, group_id_offset + ti, s)
+    if group_ids is None:
+        group_ids = [group_id_offset + ti for ti in range(len(tasks))]
+    if len(group_ids) != len(tasks):
+        raise ValueError(f"{len(group_ids)} group_ids for {len(tasks)} tasks")
+    episodes = [_Episode(ti * samples_per_task + s, task, int(group_ids[ti]), s)
                 for ti, task in enumerate(tasks) for s in range(samples_per_task)]
     if num_threads is None:
         num_threads = min(64, max(1, len(episodes)))
@@ -379,7 +354,10 @@ def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResu
     if len(logprobs) != len(ids):
         raise RuntimeError(f"engine returned {len(ids)} ids but {len(logprobs)} logprobs for "
                            f"request {request.request_id}")
-    ep.extend(ids, generated=True, turn=turn, logprobs=logprobs)
+    # Per-token versions: a generation may span a weight update (the engine's spans say where).
+    versions = token_versions(len(ids), result.weight_version,
+                              result.info.get("weight_versions"))
+    ep.extend(ids, generated=True, turn=turn, logprobs=logprobs, versions=versions)
     ep.weight_versions.append(result.weight_version)
     if result.logprob_convention != "full":
         ep.logprob_convention = result.logprob_convention
@@ -473,50 +451,6 @@ def _finalize(ep: _Episode, reward_reduce) -> Trajectory:
         rewards=list(ep.rewards), reward=reward, success=bool(success),
         num_turns=len(ep.rewards), weight_versions=list(ep.weight_versions),
         logprob_convention=ep.logprob_convention,
+        token_versions=np.asarray(ep.versions, np.int32),
         task_id=ep.task.task_id, group_id=ep.group_id, finish=ep.finish or "env_error",
         messages=ep.messages, info=ep.info)
-
-
-@dataclasses.dataclass
-class EpisodeStats:
-    """Summary of a batch of trajectories, for logs and benchmarks."""
-
-    num_episodes: int
-    mean_reward: float
-    success_rate: float
-    mean_turns: float
-    tokens_generated: int
-    mean_length: float  # tokens per trajectory, prompt included
-    env_steps: int
-    env_step_s: float  # mean seconds one env step took
-    wall_s: Optional[float] = None
-    env_steps_per_s: Optional[float] = None  # env_steps / wall_s: the loop's throughput
-    finish_counts: dict = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, trajectories: Sequence[Trajectory],
-           wall_s: Optional[float] = None) -> "EpisodeStats":
-        n = len(trajectories)
-        mean = (lambda xs: float(np.mean(xs)) if n else 0.0)
-        steps = sum(t.info.get("env_steps", 0) for t in trajectories)
-        step_s = sum(t.info.get("env_step_s", 0.0) for t in trajectories)
-        return cls(
-            num_episodes=n,
-            mean_reward=mean([t.reward for t in trajectories]),
-            success_rate=mean([float(t.success) for t in trajectories]),
-            mean_turns=mean([t.num_turns for t in trajectories]),
-            tokens_generated=int(sum(t.num_generated for t in trajectories)),
-            mean_length=mean([len(t) for t in trajectories]),
-            env_steps=int(steps),
-            env_step_s=step_s / steps if steps else 0.0,
-            wall_s=wall_s,
-            env_steps_per_s=steps / wall_s if wall_s else None,
-            finish_counts=dict(Counter(t.finish for t in trajectories)))
-
-    def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
-        """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates)."""
-        out = {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for reason, count in self.finish_counts.items():
-            out[f"{prefix}finish/{reason}"] = count / max(1, self.num_episodes)
-        return out

@@ -16,6 +16,13 @@ save deletes its folder; a Checkpointer that only restores never deletes anythin
 Steps saved after a restore continue the restored timeline: checkpoints of steps above the one
 restored (or at or above the one being saved) belong to an abandoned timeline and are moved to
 `<directory>/superseded/` at the next save, never deleted, and never mixed into `keep`.
+
+A pytree that never changes during a run (the frozen reference policy of a KL term) is saved
+once, as `<directory>/static/<name>/` (`save_static`, `restore_static`), with the same items
+and checksums as a step, rather than into every step. Orbax writes it under a temporary name
+too, so a kill mid-save leaves nothing readable; neither `keep` nor the superseded-timeline
+handling touches `static/`. A step saved after a static item always finds it complete: `save`
+first waits for any static save in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from typing import Any, Optional
 
@@ -36,6 +44,7 @@ from jax import lax
 log = logging.getLogger(__name__)
 
 SUPERSEDED_DIR = "superseded"
+STATIC_DIR = "static"
 _ITEMS = ("state", "meta", "integrity")
 _INTEGRITY_FORMAT = 1
 
@@ -145,7 +154,7 @@ def _integrity_record(state) -> dict:
     return {"format": _INTEGRITY_FORMAT, "arrays": arrays}
 
 
-def _verify(restored, record: dict, step: int) -> None:
+def _verify(restored, record: dict, what: str) -> None:
     flat = _flat(restored)
     saved = record.get("arrays", {})
     # Only leaves restored in the dtype they were saved in have comparable bits.
@@ -155,7 +164,7 @@ def _verify(restored, record: dict, step: int) -> None:
     bad = [n for n, total in zip(names, sums) if int(total) != saved[n]["checksum"]]
     if bad:
         raise CheckpointCorruptError(
-            f"step {step}: the bytes of {len(bad)} array(s) differ from their saved checksums "
+            f"{what}: the bytes of {len(bad)} array(s) differ from their saved checksums "
             f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files were damaged")
 
 
@@ -177,7 +186,7 @@ def _abstract_target(target):
     return jax.tree_util.tree_map_with_path(one, target)
 
 
-def _check_against_metadata(abstract, saved_tree, step: int, directory: str) -> None:
+def _check_against_metadata(abstract, saved_tree, what: str) -> None:
     want = {n: tuple(x.shape) for n, x in _flat(abstract).items()}
     have = {n: tuple(m.shape) for n, m in _flat(saved_tree).items()}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
@@ -188,7 +197,7 @@ def _check_against_metadata(abstract, saved_tree, step: int, directory: str) -> 
                 ([f"in the checkpoint but not the target: {extra}"] if extra else []) + \
                 ([f"shapes differ: {shapes}"] if shapes else [])
         raise CheckpointTargetMismatchError(
-            f"checkpoint step {step} in {directory} does not match the restore target ("
+            f"{what} does not match the restore target ("
             + "; ".join(parts) + "). Build the target from the same model/optimizer config "
             "as the run that saved it.")
 
@@ -225,6 +234,8 @@ class Checkpointer:
                                               item_names=_ITEMS, item_handlers=handlers)
         self._name_format = ocp.step.standard_name_format()
         self._pending: Optional[int] = None  # step of the async save in flight, if any
+        self._static_writer = None  # made by the first save_static
+        self._static_pending: Optional[str] = None  # name of the async static save in flight
         self._restored_step: Optional[int] = None
         self._saved_here: set[int] = set()
         self._tmp_cleaned = False
@@ -312,18 +323,22 @@ class Checkpointer:
             (root / name).rmtree()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete on disk."""
-        if self._pending is None:
-            return
-        step, self._pending = self._pending, None
+        """Block until the saves in flight (a step's, a static item's) are complete on disk."""
+        if self._static_pending is not None:
+            name, self._static_pending = self._static_pending, None
+            self._finish(self._static_writer, f"static item {name!r}")
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._finish(self._manager, f"checkpoint step {step}")
+
+    def _finish(self, writer, what: str) -> None:
         try:
-            self._manager.wait_until_finished()
-            self._manager.check_for_errors()
+            writer.wait_until_finished()
+            writer.check_for_errors()
         except Exception as err:
             raise RuntimeError(
-                f"writing checkpoint step {step} to {self.directory} failed in the background: "
-                f"{err}. Earlier checkpoints are intact; check the disk (space, permissions)"
-            ) from err
+                f"writing {what} to {self.directory} failed in the background: {err}. Earlier "
+                "checkpoints are intact; check the disk (space, permissions)") from err
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -373,22 +388,146 @@ class Checkpointer:
 
     def _read(self, step: int, abstract):
         saved = self._manager.item_metadata(step)
-        _check_against_metadata(abstract, saved["state"].tree, step, self.directory)
+        _check_against_metadata(abstract, saved["state"].tree,
+                                f"checkpoint step {step} in {self.directory}")
         step_dir = epath.Path(self.directory) / str(step)
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         verify = self.checksums and (step_dir / "integrity").exists()
         if verify:
             items["integrity"] = ocp.args.JsonRestore()
-        ok, error = True, None
-        try:
+        def read():
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             if verify:
-                _verify(restored["state"], restored["integrity"], step)
-        except Exception as err:  # pylint: disable=broad-except
-            ok, error = False, err
-        if not _all_processes_agree(ok):
-            raise error or RuntimeError(f"step {step} failed to read on another process")
+                _verify(restored["state"], restored["integrity"], f"step {step}")
+            return restored
+        restored = _on_every_process(read, f"step {step}")
         return restored["state"], restored["meta"]
+
+    # -- static items: saved once per run ------------------------------------------------------
+
+    def has_static(self, name: str) -> bool:
+        """Whether a complete static item `name` is on disk (a save in flight is not one)."""
+        path = self._static_path(name)
+        return path.exists() and ocp.step.is_path_finalized(path)
+
+    def save_static(self, name: str, tree) -> bool:
+        """Write `tree` once as `<directory>/static/<name>/`; True if written, False if kept.
+
+        For a pytree that does not change during a run, so that steps need not hold it. An
+        item already there with the same arrays (names, shapes, dtypes and, with checksums,
+        bits) is kept as it is. One with other arrays is from an earlier run in this
+        directory: it is replaced when no step checkpoint exists (that run stopped before its
+        first one, so nothing refers to the item), else this raises. Async like `save`.
+        """
+        self._check_open()
+        path = self._static_path(name)
+        _check_savable(tree)
+        record = _integrity_record(tree) if self.checksums else None
+        self.wait()
+        if self.has_static(name):
+            differs = self._static_differs(path, tree, record)
+            if not differs:
+                log.info("static item %r is already in %s; not writing it again", name, path)
+                return False
+            if self.all_steps():
+                raise ValueError(
+                    f"static item {name!r} in {path} holds other arrays than the ones being "
+                    f"saved ({differs}), and its run saved checkpoints {self.all_steps()} "
+                    "beside it. A directory holds one run: resume it with its own config, or "
+                    "use a new --workdir for a new run")
+            log.warning("static item %r in %s holds other arrays (%s) and no checkpoint "
+                        "refers to it (its run stopped before its first checkpoint); "
+                        "replacing it", name, path, differs)
+        self._clear_static(name)
+        items = {"state": ocp.args.StandardSave(tree)}
+        if record is not None:
+            items["integrity"] = ocp.args.JsonSave(record)
+        if self._static_writer is None:
+            self._static_writer = (ocp.AsyncCheckpointer if self.async_save else
+                                   ocp.Checkpointer)(_static_handler())
+        start = time.perf_counter()
+        self._static_writer.save(path, args=ocp.args.Composite(**items))
+        self._static_pending = name if self.async_save else None
+        log.info("static item %r: %s in %.2fs", name,
+                 "handed to the background writer" if self.async_save else "written",
+                 time.perf_counter() - start)
+        return True
+
+    def restore_static(self, name: str, target):
+        """The static item `name`, read straight into the shardings of `target`.
+
+        Raises FileNotFoundError if it was never saved completely, CheckpointTargetMismatchError
+        if its structure or shapes differ from `target`, CheckpointCorruptError if its bytes
+        differ from their checksums. There is no earlier copy to fall back to.
+        """
+        self._check_open()
+        self.wait()
+        path = self._static_path(name)
+        if not self.has_static(name):
+            raise FileNotFoundError(f"no complete static item {name!r} in "
+                                    f"{path.parent}; save_static saves it at the start of a run")
+        abstract = _abstract_target(target)
+        what = f"static item {name!r} in {self.directory}"
+        reader = ocp.Checkpointer(_static_handler())
+        try:
+            saved = reader.metadata(path).item_metadata["state"].tree
+            _check_against_metadata(abstract, saved, what)
+            verify = self.checksums and (path / "integrity").exists()
+            items = {"state": ocp.args.StandardRestore(abstract)}
+            if verify:
+                items["integrity"] = ocp.args.JsonRestore()
+
+            def read():
+                restored = reader.restore(path, args=ocp.args.Composite(**items))
+                if verify:
+                    _verify(restored["state"], restored["integrity"], what)
+                return restored["state"]
+            return _on_every_process(read, what)
+        finally:
+            reader.close()
+
+    def _static_path(self, name: str) -> epath.Path:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ValueError(f"static item name {name!r}: use letters, digits, '_' and '-'")
+        return epath.Path(self.directory) / STATIC_DIR / name
+
+    def _static_differs(self, path: epath.Path, tree, record: Optional[dict]) -> str:
+        """What differs between the saved item and `tree` ("" if nothing), without reading the
+        arrays: the saved checksums stand for the bits (restore checks the bytes against them)."""
+        reader = ocp.Checkpointer(_static_handler())
+        try:
+            if record is not None and (path / "integrity").exists():
+                saved = reader.restore(path, args=ocp.args.Composite(
+                    integrity=ocp.args.JsonRestore()))["integrity"]["arrays"]
+                want = record["arrays"]
+            else:
+                tree_metadata = reader.metadata(path).item_metadata["state"].tree
+                saved = {n: (tuple(m.shape), str(np.dtype(m.dtype)))
+                         for n, m in _flat(tree_metadata).items()}
+                want = {n: (tuple(x.shape), str(np.dtype(x.dtype))) for n, x in _flat(tree).items()}
+        except Exception as err:  # pylint: disable=broad-except
+            return f"unreadable: {_short(err)}"
+        finally:
+            reader.close()
+        names = sorted(n for n in set(saved) | set(want) if saved.get(n) != want.get(n))
+        return f"arrays {names[:5]}{' ...' if len(names) > 5 else ''}" if names else ""
+
+    def _clear_static(self, name: str) -> None:
+        """Remove an earlier copy of item `name` and its partial saves (killed mid-way)."""
+        if jax.process_index() == 0:
+            root = epath.Path(self.directory) / STATIC_DIR
+            if root.exists():
+                for partial in root.glob(f"{name}.*"):
+                    if ocp.step.TMP_DIR_SUFFIX in partial.name:
+                        partial.rmtree()
+            old = root / name
+            if old.exists():
+                # Renamed out of the way first: a kill while deleting must not leave a
+                # half-deleted item under the name has_static looks for.
+                doomed = root / f"{name}{ocp.step.TMP_DIR_SUFFIX}-replaced"
+                old.rename(doomed)
+                doomed.rmtree()
+        ocp.multihost.sync_global_processes("rl_tpu_checkpoint_static_cleared")
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -399,6 +538,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
+            if self._static_writer is not None:
+                self._static_writer.close()
             self._closed = True
 
     def __enter__(self) -> "Checkpointer":
@@ -412,12 +553,29 @@ class Checkpointer:
             raise RuntimeError(f"Checkpointer({self.directory!r}) is closed; make a new one")
 
 
+def _static_handler() -> ocp.CompositeCheckpointHandler:
+    return ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler(),
+                                          integrity=ocp.JsonCheckpointHandler())
+
+
 def _all_processes_agree(ok: bool) -> bool:
     """All processes must restore the same step, so one process's failure fails them all."""
     if jax.process_count() == 1:
         return ok
     from jax.experimental import multihost_utils
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _on_every_process(read, what: str):
+    """read(), raising on every process if it failed on any (its own error where it failed)."""
+    ok, error, result = True, None, None
+    try:
+        result = read()
+    except Exception as err:  # pylint: disable=broad-except
+        ok, error = False, err
+    if not _all_processes_agree(ok):
+        raise error or RuntimeError(f"{what} failed to read on another process")
+    return result
 
 
 def _short(err: BaseException, limit: int = 300) -> str:

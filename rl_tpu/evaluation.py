@@ -15,22 +15,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Sequence
 
-import jax
 import numpy as np
 
-from rl_tpu.agent import EpisodeStats, Trajectory, run_episodes
+from rl_tpu import parallel
+from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
+from rl_tpu.trajectory import EpisodeStats, Trajectory
 
 
 def global_sums(values: np.ndarray) -> np.ndarray:
     """Elementwise sums over every host's `values` (the same result on each host)."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-    gathered = multihost_utils.process_allgather(values)  # [processes, n]
-    return np.asarray(gathered).reshape(jax.process_count(), -1).sum(axis=0)
+    return parallel.across_hosts(values, "sum")
 
 
 def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -208,3 +208,37 @@ def gather_to_host(tree):
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.tree.map(one, tree)
+
+
+# ----------------------------------------------------------------------------- across hosts
+# Host-side values every process contributes to: the "one process or many" pattern in one
+# place. Each is a collective when there are several processes, so every process must call it
+# at the same point (never from a producer thread that runs at its own pace).
+
+
+def across_hosts(value, reduce: str = "gather"):
+    """`value` (a numpy-able scalar or array) combined over every process, the same result on
+    each: "gather" -> [processes, ...], "sum", "max", "any", "all". One process: no
+    communication, `value` itself reduced over a leading axis of one."""
+    reducers = {"gather": lambda g: g, "sum": lambda g: g.sum(axis=0),
+                "max": lambda g: g.max(axis=0), "any": lambda g: bool(np.any(g)),
+                "all": lambda g: bool(np.all(g))}
+    if reduce not in reducers:
+        raise ValueError(f"reduce={reduce!r}; choose one of {sorted(reducers)}")
+    value = np.asarray(value)
+    if reduce in ("any", "all"):
+        value = value.astype(np.int32)
+    if jax.process_count() == 1:
+        gathered = value[None]
+    else:
+        from jax.experimental import multihost_utils
+        gathered = np.asarray(multihost_utils.process_allgather(value)).reshape(
+            (jax.process_count(),) + value.shape)
+    return reducers[reduce](gathered)
+
+
+def sync_hosts(name: str) -> None:
+    """A barrier over every process (nothing with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

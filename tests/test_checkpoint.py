@@ -1,4 +1,5 @@
-"""Checkpointer on real files: sharded round trip, retention, async, corruption, crash mid-save."""
+"""Checkpointer on real files: sharded round trip, retention, async, corruption, crash mid-save,
+and static items saved once per run."""
 
 import logging
 import os
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from rl_tpu.checkpoint import (SUPERSEDED_DIR, Checkpointer, CheckpointTargetMismatchError,
-                               _checksum)
+from rl_tpu.checkpoint import (SUPERSEDED_DIR, CheckpointCorruptError, Checkpointer,
+                               CheckpointTargetMismatchError, _checksum)
 from rl_tpu.parallel import make_mesh
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 
@@ -292,3 +293,156 @@ def test_kill_mid_save_leaves_previous_checkpoint_readable(tmp_path):
     assert ckpt.all_steps() == [1, 3]
     assert sorted(p.name for p in directory.iterdir()) == ["1", "3"]
     ckpt.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Static items: saved once per run
+# ---------------------------------------------------------------------------------------------
+
+def make_params(mesh, seed=0):
+    """Reference-policy-like params, sharded over both mesh axes; big enough (512 x 512) that
+    orbax stores `w` outside its index."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w": jax.device_put(jax.random.normal(k1, (512, 512), jnp.bfloat16),
+                                NamedSharding(mesh, P("fsdp", "tensor"))),
+            "layers": {"b": jax.device_put(jax.random.normal(k2, (32,), jnp.float32),
+                                           NamedSharding(mesh, P("tensor")))}}
+
+
+def test_static_round_trip_keeps_bits_and_shardings(tmp_path, mesh):
+    params = make_params(mesh)
+    expected = host_copy(params)
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=True) as ckpt:
+        assert not ckpt.has_static("reference")
+        assert ckpt.save_static("reference", params)
+        for leaf in jax.tree.leaves(params):  # copied off before returning, as `save`
+            leaf.delete()
+        ckpt.wait()
+        assert ckpt.has_static("reference")
+        restored = ckpt.restore_static("reference", abstract_of(make_params(mesh, seed=1)))
+    assert_bitwise_equal(restored, expected)
+    assert restored["w"].sharding == NamedSharding(mesh, P("fsdp", "tensor"))
+    assert restored["layers"]["b"].sharding == NamedSharding(mesh, P("tensor"))
+    assert (tmp_path / "ckpt" / "static" / "reference" / "state").is_dir()
+    other = make_mesh({"data": 8})  # checksums are sharding-independent, as for steps
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(other, P())), make_params(mesh))
+    with Checkpointer(str(tmp_path / "ckpt")) as reader:
+        assert_bitwise_equal(reader.restore_static("reference", target), expected)
+
+
+def test_static_is_written_once(tmp_path, mesh):
+    params = make_params(mesh)
+    item = tmp_path / "ckpt" / "static" / "reference"
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as ckpt:
+        assert ckpt.save_static("reference", params)
+        files = {f: (f.stat().st_ino, f.stat().st_mtime_ns) for f in item.rglob("*")}
+        assert ckpt.save_static("reference", params) is False
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as rerun:  # the next run
+        assert rerun.save_static("reference", params) is False
+    assert {f: (f.stat().st_ino, f.stat().st_mtime_ns) for f in item.rglob("*")} == files
+
+
+def test_static_of_other_arrays_is_replaced_only_while_no_step_exists(tmp_path, mesh, caplog):
+    first, second = make_params(mesh, seed=1), make_params(mesh, seed=2)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save_static("reference", first)
+    # A run that stopped before its first checkpoint left it: nothing refers to it.
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+        assert ckpt.save_static("reference", second)
+    assert any("replacing it" in r.getMessage() for r in caplog.records)
+    assert_bitwise_equal(ckpt.restore_static("reference", abstract_of(first)), host_copy(second))
+    ckpt.save(1, {"x": jnp.zeros(2)}, {})
+    with pytest.raises(ValueError, match=r"holds other arrays than the ones being saved "
+                                         r"\(arrays \['w'\]\).*checkpoints \[1\]"):
+        ckpt.save_static("reference", {**second, "w": first["w"]})
+    assert_bitwise_equal(ckpt.restore_static("reference", abstract_of(first)), host_copy(second))
+    ckpt.close()
+
+
+def test_keep_and_superseded_timelines_never_touch_static(tmp_path, mesh):
+    params = make_params(mesh)
+    state = {"x": jnp.zeros(2)}
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False, keep=2)
+    ckpt.save_static("reference", params)
+    for step in (1, 2, 3):
+        ckpt.save(step, state, {})
+    assert ckpt.all_steps() == [2, 3]  # keep deleted step 1
+    resumed = Checkpointer(str(tmp_path / "ckpt"), async_save=False, keep=2)
+    resumed.restore(abstract_of(state), step=2)
+    resumed.save(3, state, {})  # the old step 3 is another timeline: set aside
+    assert (tmp_path / "ckpt" / SUPERSEDED_DIR / "3").is_dir()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "3", "static",
+                                                                       SUPERSEDED_DIR]
+    assert resumed.has_static("reference")
+    assert_bitwise_equal(resumed.restore_static("reference", abstract_of(params)),
+                         host_copy(params))
+    ckpt.close()
+    resumed.close()
+
+
+@orbax_read_failure
+def test_static_flipped_bit_raises_corrupt(tmp_path, mesh):
+    params = make_params(mesh)
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as ckpt:
+        ckpt.save_static("reference", params)
+    biggest = max(data_files(tmp_path / "ckpt" / "static" / "reference"),
+                  key=lambda f: f.stat().st_size)
+    raw = bytearray(biggest.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    biggest.write_bytes(bytes(raw))
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        with pytest.raises(CheckpointCorruptError,
+                           match=r"static item 'reference'.*differ from their saved checksums"
+                                 r" \(w\)"):
+            ckpt.restore_static("reference", abstract_of(params))
+
+
+def test_static_missing_mismatched_or_badly_named_is_named(tmp_path, mesh):
+    params = make_params(mesh)
+    with Checkpointer(str(tmp_path / "ckpt"), async_save=False) as ckpt:
+        with pytest.raises(FileNotFoundError, match="no complete static item 'reference'"):
+            ckpt.restore_static("reference", abstract_of(params))
+        ckpt.save_static("reference", params)
+        wrong = {**abstract_of(params), "extra": abstract_of(params)["layers"]["b"]}
+        with pytest.raises(CheckpointTargetMismatchError,
+                           match=r"static item 'reference' in .*not in the checkpoint: "
+                                 r"\['extra'\]"):
+            ckpt.restore_static("reference", wrong)
+        with pytest.raises(ValueError, match="static item name '../x'"):
+            ckpt.save_static("../x", params)
+
+
+STATIC_CRASH_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import jax.numpy as jnp
+    from rl_tpu.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(sys.argv[1], async_save=True)
+    big = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(8)}  # 128 MiB
+    ckpt.save_static("reference", big)  # returns while the files are still being written
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.slow
+def test_kill_mid_static_save_leaves_nothing_readable(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", STATIC_CRASH_SCRIPT, str(directory)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    names = sorted(p.name for p in (directory / "static").iterdir())
+    assert names and all(n.startswith("reference.") for n in names), names  # died mid-save
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    small = {"w0": jnp.zeros((4, 4))}
+    target = {"w0": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=one_device)}
+    with Checkpointer(str(directory), async_save=False) as ckpt:
+        assert not ckpt.has_static("reference")
+        with pytest.raises(FileNotFoundError, match="no complete static item"):
+            ckpt.restore_static("reference", target)
+        assert ckpt.save_static("reference", small)  # the next run writes it, clearing the rest
+        assert sorted(p.name for p in (directory / "static").iterdir()) == ["reference"]
+        np.testing.assert_array_equal(np.asarray(ckpt.restore_static("reference", target)["w0"]),
+                                      np.zeros((4, 4), np.float32))

@@ -12,9 +12,11 @@ eval set is seen at every evaluation and across runs.
 from __future__ import annotations
 
 import abc
-import importlib
-import re
+import contextlib
 import dataclasses
+import importlib
+import inspect
+import re
 from typing import Any, Callable, Optional
 
 
@@ -122,13 +124,59 @@ def register(name: str):
     return add
 
 
-def make(name: str, **kwargs: Any) -> Env:
-    """Builds an env by name, importing only its own module (one env's optional dependency,
-    a JVM for ScienceWorld say, never stops the others from loading)."""
+def factory(name: str) -> Callable[..., Env]:
+    """The registered factory of env `name`, importing only its own module (one env's optional
+    dependency, a JVM for ScienceWorld say, never stops the others from loading)."""
     from rl_tpu.envs import ENV_MODULES
 
     if name not in _REGISTRY and name in ENV_MODULES:
-        importlib.import_module(f"rl_tpu.envs.{ENV_MODULES[name]}")
+        with _missing_package_named(name):
+            importlib.import_module(f"rl_tpu.envs.{ENV_MODULES[name]}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown env {name!r}; known envs: {sorted(set(ENV_MODULES) | set(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def kwargs_of(name: str) -> Optional[dict[str, inspect.Parameter]]:
+    """The keyword arguments env `name` takes (annotations resolved), or None for a factory
+    that takes any (`**kwargs`)."""
+    params = inspect.signature(factory(name), eval_str=True).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_kwargs(name: str, kwargs: dict) -> None:
+    """Fails naming env `name` and listing its kwargs when `kwargs` has one it does not take,
+    or lacks (or leaves None) one it needs."""
+    known = kwargs_of(name)
+    if known is None:
+        return
+    unknown = sorted(set(kwargs) - set(known))
+    missing = [k for k, p in known.items() if p.default is p.empty and kwargs.get(k) is None]
+    if unknown or missing:
+        problem = (f"takes no keyword argument {', '.join(unknown)}" if unknown
+                   else f"needs {', '.join(missing)}")
+        raise ValueError(f"env {name!r} {problem}; its kwargs: {', '.join(known) or '(none)'}")
+
+
+def make(name: str, **kwargs: Any) -> Env:
+    """Builds an env by name. A package the env needs that is not installed fails naming it
+    and the pip extra that installs it (env modules import their packages when first used)."""
+    build = factory(name)
+    check_kwargs(name, kwargs)
+    with _missing_package_named(name):
+        return build(**kwargs)
+
+
+@contextlib.contextmanager
+def _missing_package_named(name: str):
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] == "rl_tpu":  # our own module: a bug, not a setup
+            raise
+        raise ModuleNotFoundError(
+            f"env {name!r} needs the Python package {e.name!r}, which is not installed: "
+            "pip install 'rl_tpu[envs]' (in a checkout: pip install -e '.[envs]') installs "
+            "every env's packages", name=e.name) from e

@@ -74,6 +74,7 @@ def teacher_reply(task: Task, rng: random.Random, skill: float) -> str:
     return str(max(numbers)) if rng.random() < skill else str(numbers[0])
 
 
+@register("largest")
 class LargestEnv(Env):
     name = "largest"
     system_prompt = SYSTEM_PROMPT
@@ -108,8 +109,3 @@ class LargestEnv(Env):
             return StepResult("Correct.", 1.0, True, {"success": True})
         return StepResult(f"Not correct: the largest is {answer}.", 0.0, True,
                           {"success": False, "gold": answer})
-
-
-@register("largest")
-def make_largest(**kwargs) -> LargestEnv:
-    return LargestEnv(**kwargs)

@@ -23,6 +23,7 @@ C-level big-integer loop no signal or thread timeout can stop.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
@@ -188,13 +189,23 @@ class ReasoningGymEnv(Env):
         return StepResult(verdict, score, True, info)
 
 
+def _signature_of_the_env(factory, fixed: tuple[str, ...] = ()):
+    """Gives `factory` ReasoningGymEnv's signature less the `fixed` arguments it sets itself,
+    so a config lists and types its real kwargs (rl_tpu.envs.base.kwargs_of)."""
+    params = inspect.signature(ReasoningGymEnv, eval_str=True).parameters.values()
+    factory.__signature__ = inspect.Signature([p for p in params if p.name not in fixed])
+    return factory
+
+
 @register("reasoning_gym")
+@_signature_of_the_env
 def make_reasoning_gym(dataset: str, **kwargs) -> ReasoningGymEnv:
     """Any reasoning-gym dataset by name: `make("reasoning_gym", dataset="maze")`."""
     return ReasoningGymEnv(dataset=dataset, **kwargs)
 
 
 @register("countdown")
+@functools.partial(_signature_of_the_env, fixed=("dataset",))
 def make_countdown(**kwargs) -> ReasoningGymEnv:
     env = ReasoningGymEnv(dataset="countdown", **kwargs)
     env.name = "countdown"
@@ -202,6 +213,7 @@ def make_countdown(**kwargs) -> ReasoningGymEnv:
 
 
 @register("arithmetic")
+@functools.partial(_signature_of_the_env, fixed=("dataset",))
 def make_arithmetic(**kwargs) -> ReasoningGymEnv:
     env = ReasoningGymEnv(dataset="basic_arithmetic", **kwargs)
     env.name = "arithmetic"

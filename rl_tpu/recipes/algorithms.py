@@ -19,13 +19,17 @@ functions below turn the (possibly overridden) block into the objects the learne
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ml_collections
+import numpy as np
 
-from rl_tpu.agent import Trajectory
 from rl_tpu.rl.bapo import BapoConfig
 from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.train import steps
+from rl_tpu.train.learner import UpdateConfig
+from rl_tpu.train.rollout_batch import NO_LOSS
+from rl_tpu.trajectory import Trajectory
 
 ALGORITHMS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "bapo")
 
@@ -64,6 +68,14 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.bapo = ml_collections.ConfigDict(vars(BapoConfig()))
     c.value_clip = 0.2
     c.value_lr = 1e-5
+    c.whiten_advantages = name == "ppo"  # GAE advantages whitened over the batch (as verl)
+    # The three policies (docs/architecture.md): the ratio divides by the proximal policy
+    # (recomputed at the start of the update) or by the behaviour policy (the engine's
+    # log-probs; BAPO's r = pi_theta / pi_rollout, which sees the staleness).
+    c.ratio_against = "behaviour" if name == "bapo" else "proximal"
+    # False: no proximal forward; the behaviour log-probs stand in for it. Exact on-policy
+    # with full-distribution log-probs, and whenever the ratio is against behaviour.
+    c.recompute_proximal = True
     return c
 
 
@@ -76,18 +88,33 @@ def loss_config(algo: ml_collections.ConfigDict, max_new_tokens: int) -> PolicyL
         fixed_normalizer=(max_new_tokens if algo.aggregation == "fixed_normalizer" else None),
         behaviour_is=algo.behaviour_is, behaviour_is_cap=algo.behaviour_is_cap,
         entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-        bapo=BapoConfig(**algo.bapo.to_dict()))
+        bapo=BapoConfig(**algo.bapo.to_dict()), ratio_against=algo.ratio_against)
 
 
 def advantage_options(algo: ml_collections.ConfigDict) -> tuple:
     """(name, value) options compute_advantages passes to the estimator."""
-    by_estimator = {"gae": {"gamma": algo.gamma, "lam": algo.lam},
+    by_estimator = {"gae": {"gamma": algo.gamma, "lam": algo.lam,
+                            "whiten": bool(algo.whiten_advantages)},
                     "reinforce_pp": {"gamma": algo.gamma},
                     "grpo": {"ddof": algo.std_ddof},
                     "rloo": {}, "dr_grpo": {}}
     if algo.advantage not in by_estimator:
         raise ValueError(f"algo.advantage={algo.advantage!r}; choose one of {sorted(by_estimator)}")
     return tuple(sorted(by_estimator[algo.advantage].items()))
+
+
+def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
+    """The learner's settings: epochs x minibatches, the estimator, the reference and the
+    proximal pass, as the algorithm needs them (REINFORCE++'s KL-shaped reward included)."""
+    algo, t = config.algo, config.train
+    return UpdateConfig(
+        epochs=t.epochs, minibatches=t.minibatches,
+        step=steps.StepConfig(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk,
+                              temperature=config.rollout.temperature),
+        advantage=algo.advantage, advantage_options=advantage_options(algo),
+        value_clip=algo.value_clip or None, use_reference=uses_reference(algo),
+        reward_kl_coef=algo.reward_kl_coef if algo.advantage == "reinforce_pp" else 0.0,
+        recompute_proximal=algo.recompute_proximal, shuffle_seed=config.seed)
 
 
 def uses_critic(algo: ml_collections.ConfigDict) -> bool:
@@ -99,8 +126,11 @@ def uses_reference(algo: ml_collections.ConfigDict) -> bool:
 
 
 def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int) -> None:
-    """DAPO's soft overlong punishment, in place: a response longer than budget - buffer loses
-    (len - (budget - buffer)) / buffer * penalty of reward, up to `penalty` at the budget."""
+    """DAPO's soft overlong punishment, in place, per turn: a turn that generated more than
+    budget - buffer tokens loses (len - (budget - buffer)) / buffer * penalty of its reward, up
+    to `penalty` at the budget. The budget is per turn (`env.max_new_tokens`), so each turn is
+    measured against it on its own: a 3-turn episode of 100 tokens a turn at budget 256 is
+    not overlong. The episode's reward loses the sum of its turns' penalties."""
     buffer = int(algo.overlong_buffer)
     if buffer <= 0:
         return
@@ -109,12 +139,18 @@ def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int
                          f"{max_new_tokens}")
     start = max_new_tokens - buffer
     for traj in trajectories:
-        over = traj.num_generated - start
-        if over > 0:
-            penalty = min(over / buffer, 1.0) * algo.overlong_penalty
-            traj.reward -= penalty
-            if traj.rewards:  # the last turn's reward too, so token-level rewards agree
-                traj.rewards[-1] -= penalty
+        generated = np.asarray(traj.loss_mask, bool)
+        per_turn = np.bincount(np.asarray(traj.turn_ids)[generated],
+                               minlength=traj.num_turns)
+        total = 0.0
+        for k in range(traj.num_turns):
+            over = int(per_turn[k]) - start
+            if over > 0:
+                penalty = min(over / buffer, 1.0) * algo.overlong_penalty
+                if k < len(traj.rewards):  # token-level rewards see it on turn k's tokens
+                    traj.rewards[k] -= penalty
+                total += penalty
+        traj.reward -= total
 
 
 def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
@@ -124,3 +160,71 @@ def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajecto
     for traj in trajectories:
         groups.setdefault(traj.group_id, []).append(traj)
     return [g for g in groups.values() if len({round(t.reward, 9) for t in g}) > 1]
+
+
+# ----------------------------------------------------------------------------- rollout hooks
+# What the loop asks of the algorithm around a rollout, with no branch per algorithm there.
+
+
+
+def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, algo,
+                  play_more: Callable[[int], list[Trajectory]],
+                  any_host: Callable[[bool], bool]) -> tuple[list[Trajectory], dict]:
+    """The step's trajectories from what was played: all of them, or with DAPO's dynamic
+    sampling the informative groups, refilled by `play_more(round)` while any host is short
+    (`any_host(flag)` agrees across hosts so their task streams stay in step; a producer that
+    must not run collectives passes a local one). Short of informative groups after the last
+    round, equal-reward groups fill the batch flagged NO_LOSS: they keep the batch's shape but
+    add nothing to a token mean's denominator. Metrics: rollout/played_tokens counts every
+    generated token, refills included."""
+    metrics = {}
+    if algo.dynamic_sampling:
+        groups = informative_groups(played)
+        rounds = 0
+        for round_index in range(1, algo.max_refill_rounds + 1):
+            if not any_host(len(groups) < wanted):
+                break
+            more = play_more(round_index)
+            played = played + more
+            groups += informative_groups(more)
+            rounds = round_index
+        kept = [t for g in groups[:wanted] for t in g]
+        kept_ids = {t.group_id for t in kept}
+        fillers = [t for t in played if t.group_id not in kept_ids]
+        fillers = fillers[:wanted * samples_per_task - len(kept)]
+        for t in fillers:
+            t.info[NO_LOSS] = True
+        metrics["rollout/informative_group_frac"] = len(groups) / max(
+            len(played) // samples_per_task, 1)
+        metrics["rollout/refill_rounds"] = float(rounds)
+        metrics["rollout/filler_group_frac"] = len(fillers) / samples_per_task / max(wanted, 1)
+        chosen = kept + fillers
+    else:
+        chosen = played
+    metrics["rollout/played_tokens"] = float(sum(t.num_generated for t in played))
+    return chosen, metrics
+
+
+def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
+    """The rollout arrays the learner gets: always the tokens and rewards; the engine's
+    behaviour log-probs when they are of the full distribution (docs/architecture.md,
+    logprob conventions). Renormalised top-p / top-k log-probs differ by -log(kept mass) per
+    token and would bias IS weights, BAPO's Eq. 8 weights and a ratio against behaviour:
+    needed but truncated is a clear error; not needed, they are left out."""
+    keys = ["tokens", "positions", "segment_ids", "loss_mask", "token_rewards", "rewards",
+            "group_ids", "turn_ids"]
+    truncated = any(t.logprob_convention != "full" for t in trajectories)
+    if not truncated:
+        return keys + ["behaviour_logprobs"]
+    needs = [what for what, needed in (
+        (f"algo.behaviour_is={algo.behaviour_is!r}", algo.behaviour_is != "none"),
+        ("BAPO's Eq. 8 weights", algo.loss == "bapo" and algo.bapo.variant == "paper"),
+        ("algo.ratio_against='behaviour'", algo.ratio_against == "behaviour"),
+        ("algo.recompute_proximal=False", not algo.recompute_proximal)) if needed]
+    if needs:
+        raise ValueError(
+            "the rollout engine reported truncated (top-p/top-k renormalised) log-probs, but "
+            f"{', '.join(needs)} need log-probs of the full distribution. Sample without "
+            "truncation (rollout.top_p=1, rollout.top_k=-1), use an engine that reports full "
+            "log-probs, or turn those off")
+    return keys

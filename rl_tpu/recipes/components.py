@@ -27,9 +27,41 @@ from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optim
 log = logging.getLogger(__name__)
 
 
-def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
+def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
+    """The training mesh over `devices` (default: every device of every host)."""
     m = config.mesh
-    return parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    return parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor},
+                              devices=devices)
+
+
+def split_devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
+    """(learner devices, this host's embedded-sampler devices).
+
+    Synchronous (and with SGLang servers, which sample elsewhere) both span every device, the
+    sampler `rollout.sampler_devices` of them (0 = all local): they take turns. Asynchronous
+    with the embedded sampler they run at once, so they must not share a device: the sampler
+    takes the first `rollout.sampler_devices` local devices of each host (0 = half of them)
+    and the learner's mesh every other device of every host.
+    """
+    r = config.rollout
+    local = jax.local_devices()
+    if r.max_staleness == 0 or r.engine != "jax":
+        return list(jax.devices()), local[:r.sampler_devices] if r.sampler_devices else local
+    n = r.sampler_devices or len(local) // 2
+    if not 1 <= n < len(local):
+        raise ValueError(
+            f"rollout.max_staleness={r.max_staleness} runs the embedded sampler beside the "
+            f"learner, each on devices of its own: this host has {len(local)} device(s) and "
+            f"rollout.sampler_devices={r.sampler_devices}. Set 1 <= rollout.sampler_devices < "
+            f"{len(local)} (on a CPU, more devices: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=2), or use SGLang servers")
+    # every host gives its first n devices to its sampler: the rest of all hosts form the mesh
+    by_host: dict[int, list] = {}
+    for d in jax.devices():
+        by_host.setdefault(d.process_index, []).append(d)
+    sampler_ids = {d.id for host in by_host.values() for d in host[:n]}
+    return ([d for d in jax.devices() if d.id not in sampler_ids],
+            [d for d in local if d.id in sampler_ids])
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -52,14 +84,8 @@ def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
                               init_scale=m.tiny_init_scale, hidden_size=m.tiny_hidden,
                               intermediate_size=2 * m.tiny_hidden, num_layers=m.tiny_layers,
                               num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16)
-    _barrier("tiny_model")
+    parallel.sync_hosts("tiny_model")
     return out
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
 
 
 def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
@@ -72,12 +98,19 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
 
 
 def optim_config(lr: float, config: ml_collections.ConfigDict, total_steps: int,
-                 warmup_steps: Optional[int] = None) -> OptimConfig:
+                 warmup_steps: Optional[int] = None, updates_per_step: int = 1) -> OptimConfig:
     o = config.optim
     return OptimConfig(lr=lr, schedule=o.schedule,
                        warmup_steps=o.warmup_steps if warmup_steps is None else warmup_steps,
                        total_steps=max(total_steps, 1), weight_decay=o.weight_decay,
-                       grad_clip=o.grad_clip or None)
+                       grad_clip=o.grad_clip or None, updates_per_step=updates_per_step)
+
+
+def rl_optim_config(config: ml_collections.ConfigDict, lr: float) -> OptimConfig:
+    """The optimizer of an RL learner (policy or critic): its schedule is configured in RL
+    steps, and each RL step makes epochs x minibatches optimizer updates."""
+    t = config.train
+    return optim_config(lr, config, t.steps, updates_per_step=t.epochs * t.minibatches)
 
 
 def new_state(params, optim: OptimConfig) -> TrainState:
@@ -98,7 +131,7 @@ def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg
         return jax.device_put(x, NamedSharding(mesh, P()))
 
     params = jax.tree.map(on_mesh, value_params_from(policy_params, model_cfg))
-    return new_state(params, optim_config(config.algo.value_lr, config, config.train.steps))
+    return new_state(params, rl_optim_config(config, config.algo.value_lr))
 
 
 def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
@@ -126,9 +159,11 @@ def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int]) -> S
 
 
 def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, params,
-                tokenizer: ChatTokenizer, workdir: str, version: str = "0") -> RolloutEngine:
+                tokenizer: ChatTokenizer, workdir: str, version: str = "0",
+                devices=None) -> RolloutEngine:
     """The rollout engine the config names, serving `params` as `version` (one weight sync:
-    the sampler's own copy, or one HF export the servers load)."""
+    the sampler's own copy, or one HF export the servers load). The embedded sampler runs on
+    `devices` (default: `rollout.sampler_devices` of this host's)."""
     r = config.rollout
     if r.engine == "sglang":
         from rl_tpu.rollout.sglang import SGLangEngine
@@ -139,9 +174,8 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         engine.update_weights(host_local_params(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
-    devices = jax.local_devices()
-    if r.sampler_devices:
-        devices = devices[:r.sampler_devices]
+    if devices is None:
+        devices = jax.local_devices()[:r.sampler_devices or None]
     mesh = parallel.make_mesh({"fsdp": -1}, devices=devices)
     kwargs = {}
     if config.model.sampler_dtype:
@@ -158,3 +192,25 @@ def host_local_params(params):
         return params
     from jax.experimental import multihost_utils
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
+
+
+def eval_horizon(config: ml_collections.ConfigDict) -> int:
+    """The eval turn limit: `eval.max_turns`, else the final stage of the horizon schedule
+    (ScalingInter-RL), else `env.max_turns`. Fixed over the run, so an eval curve measures the
+    policy, not the schedule (evaluating at each step's training horizon would make success
+    jump at every stage by construction)."""
+    stages = tuple(config.schedules.horizon_turns)
+    return int(config.eval.max_turns or (stages[-1] if stages else config.env.max_turns))
+
+
+def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, make_env,
+                    tasks, tokenizer: ChatTokenizer, seed: int) -> dict[str, float]:
+    """The config's eval suite on `tasks` (greedy success, pass@k, turns, tokens): the one
+    place rl, sft and evaluate build the eval's arguments."""
+    from rl_tpu.evaluation import evaluate
+    env = config.env
+    return evaluate(engine, make_env, tasks, tokenizer=tokenizer,
+                    max_turns=eval_horizon(config), max_new_tokens=env.max_new_tokens,
+                    max_context_tokens=env.max_context_tokens, pass_k=config.eval.pass_k,
+                    sampling=sampling_params(config, None), seed=seed,
+                    step_timeout_s=env.step_timeout_s, reward_reduce=env.reward_reduce)

@@ -5,12 +5,28 @@ An experiment file (`configs/<name>.py`) calls `base_config(algo)` and changes w
 mistyped key in a file or an override (`--config.algo.clip_hgh=0.3`) fails at once, naming
 the key; ml_collections also refuses a value of the wrong type (`--config.train.steps=abc`).
 `check(config)` adds the cross-key checks no single field can make, before anything compiles.
+
+Two keys pick the defaults of a whole block, so changing them means rebuilding that block:
+`algo.name` (the `algo` block is `algo_config(name)`: `set_algo`) and `env.name` (`env.kwargs`
+holds that env's keyword arguments with their defaults, each a typed key an override can set:
+`set_env`). The launchers do both when the command line changes a name, then re-apply the
+command line's other overrides of the block. A script that assigns `algo.name` alone keeps
+the old algorithm's defaults; `check` cannot tell which keys a user set on purpose, so it
+refuses only the unambiguous case, a block that still holds exactly another algorithm's
+defaults (advantage, loss and every other name-dependent key) under the new name.
 """
 
 from __future__ import annotations
 
-import ml_collections
+import collections.abc
+import inspect
+import typing
+from typing import Any, Mapping, Optional
 
+import ml_collections
+from ml_collections import config_dict
+
+from rl_tpu.envs import base as envs
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
 
 
@@ -45,11 +61,14 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rollout.top_k = -1
     c.rollout.max_batch = 256  # embedded sampler: rows per decode batch
     c.rollout.sampler_devices = 0  # embedded sampler's devices: 0 = all local, n = first n
-    c.rollout.max_staleness = 0  # 0 = on-policy (the only mode this recipe runs today)
+    # Off-policy: 0 = on-policy (rollouts by the latest weights, synchronous); k >= 1 = an
+    # asynchronous producer whose data is at most k versions old (rl_tpu/recipes/producer.py).
+    c.rollout.max_staleness = 0
+    c.rollout.deterministic = False  # async in lock-step, exactly k versions behind (exact resume)
 
     c.env = ml_collections.ConfigDict()
     c.env.name = "largest"
-    c.env.kwargs = ml_collections.ConfigDict()
+    c.env.kwargs = env_kwargs("largest")  # set_env switches name and kwargs together
     c.env.dataset_dir = ""  # tasks from a dataset made by launch.make_dataset ("" = the env's)
     c.env.train_split = "train"
     c.env.eval_split = "eval"
@@ -77,6 +96,11 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.train.micro_batches = 1
     c.train.length_buckets = (128, 256, 512, 1024, 2048)
     c.train.logprob_chunk = 128
+    # Sample replay (rl_tpu/train/replay.py): past groups mixed into each update.
+    c.train.replay = ml_collections.ConfigDict()
+    c.train.replay.capacity = 0  # groups kept per host (0 = off)
+    c.train.replay.fraction = 0.5  # replayed share of an update's groups
+    c.train.replay.max_staleness = 4  # versions; older groups leave the buffer
 
     c.schedules = ml_collections.ConfigDict()
     c.schedules.horizon_turns = ()  # ScalingInter-RL: H = turns[min(step // every, len - 1)]
@@ -119,7 +143,7 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     """The settings every multi-turn agent experiment shares (AgentGym-RL's scale: 32 tasks x 8
     samples a step, 4 minibatches, lr 1e-6, bf16 with remat, 300 steps, horizon stages every
     100 steps); an experiment file sets the env and changes what differs."""
-    c.env.name = env
+    set_env(c, env)
     c.env.max_turns = turns
     c.env.max_new_tokens = max_new_tokens
     c.env.max_context_tokens = max_context_tokens
@@ -164,19 +188,140 @@ def shrink_for_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def env_kwargs(name: str) -> ml_collections.ConfigDict:
+    """Env `name`'s keyword arguments with their defaults, as a locked block: each one a key of
+    its type, so an override (`--config.env.kwargs.num_items=3`) is checked like any other. A
+    kwarg defaulting to None, or without a default, is a typed placeholder (None = not given);
+    one no config can hold (a Python object) is left out. Empty for a `**kwargs` factory."""
+    block = ml_collections.ConfigDict()
+    for p in (envs.kwargs_of(name) or {}).values():
+        default = None if p.default is p.empty else p.default
+        field_type = _field_type(p.annotation, default)
+        if field_type is not None:
+            block[p.name] = (config_dict.placeholder(field_type) if default is None
+                             else tuple(default) if field_type is tuple else default)
+    block.lock()
+    return block
+
+
+def _field_type(annotation, default) -> type | None:
+    """The config type of a kwarg: bool/int/float/str as annotated, tuple for a sequence,
+    object (any literal) for a dict or an unannotated kwarg without a typed default."""
+    if annotation is inspect.Parameter.empty:
+        return type(default) if isinstance(default, (bool, int, float, str, tuple)) else object
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1:  # Optional[X]
+        annotation = args[0]
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (bool, int, float, str):
+        return origin
+    if origin in (tuple, list, collections.abc.Sequence):
+        return tuple
+    if origin in (dict, collections.abc.Mapping):
+        return object
+    return None
+
+
+def set_env(c: ml_collections.ConfigDict, name: str, **kwargs: Any) -> ml_collections.ConfigDict:
+    """Sets env.name and env.kwargs together: that env's kwargs with their defaults
+    (`env_kwargs`), `kwargs` on top; a kwarg the env does not take fails, listing those it does."""
+    block = env_kwargs(name)
+    unknown = sorted(set(kwargs) - set(block))
+    if unknown:
+        raise ValueError(f"env {name!r} takes no keyword argument {', '.join(unknown)}; its "
+                         f"kwargs: {', '.join(block) or '(none)'}")
+    for key, value in kwargs.items():
+        block[key] = value
+    c.env.name = name
+    c.env.kwargs = block
+    return c
+
+
+def set_algo(c: ml_collections.ConfigDict, name: str,
+             overrides: Optional[Mapping[str, Any]] = None) -> ml_collections.ConfigDict:
+    """Gives `c` the algo block of `name` (`algo_config(name)`: that algorithm's defaults), then
+    sets `overrides` (keys under algo, e.g. {"clip_high": 0.3, "bapo.variant": "verl"}) in
+    their order."""
+    block = algo_config(name)
+    block.lock()
+    for key, value in (overrides or {}).items():
+        *parents, leaf = key.split(".")
+        holder = block
+        for part in parents:
+            holder = holder[part]
+        holder[leaf] = value
+    c.algo = block
+    return c
+
+
+# Keys whose defaults differ between algorithms: the ones a bare rename of algo.name leaves stale.
+_NAME_DEPENDENT = tuple(k for k in algo_config(ALGORITHMS[0]) if k != "name"
+                        and len({repr(algo_config(n)[k]) for n in ALGORITHMS}) > 1)
+
+# Counts below which a run makes no sense (train.steps = 0 is an SFT-only run; see check).
+_AT_LEAST = {"train.steps": 0, "train.tasks_per_step": 1, "train.samples_per_task": 1,
+             "train.epochs": 1, "train.minibatches": 1, "train.micro_batches": 1,
+             "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1,
+             "checkpoint.keep": 1, "sft.steps": 0}
+
+
+def _check_counts(config: ml_collections.ConfigDict) -> None:
+    for key, low in _AT_LEAST.items():
+        block, _, leaf = key.partition(".")
+        value = config[block][leaf]
+        if value < low:
+            raise ValueError(f"{key}={value} must be >= {low}")
+    if config.train.steps == 0 and config.sft.steps == 0:
+        raise ValueError("train.steps=0 and sft.steps=0: nothing would be trained; set "
+                         "train.steps >= 1 (RL steps), or sft.steps >= 1 for an SFT-only run")
+
+
+def _check_algo_block(algo: ml_collections.ConfigDict) -> None:
+    ours = algo_config(algo.name)
+    if (algo.advantage, algo.loss) == (ours.advantage, ours.loss):
+        return
+    for other in ALGORITHMS:
+        theirs = algo_config(other)
+        if all(algo[k] == theirs[k] for k in _NAME_DEPENDENT):
+            raise ValueError(
+                f"algo.name={algo.name!r} but the algo block holds {other!r}'s defaults "
+                f"(algo.advantage={algo.advantage!r}, algo.loss={algo.loss!r}; {algo.name!r} "
+                f"has {ours.advantage!r}, {ours.loss!r}): algo.name was changed without its "
+                f"block. Use rl_tpu.recipes.config.set_algo(config, {algo.name!r}) (the "
+                "launchers do so for --config.algo.name), or set algo.name back")
+
+
+def _check_env(config: ml_collections.ConfigDict) -> None:
+    try:
+        envs.check_kwargs(config.env.name, config.env.kwargs.to_dict())
+    except ValueError as e:
+        raise ValueError(f"env.kwargs: {e} (a config that changes env.name should call "
+                         "rl_tpu.recipes.config.set_env, which gives env.kwargs that env's "
+                         "kwargs)") from None
+
+
 def check(config: ml_collections.ConfigDict) -> None:
     """Cross-key checks that no single field can make; each error names the keys to change."""
     if config.algo.name not in ALGORITHMS:
         raise ValueError(f"algo.name={config.algo.name!r}; choose one of {ALGORITHMS}")
+    _check_algo_block(config.algo)
+    _check_counts(config)
+    _check_env(config)
     if config.rollout.engine not in ("jax", "sglang"):
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; choose 'jax' or 'sglang'")
     if config.rollout.engine == "sglang" and not config.rollout.urls:
         raise ValueError("rollout.engine='sglang' needs rollout.urls (or --rollout_urls)")
-    if config.rollout.max_staleness != 0:
-        raise ValueError("rollout.max_staleness > 0 (off-policy rollouts) is not supported by "
-                         "this recipe yet; set it to 0")
-    if config.train.samples_per_task < 1 or config.train.tasks_per_step < 1:
-        raise ValueError("train.tasks_per_step and train.samples_per_task must be >= 1")
+    if config.rollout.max_staleness < 0:
+        raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} must be >= 0 "
+                         "(0 = on-policy)")
+    off_policy = config.rollout.max_staleness > 0 or config.train.replay.capacity > 0
+    if (off_policy and not config.algo.recompute_proximal
+            and config.algo.ratio_against == "proximal"):
+        raise ValueError("algo.recompute_proximal=False uses the behaviour log-probs as the "
+                         "proximal policy, which off-policy data (rollout.max_staleness > 0 or "
+                         "train.replay.capacity > 0) makes wrong for a ratio against the "
+                         "proximal policy: set algo.recompute_proximal=True or "
+                         "algo.ratio_against='behaviour'")
     group_based = config.algo.advantage in ("grpo", "dr_grpo", "rloo")
     if group_based and config.train.samples_per_task < 2:
         raise ValueError(f"algo.advantage={config.algo.advantage!r} compares samples of a task: "
@@ -187,5 +332,3 @@ def check(config: ml_collections.ConfigDict) -> None:
     if max(config.train.length_buckets) < config.env.max_context_tokens:
         raise ValueError(f"the largest of train.length_buckets={tuple(config.train.length_buckets)}"
                          f" is below env.max_context_tokens={config.env.max_context_tokens}")
-    if config.checkpoint.every < 1 or config.eval.every < 1:
-        raise ValueError("checkpoint.every and eval.every must be >= 1 (steps)")

@@ -21,7 +21,6 @@ import ml_collections
 
 from rl_tpu import parallel
 from rl_tpu.data.tasks import eval_tasks
-from rl_tpu.evaluation import evaluate
 from rl_tpu.recipes import components
 from rl_tpu.recipes.config import check
 
@@ -36,7 +35,7 @@ def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
         raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints; train first or "
                                 "pass --model_path to an HF directory")
     target = {"policy": components.new_state(
-        params, components.optim_config(config.optim.lr, config, config.train.steps))}
+        params, components.rl_optim_config(config, config.optim.lr))}
     if algorithms.uses_critic(config.algo):
         target["critic"] = components.new_critic_state(config, target["policy"].params,
                                                        model_cfg, mesh)
@@ -65,14 +64,7 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     # an HF export for SGLang servers goes under the workdir, else a fresh temporary dir
     sync_root = workdir or tempfile.mkdtemp(prefix="rl_tpu_eval_")
     engine = components.make_engine(config, model_cfg, params, tokenizer, sync_root)
-    result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
-                      max_turns=config.eval.max_turns or config.env.max_turns,
-                      max_new_tokens=config.env.max_new_tokens,
-                      max_context_tokens=config.env.max_context_tokens,
-                      pass_k=config.eval.pass_k,
-                      sampling=components.sampling_params(config, None), seed=config.seed,
-                      step_timeout_s=config.env.step_timeout_s,
-                      reward_reduce=config.env.reward_reduce)
+    result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer, config.seed)
     result = dict(result, checkpoint_step=-1 if step is None else step)
     if workdir and jax.process_index() == 0:
         with open(os.path.join(workdir, "eval.json"), "w") as f:

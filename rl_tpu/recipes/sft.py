@@ -191,10 +191,8 @@ def _buckets(config, max_length: int) -> tuple[int, ...]:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """SFT on its own: warm start, greedy eval on the eval split, HF export to W/final_hf."""
-    from rl_tpu.evaluation import evaluate
-    from rl_tpu.recipes.config import check
-
     from rl_tpu import metrics as metrics_lib
+    from rl_tpu.recipes.config import check
 
     check(config)
     os.makedirs(workdir, exist_ok=True)
@@ -210,10 +208,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     from rl_tpu.data.tasks import eval_tasks
     source = components.task_source(config, make_env)
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
-    result = evaluate(engine, make_env, tasks, tokenizer=tokenizer,
-                      max_turns=config.eval.max_turns or config.env.max_turns,
-                      max_new_tokens=config.env.max_new_tokens,
-                      max_context_tokens=config.env.max_context_tokens, seed=config.seed)
+    result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer, config.seed)
     writer.write(config.sft.steps, {f"eval/{k}": v for k, v in result.items()})
     writer.close()
     from rl_tpu.models import hf

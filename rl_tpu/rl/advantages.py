@@ -83,14 +83,16 @@ def _reverse_scan_agent_tokens(step: Callable, init: tuple, *xs: Array) -> Array
 
 @ADVANTAGES.register("gae")
 def gae(token_rewards: Array, values: Array, loss_mask: Array, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[Array, Array]:
+        lam: float = 1.0, whiten: bool = False) -> tuple[Array, Array]:
     """Generalised advantage estimation over the agent's tokens only.
 
     token_rewards [B, T], values [B, T] (critic's V on each token), loss_mask [B, T].
     For consecutive agent tokens t -> t' (observation tokens in between skipped):
       delta_t = r_t + gamma * V_t' - V_t,   A_t = delta_t + gamma * lam * A_t'
     with V = A = 0 after a row's last agent token. Rewards on masked tokens go to the agent
-    token before them (module docstring). Returns (A, A + V), both [B, T], zero off the mask.
+    token before them (module docstring). Returns (A, A + V), both [B, T], zero off the mask;
+    `whiten` then standardises A over every masked token of the batch (verl's default), the
+    returns staying A + V of the raw A.
     """
     _check_ndim("gae", token_rewards=token_rewards, values=values, loss_mask=loss_mask)
     rewards = jnp.asarray(token_rewards, jnp.float32)
@@ -115,6 +117,8 @@ def gae(token_rewards: Array, values: Array, loss_mask: Array, gamma: float = 1.
     zeros = jnp.zeros((batch,), jnp.float32)
     adv = _reverse_scan_agent_tokens(step, (zeros, zeros, zeros), rewards, values, mask)
     returns = jnp.where(mask != 0, adv + values, 0.0)
+    if whiten:
+        adv = masked_whiten(adv, mask)
     return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(returns)
 
 

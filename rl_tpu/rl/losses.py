@@ -5,8 +5,13 @@ is 1 on the policy's own tokens (prompt, observation and padding tokens are 0). 
 also be given per sequence, [B], and are then broadcast over T.
 
 Conventions
-- ratio r = exp(logprobs - old_logprobs), old_logprobs being the trainer's log-probs of the
-  sampled tokens at rollout time. Positions outside the mask are zeroed before any exp, and
+- Three policies (decoupled PPO): behaviour (the engine that sampled each token; its reported
+  log-probs), proximal (`old_logprobs`: the trainer's recomputed log-probs at the start of
+  this update) and current (`logprobs`, differentiated). The ratio's denominator is chosen by
+  `ratio_against`: "proximal" (PPO, GRPO...; staleness is then corrected by the truncated
+  proximal / behaviour weight of `behaviour_is`) or "behaviour" (BAPO's r = pi_theta /
+  pi_rollout, so the ratio sees the staleness; no separate IS weight).
+- ratio r = exp(logprobs - denominator). Positions outside the mask are zeroed before any exp, and
   every log-ratio is clamped to +-MAX_LOG_RATIO (20, as verl) before its exp: a token whose
   log-ratio is 95 would otherwise give exp = inf, a finite clipped loss but a NaN gradient
   (0 * inf), and the whole update would be skipped. Clamped, its gradient is 0 (the clip
@@ -56,6 +61,7 @@ AGGREGATIONS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("kl estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
 BEHAVIOUR_IS_MODES = ("none", "truncate", "mask")
+RATIO_DENOMINATORS = ("proximal", "behaviour")
 
 MAX_LOG_RATIO = 20.0  # clamp on every log-ratio fed to exp (e^20 ~ 4.9e8 is finite in fp32)
 
@@ -161,18 +167,25 @@ def _kl_k2(log_ratio: Array) -> Array:
     return 0.5 * jnp.square(log_ratio)
 
 
+# k3 grows like exp(ref - logp): one token the policy has all but abandoned (logp -5 against the
+# reference's -1 gives 49.6, gradient -53.6) would dominate a step. Bounded to [0, 10] as verl's
+# `low_var_kl` clamps it to [-10, 10] (k3 >= 0): beyond the bound the value is 10, gradient 0.
+K3_BOUND = 10.0
+
+
 @KL_ESTIMATORS.register("k3")
 def _kl_k3(log_ratio: Array) -> Array:
-    # With d = ref - logp: exp(d) - d - 1 >= 0.
+    # With d = ref - logp: exp(d) - d - 1 >= 0, clamped to K3_BOUND.
     d = jnp.clip(-log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return jnp.exp(d) - d - 1.0
+    return jnp.minimum(jnp.exp(d) - d - 1.0, K3_BOUND)
 
 
 def kl_penalty(logprobs: Array, ref_logprobs: Array, estimator: str = "k3") -> Array:
     """Per-token estimate [B, T] of KL(pi_theta || pi_ref) from tokens sampled by pi_theta.
 
     k1 = logp - ref;  k2 = 0.5 (logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
-    (k3's exponent is clamped to +-20). Use it as a loss term (`kl_coef` in PolicyLossConfig)
+    (k3's exponent is clamped to +-20 and its value to at most K3_BOUND = 10, as verl's
+    low_var_kl). Use it as a loss term (`kl_coef` in PolicyLossConfig)
     or fold `-beta * kl_penalty(...)` into per-token rewards; the caller masks it.
     """
     log_ratio = jnp.asarray(logprobs, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32)
@@ -227,6 +240,7 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     bapo: BapoConfig = dataclasses.field(default_factory=BapoConfig)
+    ratio_against: str = "proximal"  # the ratio's denominator: "proximal" | "behaviour"
 
     def __post_init__(self):
         for name, value in POLICY_LOSSES.get(self.kind).defaults(self).items():
@@ -250,6 +264,24 @@ class PolicyLossConfig:
         if self.behaviour_is_cap < 1.0:
             raise ValueError(
                 f"behaviour_is_cap={self.behaviour_is_cap} must be >= 1 (e.g. 2.0)")
+        if self.ratio_against not in RATIO_DENOMINATORS:
+            raise ValueError(f"ratio_against={self.ratio_against!r}; choose one of "
+                             f"{RATIO_DENOMINATORS}")
+        if self.ratio_against == "behaviour" and self.behaviour_is != "none":
+            raise ValueError(
+                f"ratio_against='behaviour' already divides by the behaviour policy; "
+                f"behaviour_is={self.behaviour_is!r} (a proximal / behaviour weight) would "
+                "correct twice: set behaviour_is='none' or ratio_against='proximal'")
+
+
+def ratio_denominator(batch, config: PolicyLossConfig) -> Array:
+    """The log-probs the ratio divides by: `old_logprobs` (proximal) or `behaviour_logprobs`."""
+    if config.ratio_against == "proximal":
+        return batch["old_logprobs"]
+    if batch.get("behaviour_logprobs") is None:
+        raise ValueError("ratio_against='behaviour' needs behaviour_logprobs (the sampling "
+                         "engine's per-token log-probs of the full distribution)")
+    return jnp.asarray(batch["behaviour_logprobs"], jnp.float32)
 
 
 def _ppo_ratio(logprobs, old_logprobs, advantages, mask, config, stats):
@@ -267,7 +299,7 @@ def _gspo_ratio(logprobs, old_logprobs, advantages, mask, config, stats):
 def _bapo_statistics(logprobs, batch, config):
     """BAPO's clip bounds, adapted on the whole batch (the paper's sums are global)."""
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
-    ratio = token_ratio(sg(logprobs), batch["old_logprobs"], mask)
+    ratio = token_ratio(sg(logprobs), ratio_denominator(batch, config), mask)
     c_low, c_high, info = adapt_clip_bounds(ratio, batch["advantages"], mask, config.bapo,
                                             rollout_logprobs=batch.get("behaviour_logprobs"))
     # Per-batch numbers: across minibatches the trainer averages them unweighted.
@@ -346,7 +378,10 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     bapo_low_moves for kind="bapo" (unless batch_stats are given).
     """
     logprobs = jnp.asarray(logprobs, jnp.float32)
-    old_logprobs = jnp.asarray(old_logprobs, jnp.float32)
+    proximal = jnp.asarray(old_logprobs, jnp.float32)
+    # From here on `old_logprobs` is the ratio's denominator (proximal or behaviour).
+    old_logprobs = ratio_denominator(
+        {"old_logprobs": proximal, "behaviour_logprobs": behaviour_logprobs}, config)
     m = _float_mask(mask, logprobs)
     adv = _inside(_per_token(advantages, logprobs), m)
     agg = lambda x: aggregate(x, m, config.aggregation, config.fixed_normalizer)  # noqa: E731
@@ -357,7 +392,7 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     metrics: dict[str, Metric] = {}
     if kind.batch_statistics is not None and batch_stats is None:
         # No larger batch around this call: the statistic is taken over what it sees.
-        part = {"old_logprobs": old_logprobs, "advantages": adv, "loss_mask": m}
+        part = {"old_logprobs": proximal, "advantages": adv, "loss_mask": m}
         if behaviour_logprobs is not None:
             part["behaviour_logprobs"] = behaviour_logprobs
         batch_stats, metrics = kind.batch_statistics(sg(logprobs), part, config)
@@ -365,9 +400,9 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     metrics.update(extra)
     per_token_loss = clipped_surrogate(ratio, adv, lower, upper, config.dual_clip)
 
-    if behaviour_logprobs is not None:
+    if behaviour_logprobs is not None and config.ratio_against == "proximal":
         weight, is_metrics = _behaviour_weights(
-            old_logprobs, jnp.asarray(behaviour_logprobs, jnp.float32), m, config, n_tokens)
+            proximal, jnp.asarray(behaviour_logprobs, jnp.float32), m, config, n_tokens)
         metrics.update(is_metrics)
         if weight is not None:
             per_token_loss = per_token_loss * weight

@@ -5,8 +5,9 @@ Shape letters: B rows, T length bucket, E epochs, N minibatches.
 `Learner` holds what the update changes (the policy's TrainState, the critic's for PPO), the
 frozen reference policy when a KL term needs it, and one compiled function per phase:
 
-  score(batch)       old log-probs (the policy before this step's update: on-policy data),
-                     reference log-probs, critic values; forward passes only.
+  score(batch)       proximal log-probs (`old_logprobs`: the policy at the start of this update;
+                     skipped with `recompute_proximal=False`, the behaviour log-probs then
+                     standing in), reference log-probs, critic values; forward passes only.
   advantages(batch)  the configured estimator over the whole (global) batch: group statistics
                      and whitening see every row of every host, because jnp reductions on a
                      sharded array are global under jit.
@@ -14,9 +15,10 @@ frozen reference policy when a KL term needs it, and one compiled function per p
                      call (`lax.scan` over minibatches), then the same for the value step.
                      States are donated; the batch is not.
 
-Every function is compiled once per length bucket (jit's shape cache). Minibatch n takes rows
-n, n+N, n+2N... (strided, like micro-batches), so a batch sharded on its rows splits without
-moving data between devices.
+Every function is compiled once per length bucket (jit's shape cache). Each epoch draws a
+fresh permutation of the rows (seeded by `shuffle_seed` and the RL step), then minibatch n
+takes rows n, n+N, n+2N... of the permuted batch (strided, like micro-batches). Without
+shuffling (`shuffle=False`, or one minibatch and one epoch) no row moves between devices.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class UpdateConfig:
     value_clip: Optional[float] = 0.2
     use_reference: bool = False  # score reference log-probs (KL loss or KL-shaped rewards)
     reward_kl_coef: float = 0.0  # REINFORCE++: KL to the reference folded into the reward
+    recompute_proximal: bool = True  # False: behaviour log-probs stand in for the proximal
+    shuffle: bool = True  # a fresh row permutation every epoch (when E x N > 1)
+    shuffle_seed: int = 0
 
     def __post_init__(self):
         if self.epochs < 1 or self.minibatches < 1:
@@ -107,7 +112,13 @@ class Learner:
         """Adds old_logprobs (and ref_logprobs, values) to a global batch."""
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         out = dict(batch)
-        out["old_logprobs"], _ = self._logprobs(self.policy.params, inputs)
+        if self.cfg.recompute_proximal:
+            out["old_logprobs"], _ = self._logprobs(self.policy.params, inputs)
+        elif "behaviour_logprobs" in batch:
+            out["old_logprobs"] = batch["behaviour_logprobs"]
+        else:
+            raise ValueError("recompute_proximal=False needs the engine's behaviour log-probs "
+                             "(full-distribution) in the batch")
         if self._ref_logprobs is not None:
             out["ref_logprobs"], _ = self._ref_logprobs(self.reference_params, inputs)
         if self._values is not None:
@@ -119,17 +130,20 @@ class Learner:
         advantages, returns = self._advantages(batch)
         return dict(batch, advantages=advantages, returns=returns)
 
-    def update(self, batch: dict) -> dict[str, float]:
-        """E epochs x N minibatches of the policy step (then the value step); host metrics."""
+    def update(self, batch: dict, step: int = 0) -> dict[str, float]:
+        """E epochs x N minibatches of the policy step (then the value step); host metrics.
+        `step` (the RL step) seeds the minibatch permutations."""
         keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs",
                 "advantages"]
         keys += [k for k in ("behaviour_logprobs", "ref_logprobs") if k in batch]
-        self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys})
+        key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)
+        self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys},
+                                                   key)
         metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()}
         if self._value_update is not None:
             value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
                                                  "loss_mask", "values", "returns")}
-            self.critic, stacked = self._value_update(self.critic, value_batch)
+            self.critic, stacked = self._value_update(self.critic, value_batch, key)
             metrics.update({f"critic/{k}": v
                             for k, v in reduce_metrics(jax.device_get(stacked)).items()})
         return metrics
@@ -148,18 +162,22 @@ class Learner:
 
     def _compile_update(self, step_fn, state: TrainState):
         epochs, n = self.cfg.epochs, self.cfg.minibatches
+        shuffle = self.cfg.shuffle and epochs * n > 1
 
-        def update(state, batch):
-            minibatches = _split_minibatches(batch, n)
+        def update(state, batch, key):
+            def one_epoch(state, epoch_key):
+                rows = batch
+                if shuffle:  # PPO's per-epoch reshuffle: other rows share a minibatch each time
+                    perm = jax.random.permutation(epoch_key, batch["tokens"].shape[0])
+                    rows = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), batch)
+                return jax.lax.scan(step_fn, state, _split_minibatches(rows, n))
 
-            def one_epoch(state, _):
-                return jax.lax.scan(step_fn, state, minibatches)
-
-            state, metrics = jax.lax.scan(one_epoch, state, None, length=epochs)
+            state, metrics = jax.lax.scan(one_epoch, state, jax.random.split(key, epochs))
             return state, jax.tree.map(lambda m: m.reshape(-1), metrics)  # [E*N]
 
         state_shardings = shardings_of(state)
-        return jax.jit(update, in_shardings=(state_shardings, self._batch_sharding),
+        return jax.jit(update,
+                       in_shardings=(state_shardings, self._batch_sharding, self._replicated),
                        out_shardings=(state_shardings, self._replicated), donate_argnums=0)
 
 

@@ -11,8 +11,10 @@ What the trainer needs from a rollout, and how each array is made:
 - `group_ids` [B]: samples of one task share an id. The id is the task's GLOBAL stream index
   (unique across hosts and steps), so a replay buffer or several hosts never merge two tasks.
   Rows that must not enter a group's statistics get id -1: trajectories that ended with
-  `env_error` or `abort` (their reward says nothing about the policy) and padding rows. Those
-  rows also lose their loss mask: they carry no gradient.
+  `env_error` or `abort` (their reward says nothing about the policy), rows flagged
+  `info["no_loss"]` (DAPO's filler groups) and padding rows. Those rows also lose their loss
+  mask: they carry no gradient and do not count in a token mean.
+- `token_versions` [B, T]: the weight version that sampled each id (-1 elsewhere).
 - Padding rows: B is rounded up to a multiple of `row_multiple` (data-parallel size x
   minibatches x micro-batches) with rows whose mask is all zero.
 - `positions`, `segment_ids`: 0..T-1 and 1 on real tokens (0 on padding).
@@ -24,11 +26,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rl_tpu.agent import Trajectory
+from rl_tpu.trajectory import Trajectory
 from rl_tpu.train.batching import bucket_length
 
 # Episodes whose reward is not evidence about the policy: kept out of group statistics and loss.
 UNSCORED_FINISHES = ("env_error", "abort")
+NO_LOSS = "no_loss"  # a Trajectory.info flag: the row keeps the batch's shape, not its loss
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -43,7 +46,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     group_ids: one per trajectory (default: each trajectory's own `group_id`). length: the T to
     pad to (default: the bucket of the longest row); multi-host callers pass the bucket all
     hosts agreed on. Returns tokens, positions, segment_ids, loss_mask, behaviour_logprobs,
-    turn_ids, token_rewards [B, T] and rewards, group_ids, valid [B].
+    turn_ids, token_versions, token_rewards [B, T] and rewards, group_ids, valid [B].
     """
     if not trajectories:
         raise ValueError("no trajectories to batch: the rollout produced nothing")
@@ -61,6 +64,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     loss_mask = np.zeros((b, t_len), bool)
     behaviour = np.zeros((b, t_len), np.float32)
     turn_ids = np.full((b, t_len), -1, np.int32)
+    versions = np.full((b, t_len), -1, np.int32)
     token_rewards = np.zeros((b, t_len), np.float32)
     segment_ids = np.zeros((b, t_len), np.int32)
     rewards = np.zeros((b,), np.float32)
@@ -73,8 +77,9 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
         segment_ids[i, :length_i] = 1
         turn_ids[i, :length_i] = traj.turn_ids
         behaviour[i, :length_i] = traj.behaviour_logprobs
+        versions[i, :length_i] = traj.token_versions
         rewards[i] = traj.reward
-        if traj.finish in UNSCORED_FINISHES:
+        if traj.finish in UNSCORED_FINISHES or traj.info.get(NO_LOSS):
             continue  # no loss, no group membership: the row stays like padding
         valid[i] = True
         out_ids[i] = gid
@@ -84,7 +89,7 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     positions = np.broadcast_to(np.arange(t_len, dtype=np.int32), (b, t_len)).copy()
     return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
             "loss_mask": loss_mask, "behaviour_logprobs": behaviour, "turn_ids": turn_ids,
-            "token_rewards": token_rewards, "rewards": rewards, "group_ids": out_ids,
+            "token_versions": versions, "token_rewards": token_rewards, "rewards": rewards, "group_ids": out_ids,
             "valid": valid}
 
 

@@ -25,7 +25,11 @@ class OptimConfig:
     lr: float = 1e-6
     schedule: str = "constant"  # after warm-up: constant | cosine | linear decay
     warmup_steps: int = 0
-    total_steps: int = 1000  # where cosine/linear decay ends
+    total_steps: int = 1000  # where cosine/linear decay ends (in schedule steps, see below)
+    # Optimizer updates per schedule step. An RL step makes epochs x minibatches updates, but
+    # its schedule (warm-up, decay, total) is configured in RL steps: the schedule sees
+    # update_count // updates_per_step, so every update of one RL step shares one lr.
+    updates_per_step: int = 1
     end_lr_ratio: float = 0.1  # final lr = lr * end_lr_ratio
     weight_decay: float = 0.0
     b1: float = 0.9
@@ -40,10 +44,21 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or self.total_steps < 1:
             raise ValueError("optim.warmup_steps must be >= 0 and optim.total_steps >= 1")
+        if self.updates_per_step < 1:
+            raise ValueError(f"updates_per_step={self.updates_per_step} must be >= 1")
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Linear warm-up from 0, then constant, cosine or linear decay to lr * end_lr_ratio."""
+    """Linear warm-up from 0, then constant, cosine or linear decay to lr * end_lr_ratio, as a
+    function of the optimizer's update count (schedule step = count // updates_per_step)."""
+    per_step = step_schedule(cfg)
+    if cfg.updates_per_step == 1:
+        return per_step
+    return lambda count: per_step(count // cfg.updates_per_step)
+
+
+def step_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """The schedule over schedule steps (RL steps): what `learning_rate_schedule` stretches."""
     decay_steps = max(cfg.total_steps - cfg.warmup_steps, 1)
     end = cfg.lr * cfg.end_lr_ratio
     if cfg.schedule == "constant":

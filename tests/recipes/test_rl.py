@@ -3,6 +3,7 @@
 import importlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -103,45 +104,96 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         assert from_ckpt["tokens"] == from_hf["tokens"] == result["eval/tokens"]
 
 
-def _train(workdir, *extra, timeout=600):
-    return launch("launch.train", "--config", "configs/quickstart.py:smoke", "--workdir",
-                  str(workdir), "--config.train.steps=4", "--config.checkpoint.every=1",
-                  "--config.checkpoint.async_save=false", *extra, timeout=timeout)
+# Enough steps that a kill within two step-times of the second checkpoint lands long before
+# the last one, on a slow machine or a fast one (a step of the smoke config is ~0.3 s on CPU).
+KILL_STEPS = 12
+
+
+def _train_command(workdir, async_save):
+    return [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
+            "--workdir", str(workdir), f"--config.train.steps={KILL_STEPS}",
+            "--config.checkpoint.every=1",
+            f"--config.checkpoint.async_save={'true' if async_save else 'false'}"]
+
+
+def _cpu_env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    result = subprocess.run(_train_command(workdir, async_save=True), cwd=REPO, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def _latest_checkpoint(directory) -> int:
+    """The latest complete checkpoint step (orbax renames a step's folder to its number only
+    once it is complete), 0 if none."""
+    if not directory.exists():
+        return 0
+    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=0)
+
+
+def _wait_for_checkpoint(proc, directory, step, log_path, deadline):
+    while _latest_checkpoint(directory) < step:
+        assert proc.poll() is None, (f"training exited ({proc.returncode}) before checkpoint "
+                                     f"{step}:\n{log_path.read_text()[-3000:]}")
+        assert time.time() < deadline, f"no checkpoint {step} after 300 s"
+        time.sleep(0.02)
 
 
 @pytest.mark.slow
-def test_kill_9_and_rerun_resumes_exactly(tmp_path):
-    straight = tmp_path / "straight"
-    result = _train(straight)
-    assert result.returncode == 0, result.stderr[-3000:]
-
+@pytest.mark.parametrize("async_save", [True, False], ids=["async_save", "sync_save"])
+def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_save):
     resumed = tmp_path / "resumed"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
-         "--workdir", str(resumed), "--config.train.steps=4", "--config.checkpoint.every=1",
-         "--config.checkpoint.async_save=false"], cwd=REPO, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Kill at a random moment after the first RL checkpoint exists (mid-step, mid-eval or
-    # mid-save: all must be survivable).
-    deadline = time.time() + 300
-    while not (resumed / "checkpoints").exists() or not any(
-            p.name.isdigit() for p in (resumed / "checkpoints").iterdir()):
-        assert proc.poll() is None, "training ended before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 3.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    result = _train(resumed)
-    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = resumed / "checkpoints"
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(_train_command(resumed, async_save), cwd=REPO, env=_cpu_env(),
+                                stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        # Kill at a random moment of a step after the second checkpoint (mid-rollout,
+        # mid-update, mid-eval or mid-save: all must be survivable), timed by the step rate.
+        deadline = time.time() + 300
+        _wait_for_checkpoint(proc, checkpoints, 1, log_path, deadline)
+        first = time.time()
+        _wait_for_checkpoint(proc, checkpoints, 2, log_path, deadline)
+        delay = random.Random(os.getpid()).uniform(0.0, 2 * (time.time() - first))
+        time.sleep(delay)
+        assert proc.poll() is None, (f"training ended {delay:.2f}s after checkpoint 2, before "
+                                     f"the kill; raise KILL_STEPS")
+        complete = _latest_checkpoint(checkpoints)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, log_path.read_text()[-3000:]
 
-    a = [_finite(r) for r in read_metrics(str(straight))]
+    result = subprocess.run(_train_command(resumed, async_save), cwd=REPO, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed_from = [int(k) for k in re.findall(r"resumed from step (\d+)",
+                                               result.stderr + result.stdout)]
+    assert len(resumed_from) == 1, result.stderr[-3000:]
+    # at or after the last checkpoint seen complete before the kill, and before the end
+    assert complete <= resumed_from[0] < KILL_STEPS, (complete, resumed_from, delay)
+
+    a = [_finite(r) for r in read_metrics(str(uninterrupted_run))]
     b = [_finite(r) for r in read_metrics(str(resumed))]
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra == rb, f"step {ra['step']} differs after resume"
+    straight, after_kill = _final_params(uninterrupted_run), _final_params(resumed)
+    assert straight.keys() == after_kill.keys()
+    for key in straight:
+        np.testing.assert_array_equal(after_kill[key], straight[key], err_msg=key)
 
 
 def _final_params(workdir):

@@ -1,0 +1,144 @@
+"""What one episode leaves behind, host side: `Trajectory`, and `EpisodeStats` over many.
+
+This module is the boundary between the agent loop (rl_tpu/agent.py, which makes
+trajectories) and everything that consumes them (rl_tpu/train/, the replay buffer, the
+recipes): it imports nothing of either, so `train/` never depends on the agent loop.
+
+Versions. `weight_versions` holds the engine's version per turn (the last one that sampled in
+that turn); `token_versions` holds it per token, -1 where the policy did not sample. A turn
+whose generation spanned a weight update (the sampler swaps weights between decode chunks, a
+partial rollout is resumed under newer weights) has tokens of several versions, and each
+token's `behaviour_logprobs` entry is the log-prob under the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+NO_VERSION = -1  # token_versions on ids the policy did not sample (prompt, observations)
+
+
+def version_number(version: Any) -> int:
+    """A weight version as an int (rl_tpu's versions are train steps); -1 when it is not one."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return NO_VERSION
+
+
+def token_versions(n_tokens: int, version: Any, spans: Optional[Sequence[dict]] = None
+                   ) -> list[int]:
+    """Per-token versions of one generation of `n_tokens` ids: from the engine's spans
+    ([{"version", "start", "end"}], output indices, as the sampler and SGLang report in
+    `info["weight_versions"]`) when given, else `version` for every id."""
+    out = [version_number(version)] * n_tokens
+    for span in spans or ():
+        if not isinstance(span, dict):
+            continue
+        start, end = int(span.get("start", 0)), min(int(span.get("end", n_tokens)), n_tokens)
+        out[start:end] = [version_number(span.get("version"))] * max(end - start, 0)
+    return out
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode, host side (see docs/architecture.md, "Trajectory").
+
+    Turn ids: -1 on the initial prompt; k (0-based) on the k-th action's generated ids AND on
+    the text appended after them (the template's closing text, the env's observation, the next
+    generation prompt). So segment k is "action k and what it caused", and `rewards[k]` is the
+    env's reward for it. The loss mask, not the turn id, says which ids the policy produced.
+    """
+
+    tokens: np.ndarray  # int32[T]: prompt + all turns
+    loss_mask: np.ndarray  # bool[T]: exactly the ids the engine sampled
+    behaviour_logprobs: np.ndarray  # float32[T]: the engine's logprob of each sampled id, else 0
+    turn_ids: np.ndarray  # int32[T]: -1 prompt, k for turn k (see above)
+    rewards: list[float]  # per turn, len == num_turns (0.0 for a turn the env never scored)
+    reward: float  # reward_reduce(rewards), "sum" by default
+    success: bool
+    num_turns: int  # actions generated
+    weight_versions: list  # engine weight version per turn (the last that sampled in it)
+    task_id: str
+    group_id: int  # samples of the same task share it
+    finish: str  # one of FINISH_REASONS
+    messages: list[dict]  # chat transcript for logging (ends with the final observation, if any)
+    info: dict  # sample_index, env_steps, env_step_s, step_infos, error, final_observation...
+    # What behaviour_logprobs are the log of (rollout/engine.py LOGPROB_CONVENTIONS):
+    # "truncated" when any turn's engine reported renormalised top-p/top-k log-probs.
+    logprob_convention: str = "full"
+    # int32[T]: the weight version that sampled each id (NO_VERSION where the policy did not);
+    # None from code that predates it: every generated id then has its turn's version.
+    token_versions: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        if self.token_versions is None:
+            per_turn = [version_number(v) for v in self.weight_versions]
+            turns = np.asarray(self.turn_ids)
+            versions = np.full(len(self.tokens), NO_VERSION, np.int32)
+            for k, v in enumerate(per_turn):
+                versions[np.asarray(self.loss_mask, bool) & (turns == k)] = v
+            self.token_versions = versions
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version any of its sampled ids came from (NO_VERSION: none)."""
+        sampled = self.token_versions[np.asarray(self.loss_mask, bool)]
+        sampled = sampled[sampled != NO_VERSION]
+        return int(sampled.min()) if sampled.size else NO_VERSION
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """Summary of a batch of trajectories, for logs and benchmarks."""
+
+    num_episodes: int
+    mean_reward: float
+    success_rate: float
+    mean_turns: float
+    tokens_generated: int
+    mean_length: float  # tokens per trajectory, prompt included
+    env_steps: int
+    env_step_s: float  # mean seconds one env step took
+    wall_s: Optional[float] = None
+    env_steps_per_s: Optional[float] = None  # env_steps / wall_s: the loop's throughput
+    finish_counts: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, trajectories: Sequence[Trajectory],
+           wall_s: Optional[float] = None) -> "EpisodeStats":
+        n = len(trajectories)
+        mean = (lambda xs: float(np.mean(xs)) if n else 0.0)
+        steps = sum(t.info.get("env_steps", 0) for t in trajectories)
+        step_s = sum(t.info.get("env_step_s", 0.0) for t in trajectories)
+        return cls(
+            num_episodes=n,
+            mean_reward=mean([t.reward for t in trajectories]),
+            success_rate=mean([float(t.success) for t in trajectories]),
+            mean_turns=mean([t.num_turns for t in trajectories]),
+            tokens_generated=int(sum(t.num_generated for t in trajectories)),
+            mean_length=mean([len(t) for t in trajectories]),
+            env_steps=int(steps),
+            env_step_s=step_s / steps if steps else 0.0,
+            wall_s=wall_s,
+            env_steps_per_s=steps / wall_s if wall_s else None,
+            finish_counts=dict(Counter(t.finish for t in trajectories)))
+
+    def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
+        """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates)."""
+        out = {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for reason, count in self.finish_counts.items():
+            out[f"{prefix}finish/{reason}"] = count / max(1, self.num_episodes)
+        return out
