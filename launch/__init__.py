@@ -87,10 +87,10 @@ def finish_config(flag_values: flags.FlagValues = flags.FLAGS, prepare=None):
             elif k.startswith("env.kwargs."):
                 kwargs[k[len("env.kwargs."):]] = v
         config_lib.set_env(config, config.env.name, **kwargs)
-        logging.warning("--config.env.name=%s: env.kwargs are %s's kwargs with their defaults "
-                        "(the config file's were %s's), then the command line's env.kwargs "
-                        "overrides: %s", config.env.name, config.env.name, old,
-                        dict(config.env.kwargs.items()))
+        logging.warning("--config.env.name=%s: env.kwargs are rebuilt from %s's kwargs and "
+                        "their defaults (the config file's were %s's), then the command line's "
+                        "env.kwargs overrides: %s", config.env.name, config.env.name, old,
+                        ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none")
     if prepare:
         prepare(config)
     config_lib.check(config)
@@ -119,11 +119,12 @@ def _message(e: BaseException) -> str:
         given = [a.split("=", 1)[0] for a in sys.argv if a.startswith("--config.")
                  and key in a.split("=", 1)[0].split(".")]
         where = given[0] if given else key
+        parts = [f"{where}: no such config key {key!r}.", hint]
         if where.startswith("--config.env.kwargs."):
-            hint = f"{hint} {_env_kwargs_of_config_file()}"
-        return f"{where}: no such config key {key!r}. {hint}".strip()
+            parts.append(_env_kwargs_of_config_file())
+        return " ".join(p for p in parts if p)
     config_file = _config_arg().split(":", 1)[0]
-    if isinstance(e, OSError) and not os.path.isfile(config_file):
+    if isinstance(e, OSError) and config_file and not os.path.isfile(config_file):
         return f"--config={config_file}: no such config file"
     text = str(e)
     # A config file's own exception reaches us inside absl's flag error, its traceback as text:

@@ -20,8 +20,8 @@ restored (or at or above the one being saved) belong to an abandoned timeline an
 A pytree that never changes during a run (the frozen reference policy of a KL term) is saved
 once, as `<directory>/static/<name>/` (`save_static`, `restore_static`), with the same items
 and checksums as a step, rather than into every step. Orbax writes it under a temporary name
-too, so a kill mid-save leaves nothing readable; neither `keep` nor the superseded-timeline
-handling touches `static/`. A step saved after a static item always finds it complete: `save`
+too, so a kill mid-save leaves nothing readable (the next `save_static` of that name clears
+it); neither `keep` nor the superseded-timeline handling touches `static/`. A step saved after a static item always finds it complete: `save`
 first waits for any static save in flight.
 """
 
@@ -395,6 +395,7 @@ class Checkpointer:
         verify = self.checksums and (step_dir / "integrity").exists()
         if verify:
             items["integrity"] = ocp.args.JsonRestore()
+
         def read():
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             if verify:

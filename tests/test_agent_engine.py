@@ -41,3 +41,51 @@ def test_sampled_trajectories_match_the_trainer(tmp_path):
         np.testing.assert_allclose(np.asarray(traj.behaviour_logprobs)[mask],
                                    np.asarray(lp)[0][mask], atol=1e-4)
         assert np.all(np.asarray(traj.behaviour_logprobs)[~mask] == 0)
+
+
+class VersionPerTurn:
+    """The real sampler, given version k+1's weights after its k-th generate call: each turn
+    of an episode is sampled by the next weight version."""
+
+    def __init__(self, sampler, versions):
+        self.sampler, self.versions, self.calls = sampler, versions, 0
+
+    def generate(self, requests):
+        results = self.sampler.generate(requests)
+        self.calls += 1
+        if self.calls < len(self.versions):
+            self.sampler.update_weights(self.versions[self.calls], str(self.calls))
+        return results
+
+
+def test_trajectory_across_three_weight_versions(tmp_path):
+    import jax
+
+    path = str(tmp_path / "model")
+    tiny.write_tiny_model(path, "qwen2", vocab_size=512)
+    cfg, params = hf.load(path)
+    tokenizer = load_tokenizer(path)
+    # three policies that differ: version v scales every weight by 1 + 0.3 v
+    versions = [jax.tree.map(lambda x, v=v: x * (1 + 0.3 * v), params) for v in range(3)]
+    engine = VersionPerTurn(JaxSampler(cfg, versions[0], tokenizer=tokenizer, version="0"),
+                            versions)
+    env = base.make("babyai")
+    task = env.tasks().get("eval", 0)
+    env.close()
+    [traj] = run_episodes(engine, lambda: base.make("babyai"), [task], tokenizer=tokenizer,
+                          max_turns=3, max_new_tokens_per_turn=8, max_context_tokens=2048,
+                          sampling=SamplingParams(temperature=1.0, seed=0))
+    assert traj.num_turns == 3, traj.finish
+    assert traj.weight_versions == ["0", "1", "2"]
+    mask, turns = np.asarray(traj.loss_mask), np.asarray(traj.turn_ids)
+    model = Transformer(cfg)
+    for v in range(3):
+        mine = mask & (turns == v)
+        assert mine.sum() > 0
+        # every token of turn v carries version v, and its behaviour log-prob is version v's
+        assert np.all(traj.token_versions[mine] == v)
+        lp, _ = token_logprobs(model, versions[v], {"tokens": np.asarray(traj.tokens)[None]})
+        np.testing.assert_allclose(traj.behaviour_logprobs[mine], np.asarray(lp)[0][mine],
+                                   atol=1e-4)
+    assert np.all(traj.token_versions[~mask] == -1)
+    assert traj.oldest_version == 0

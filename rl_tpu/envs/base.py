@@ -138,9 +138,12 @@ def factory(name: str) -> Callable[..., Env]:
 
 
 def kwargs_of(name: str) -> Optional[dict[str, inspect.Parameter]]:
-    """The keyword arguments env `name` takes (annotations resolved), or None for a factory
-    that takes any (`**kwargs`)."""
-    params = inspect.signature(factory(name), eval_str=True).parameters.values()
+    """The keyword arguments env `name` takes (annotations resolved where they can be), or
+    None for a factory that takes any (`**kwargs`)."""
+    try:
+        params = inspect.signature(factory(name), eval_str=True).parameters.values()
+    except NameError:  # an annotation naming what only a type checker imports: keep it a string
+        params = inspect.signature(factory(name)).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -156,8 +159,8 @@ def check_kwargs(name: str, kwargs: dict) -> None:
     missing = [k for k, p in known.items() if p.default is p.empty and kwargs.get(k) is None]
     if unknown or missing:
         problem = (f"takes no keyword argument {', '.join(unknown)}" if unknown
-                   else f"needs {', '.join(missing)}")
-        raise ValueError(f"env {name!r} {problem}; its kwargs: {', '.join(known) or '(none)'}")
+                   else f"needs the keyword argument {', '.join(missing)}")
+        raise ValueError(f"env {name!r} {problem} (its kwargs: {', '.join(known) or 'none'})")
 
 
 def make(name: str, **kwargs: Any) -> Env:

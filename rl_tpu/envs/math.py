@@ -129,7 +129,8 @@ class MathEnv(Env):
     name = "math"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, path, eval_path=None, question_field: Optional[str] = None,
+    def __init__(self, path: str, eval_path: Optional[str] = None,
+                 question_field: Optional[str] = None,
                  answer_field: Optional[str] = None, eval_fraction: float = 0.1,
                  isolate: bool = True, timeout_s: int = 5, max_answer_chars: int = 2000):
         if not 0.0 <= eval_fraction <= 1.0:

@@ -120,7 +120,7 @@ class SciWorldEnv(Env):
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, task_names: Optional[Sequence[str]] = None, simplifications: str = "",
-                 max_steps: Optional[int] = 100, cache_dir=None):
+                 max_steps: Optional[int] = 100, cache_dir: Optional[str] = None):
         _import_scienceworld()
         _require_java()  # fail at construction, not at the first reset of a long run
         self._task_filter = list(task_names) if task_names else None

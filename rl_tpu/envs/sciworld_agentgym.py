@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Optional
 
 from rl_tpu.envs import sciworld as _sciworld
 from rl_tpu.envs.agentgym_parse import parse_sciworld_action
@@ -166,7 +167,7 @@ class SciWorldAgentGymEnv(Env):
     name = "sciworld_agentgym"
     system_prompt = ""  # AgentGym's instruction is the first user turn: conversation_start()
 
-    def __init__(self, cache_dir=None):
+    def __init__(self, cache_dir: Optional[str] = None):
         _sciworld._import_scienceworld()
         _sciworld._require_java()  # fail at construction, not at the first reset of a long run
         self.cache_dir = Path(cache_dir or _sciworld.default_cache_dir())

@@ -177,7 +177,8 @@ class SearchEnv(Env):
     name = "search"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, corpus_path=None, questions_path=None, top_k: int = 3,
+    def __init__(self, corpus_path: Optional[str] = None,
+                 questions_path: Optional[str] = None, top_k: int = 3,
                  reward: str = "em", max_steps: Optional[int] = None,
                  max_query_chars: int = 300, max_passage_chars: int = 600):
         if reward not in ("em", "f1"):

@@ -121,7 +121,8 @@ class SearchQAAgentGymEnv(Env):
     name = "searchqa_agentgym"
     system_prompt = ""  # AgentGym's instruction is the first user turn: conversation_start()
 
-    def __init__(self, corpus_path=None, questions_path=None):
+    def __init__(self, corpus_path: Optional[str] = None,
+                 questions_path: Optional[str] = None):
         # rl_tpu's search env reads and checks the corpus and questions and builds the index.
         local = _search.SearchEnv(corpus_path=corpus_path, questions_path=questions_path)
         self.index, self.questions = local.index, local.questions

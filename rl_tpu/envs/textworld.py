@@ -115,7 +115,7 @@ class TextWorldEnv(Env):
 
     def __init__(self, nb_rooms: int = 5, nb_objects: int = 10, quest_length: int = 5,
                  eval_size: int = 100, max_steps: Optional[int] = 100,
-                 cache_dir=None, show_admissible: bool = False):
+                 cache_dir: Optional[str] = None, show_admissible: bool = False):
         textworld = _import_textworld()
         if nb_rooms < 1 or nb_objects < 0 or quest_length < 1:
             raise ValueError("need nb_rooms >= 1, nb_objects >= 0 and quest_length >= 1")

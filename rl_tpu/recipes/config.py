@@ -65,6 +65,10 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     # asynchronous producer whose data is at most k versions old (rl_tpu/recipes/producer.py).
     c.rollout.max_staleness = 0
     c.rollout.deterministic = False  # async in lock-step, exactly k versions behind (exact resume)
+    # Partial rollouts (async): generated tokens a chunk may spend (this host's; 0 = no limit).
+    # Generations still running when it is spent are cut, kept, and resumed under newer weights.
+    c.rollout.partial_token_budget = 0
+    c.rollout.mask_stale_tokens = False  # no loss on tokens more than max_staleness old
 
     c.env = ml_collections.ConfigDict()
     c.env.name = "largest"
@@ -207,7 +211,7 @@ def env_kwargs(name: str) -> ml_collections.ConfigDict:
 def _field_type(annotation, default) -> type | None:
     """The config type of a kwarg: bool/int/float/str as annotated, tuple for a sequence,
     object (any literal) for a dict or an unannotated kwarg without a typed default."""
-    if annotation is inspect.Parameter.empty:
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):  # str: unresolved
         return type(default) if isinstance(default, (bool, int, float, str, tuple)) else object
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Union and len(args) == 1:  # Optional[X]
@@ -228,8 +232,8 @@ def set_env(c: ml_collections.ConfigDict, name: str, **kwargs: Any) -> ml_collec
     block = env_kwargs(name)
     unknown = sorted(set(kwargs) - set(block))
     if unknown:
-        raise ValueError(f"env {name!r} takes no keyword argument {', '.join(unknown)}; its "
-                         f"kwargs: {', '.join(block) or '(none)'}")
+        raise ValueError(f"env {name!r} takes no keyword argument {', '.join(unknown)} (its "
+                         f"kwargs: {', '.join(block) or 'none'})")
     for key, value in kwargs.items():
         block[key] = value
     c.env.name = name
@@ -292,12 +296,15 @@ def _check_algo_block(algo: ml_collections.ConfigDict) -> None:
 
 
 def _check_env(config: ml_collections.ConfigDict) -> None:
-    try:
-        envs.check_kwargs(config.env.name, config.env.kwargs.to_dict())
-    except ValueError as e:
-        raise ValueError(f"env.kwargs: {e} (a config that changes env.name should call "
-                         "rl_tpu.recipes.config.set_env, which gives env.kwargs that env's "
-                         "kwargs)") from None
+    name, kwargs = config.env.name, config.env.kwargs.to_dict()
+    known = envs.kwargs_of(name)
+    unknown = sorted(set(kwargs) - set(known)) if known is not None else []
+    if unknown:  # most often env.name set alone, the kwargs still another env's
+        raise ValueError(f"env.kwargs {', '.join(unknown)}: env {name!r} takes no such keyword "
+                         f"argument (its kwargs: {', '.join(known) or 'none'}); a config that "
+                         "changes env.name should call rl_tpu.recipes.config.set_env, which "
+                         "gives env.kwargs that env's kwargs")
+    envs.check_kwargs(name, kwargs)  # and those it needs
 
 
 def check(config: ml_collections.ConfigDict) -> None:

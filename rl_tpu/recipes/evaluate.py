@@ -39,11 +39,16 @@ def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     if algorithms.uses_critic(config.algo):
         target["critic"] = components.new_critic_state(config, target["policy"].params,
                                                        model_cfg, mesh)
-    if algorithms.uses_reference(config.algo):
-        target["reference"] = jax.tree.map(lambda x: x.copy(), target["policy"].params)
     step, restored, _ = ckpt.restore(target)
     ckpt.close()
     return step, restored["policy"].params
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    """Whether <workdir>/checkpoints holds a step (orbax names a step's directory by its
+    number); the Checkpointer opened later does the full check, but would create the directory."""
+    directory = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
@@ -51,6 +56,9 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     check(config)
     if not workdir and not model_path:
         raise ValueError("give a workdir (its latest checkpoint) or a model_path (HF dir)")
+    if not model_path and not _has_checkpoint(workdir):  # before anything is written there
+        raise FileNotFoundError(f"no checkpoint in {workdir}: pass --model_path (an HF "
+                                "directory) or the workdir of a training run")
     parallel.maybe_initialize_distributed()
     mesh = components.make_mesh(config)
     path = model_path or components.model_path(config, workdir)

@@ -371,3 +371,73 @@ def test_value_loss_clipping_and_metrics():
     close(g * 6, [[0.0, -0.4, 0.0, 0.0, 1.0, 1.0, 0.0]])
     # unclipped variant: 0.5 * (0.04 + 0.16 + 1 + 0.25 + 1 + 1) / 6 = 1.725 / 6
     close(jit_value_loss(v, old, ret, mask, clip=None)[0], 1.725 / 6)
+
+
+# ----------------------------------------------------------------------------- k3 bound
+
+
+def verl_low_var_kl(logprob, ref_logprob):
+    """verl core_algos.kl_penalty(..., "low_var_kl"), written out in numpy: kl = ref - logp
+    clamped to [-20, 20], k3 = exp(kl) - kl - 1 clamped to [-10, 10]."""
+    kl = np.clip(ref_logprob - logprob, -20, 20)
+    return np.clip(np.exp(kl) - kl - 1, -10, 10)
+
+
+def test_k3_is_bounded_like_verls_low_var_kl():
+    # logp -5 against the reference's -1: d = ref - logp = 4, e^4 - 4 - 1 = 49.598 unbounded
+    # (gradient d/dlogp = -(e^4 - 1) = -53.598); bounded: 10, gradient 0.
+    logp, ref = jnp.array([[-5.0, -1.0]]), jnp.array([[-1.0, -1.5]])
+    close(kl_penalty(logp, ref, "k3"), [[10.0, math.exp(-0.5) + 0.5 - 1]])
+    grad = jax.grad(lambda lp: kl_penalty(lp, ref, "k3").sum())(logp)
+    # token 1: d = -0.5, d/dlogp (e^d - d - 1) = -(e^d - 1) = 1 - e^-0.5 = 0.3934693
+    close(grad, [[0.0, 1 - math.exp(-0.5)]])
+    rng = np.random.default_rng(0)
+    logp = -rng.exponential(2.0, (8, 32)).astype(np.float32)
+    ref = -rng.exponential(2.0, (8, 32)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(kl_penalty(logp, ref, "k3")),
+                               verl_low_var_kl(logp, ref), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- three policies
+
+
+def test_ratio_against_behaviour_divides_by_the_engines_logprobs():
+    # current -1.0, proximal -1.0, behaviour -1.5, A = 1 on one token.
+    # proximal: r = 1 -> pg = -1; the IS weight proximal / behaviour = e^0.5 stays a metric
+    #   (behaviour_is="none").
+    # behaviour: r = e^0.5 = 1.6487 > 1.2 with A > 0 -> clipped: pg = -1.2, clip_frac_high 1.
+    lp, prox, beh = jnp.array([[-1.0]]), jnp.array([[-1.0]]), jnp.array([[-1.5]])
+    adv, mask = jnp.array([[1.0]]), jnp.array([[1.0]])
+    _, m = jit_policy_loss(lp, prox, adv, mask, PolicyLossConfig(), behaviour_logprobs=beh)
+    close(m["pg_loss"], -1.0)
+    close(m["is_weight_mean"], math.exp(0.5))
+    cfg = PolicyLossConfig(ratio_against="behaviour")
+    _, m = jit_policy_loss(lp, prox, adv, mask, cfg, behaviour_logprobs=beh)
+    close(m["pg_loss"], -1.2)
+    close(m["ratio_mean"], math.exp(0.5))
+    close(m["clip_frac_high"], 1.0)
+    assert "is_weight_mean" not in m
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        policy_loss(lp, prox, adv, mask, cfg)
+    with pytest.raises(ValueError, match="correct twice"):
+        PolicyLossConfig(ratio_against="behaviour", behaviour_is="truncate")
+    with pytest.raises(ValueError, match="ratio_against"):
+        PolicyLossConfig(ratio_against="old")
+
+
+def test_bapo_sees_the_staleness_only_against_behaviour():
+    # Stale data: behaviour 0.5 below current everywhere. Against the proximal (= current at
+    # the start of the update) every ratio is 1 and BAPO's bounds never move from a-, a+;
+    # against behaviour the ratios are e^0.5 and the positive/negative balance shifts.
+    rng = np.random.default_rng(1)
+    lp = jnp.asarray(-rng.exponential(1.0, (4, 8)), jnp.float32)
+    adv = jnp.asarray(rng.choice([-1.0, 1.0], (4, 1)) * np.ones((4, 8)), jnp.float32)
+    mask = jnp.ones((4, 8))
+    base = dict(kind="bapo")
+    _, m = jit_policy_loss(lp, lp, adv, mask, PolicyLossConfig(**base, ratio_against="proximal"),
+                           behaviour_logprobs=lp - 0.5)
+    close(m["ratio_mean"], 1.0)
+    _, m2 = jit_policy_loss(lp, lp, adv, mask,
+                            PolicyLossConfig(**base, ratio_against="behaviour"),
+                            behaviour_logprobs=lp - 0.5)
+    close(m2["ratio_mean"], math.exp(0.5))

@@ -1,0 +1,93 @@
+"""BAPO in its own setting, off-policy data, against the clip baselines, on a laptop CPU.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m launch.train \\
+        --config configs/bapo_offpolicy.py:bapo,s2 --workdir /tmp/bapo_s2 --config.seed=0
+
+The quickstart's task (name the largest of five numbers) and warm start (SFT on a teacher that
+is right 30% of the time), then GRPO advantages with one of three policy losses, every ratio
+taken against the behaviour policy (r = pi_theta / pi_rollout, as BAPO defines it), token-mean
+aggregation, 4 minibatches a step (each mini-update adapts BAPO's bounds on its own):
+  bapo         adaptive bounds (rho0 0.4, c_low in [0.6, 0.9], c_high in [1.2, 3.0])
+  clip         PPO clip [0.8, 1.2]
+  clip_higher  DAPO clip-higher [0.8, 1.28]
+and one of the off-policy settings:
+  s0           on-policy (the control)
+  s2, s4       an asynchronous producer in lock-step (`rollout.deterministic`): step s trains
+               on rollouts of version s - 1 - k, i.e. staleness exactly k = 2 or 4 (the
+               sampler and the learner each get one of the two CPU devices)
+  replay       on-policy rollouts plus as many replayed groups of up to 4 versions old
+  partial      a token budget per step: generations cut there are resumed under the next
+               weights, so trajectories span versions
+Variants are comma-separated: `bapo,s4`, `clip_higher,replay`; `smoke` shrinks any of them.
+The comparison, its figure and what it shows are in docs/off_policy.md.
+"""
+
+from rl_tpu.recipes.config import base_config
+
+LOSSES = ("bapo", "clip", "clip_higher")
+SETTINGS = ("s0", "s2", "s4", "replay", "partial")
+
+
+def get_config(arg: str = ""):
+    parts = [p for p in arg.split(",") if p]
+    unknown = [p for p in parts if p not in LOSSES + SETTINGS + ("smoke",)]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; combine one of {LOSSES}, one of "
+                         f"{SETTINGS} and optionally 'smoke', e.g. 'bapo,s2'")
+    loss = next((p for p in parts if p in LOSSES), "bapo")
+    setting = next((p for p in parts if p in SETTINGS), "s2")
+
+    c = base_config("bapo" if loss == "bapo" else "grpo")
+    c.algo.ratio_against = "behaviour"
+    c.algo.aggregation = "token_mean"
+    if loss == "clip_higher":
+        c.algo.clip_high = 0.28
+    c.model.tiny_hidden = 64
+    c.model.tiny_layers = 2
+    c.env.name = "largest"
+    c.env.max_turns = 1
+    c.env.max_new_tokens = 4
+    c.env.max_context_tokens = 64
+    c.train.length_buckets = (64,)
+    c.train.steps = 60
+    c.train.tasks_per_step = 32
+    c.train.samples_per_task = 8
+    c.train.minibatches = 4
+    c.optim.lr = 5e-4
+    c.sft.steps = 300
+    c.sft.batch_size = 64
+    c.sft.lr = 3e-3
+    c.sft.num_demos = 4000
+    c.sft.teacher_skill = 0.3
+    c.sft.max_length = 64
+    c.eval.every = 10
+    c.eval.num_tasks = 200
+    c.checkpoint.every = 20
+
+    if setting in ("s2", "s4"):
+        c.rollout.max_staleness = int(setting[1])
+        c.rollout.deterministic = True
+    elif setting == "replay":
+        c.train.replay.capacity = 4 * c.train.tasks_per_step
+        c.train.replay.fraction = 0.5
+        c.train.replay.max_staleness = 4
+    elif setting == "partial":
+        c.rollout.max_staleness = 2
+        c.rollout.partial_token_budget = c.train.tasks_per_step * c.train.samples_per_task * 2
+
+    if "smoke" in parts:
+        c.train.steps = 3
+        c.train.tasks_per_step = 4
+        c.train.samples_per_task = 2
+        c.train.minibatches = 2
+        c.train.replay.capacity = min(c.train.replay.capacity, 8)
+        if setting == "partial":
+            c.rollout.partial_token_budget = 8
+        c.sft.steps = 4
+        c.sft.num_demos = 64
+        c.sft.batch_size = 16
+        c.eval.num_tasks = 8
+        c.eval.every = 3
+        c.checkpoint.every = 1
+        c.log.plot = False
+    return c

@@ -1,0 +1,115 @@
+"""The base config and `check`: env kwargs as typed keys, algo blocks that follow their name,
+counts that make sense, every shipped config loads, and envs whose packages are missing."""
+
+import glob
+import importlib
+import os
+import sys
+
+import pytest
+
+from rl_tpu.envs import base as envs
+from rl_tpu.recipes import components
+from rl_tpu.recipes.config import base_config, check, set_algo, set_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# (config file, variant) of every shipped experiment; the smoke variants also build their env
+VARIANTS = {"agentgym": ["babyai", "babyai,smoke", "textcraft,smoke", "sciworld,smoke",
+                         "searchqa,smoke"],
+            "bapo_offpolicy": ["", "smoke"], "quickstart": ["", "smoke", "sft_only"]}
+
+
+def load(name, variant):
+    sys.path.insert(0, REPO)
+    try:
+        return importlib.import_module(f"configs.{name}").get_config(variant)
+    finally:
+        sys.path.remove(REPO)
+
+
+def shipped():
+    names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "configs/*.py")))
+    return [(n, v) for n in names for v in VARIANTS.get(n, ["", "smoke"])]
+
+
+@pytest.mark.parametrize("name,variant", shipped())
+def test_every_config_loads_and_its_smoke_env_builds(name, variant):
+    c = load(name, variant)
+    if name == "math_sglang":  # its env needs a JSONL of problems, its engine servers
+        c.rollout.urls = "http://127.0.0.1:1"
+        if not variant:
+            c.env.kwargs.path = "problems.jsonl"
+    check(c)
+    if "smoke" in variant:
+        components.make_env_factory(c)().close()
+
+
+def test_env_kwargs_are_the_envs_own_with_their_types():
+    c = base_config()
+    assert c.env.kwargs.num_items == 5  # LargestEnv's default
+    c.env.kwargs.num_items = 3
+    with pytest.raises(TypeError):
+        c.env.kwargs.num_items = "three"
+    with pytest.raises(AttributeError, match="num_items"):
+        c.env.kwargs.nm_items = 3
+    set_env(c, "babyai", max_steps=10)
+    assert c.env.kwargs.max_steps == 10 and isinstance(c.env.kwargs.levels, tuple)
+    assert c.env.kwargs.is_locked
+
+
+def test_a_kwarg_the_env_does_not_take_names_the_env_and_its_kwargs():
+    with pytest.raises(ValueError, match=r"env 'largest' takes no keyword argument nm_items "
+                                         r"\(its kwargs: .*num_items"):
+        set_env(base_config(), "largest", nm_items=3)
+    c = base_config()
+    c.env.name = "countdown"  # without set_env: env.kwargs are still largest's
+    with pytest.raises(ValueError, match="env.kwargs .*num_items.*set_env"):
+        check(c)
+
+
+def test_a_kwarg_the_env_needs_is_named():
+    c = base_config()
+    set_env(c, "math")
+    with pytest.raises(ValueError, match="env 'math' needs the keyword argument path"):
+        check(c)
+
+
+def test_check_refuses_an_algo_block_left_from_another_algorithm():
+    c = base_config("grpo")
+    c.algo.name = "ppo"
+    with pytest.raises(ValueError, match="algo.name='ppo' but the algo block holds 'grpo'.*"
+                                         "algo.advantage='grpo'.*set_algo"):
+        check(c)
+    set_algo(c, "ppo", {"clip_high": 0.3})
+    check(c)
+    assert (c.algo.advantage, c.algo.clip_high, c.algo.lam) == ("gae", 0.3, 0.95)
+    c.algo.advantage = "grpo"  # one key set on purpose: no longer grpo's whole block
+    check(c)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("train.steps", -5), ("train.tasks_per_step", 0), ("train.samples_per_task", 0),
+    ("train.epochs", 0), ("train.minibatches", 0), ("train.micro_batches", 0),
+    ("eval.num_tasks", 0), ("sft.steps", -1), ("checkpoint.keep", 0)])
+def test_check_refuses_counts_that_make_no_sense(key, value):
+    c = base_config()
+    block, leaf = key.split(".")
+    c[block][leaf] = value
+    with pytest.raises(ValueError, match=f"{key}={value} must be >= "):
+        check(c)
+
+
+def test_zero_rl_steps_is_an_sft_only_run_and_nothing_at_all_is_refused():
+    c = base_config()
+    c.train.steps, c.sft.steps = 0, 10
+    check(c)
+    c.sft.steps = 0
+    with pytest.raises(ValueError, match="nothing would be trained"):
+        check(c)
+
+
+def test_an_env_whose_package_is_missing_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "minigrid", None)  # what `import minigrid` sees uninstalled
+    with pytest.raises(ModuleNotFoundError, match=r"'babyai' needs the Python package "
+                                                  r"'minigrid'.*pip install 'rl_tpu\[envs\]'"):
+        envs.make("babyai")

@@ -1,0 +1,203 @@
+"""The rollout producers with a stand-in engine and play function: the staleness bound, lock-step
+versions, dropped groups, and resuming (deterministic: the same batches; free-running: no task
+lost or repeated)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rl_tpu.envs.base import Task
+from rl_tpu.recipes.producer import AsyncProducer, SyncProducer, group_version, groups_of
+from rl_tpu.trajectory import Trajectory
+
+G = 2  # samples per task
+PER_STEP = 3  # tasks (groups) per step
+
+
+class Stream:
+    """A task stream like data.tasks.TaskStream: step s gives positions [3s, 3s + 3)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def next(self):
+        out = [(self.step * PER_STEP + j, Task(f"t{self.step * PER_STEP + j}"))
+               for j in range(PER_STEP)]
+        self.step += 1
+        return out
+
+    def get_state(self):
+        return {"step": self.step}
+
+    def set_state(self, state):
+        self.step = state["step"]
+
+
+class Engine:
+    def __init__(self):
+        self.version = 0
+        self.lock = threading.Lock()
+
+    def update_weights(self, params, version):
+        with self.lock:
+            self.version = int(version)
+
+
+def make_play(engine, lag=0, delay=0.0):
+    """Plays by stamping each token with the engine's version (minus `lag`: older data)."""
+    played = []
+
+    def play(tasks, chunk, round_index):
+        time.sleep(delay)
+        version = max(engine.version - lag, 0)
+        out = []
+        for position, task in tasks:
+            played.append(position)
+            for s in range(G):
+                out.append(Trajectory(
+                    tokens=np.arange(4, dtype=np.int32), loss_mask=np.array([0, 1, 1, 1], bool),
+                    behaviour_logprobs=np.zeros(4, np.float32),
+                    turn_ids=np.array([-1, 0, 0, 0], np.int32), rewards=[float(s)],
+                    reward=float(s), success=bool(s), num_turns=1,
+                    weight_versions=[str(version)], task_id=task.task_id, group_id=position,
+                    finish="done", messages=[], info={"task": (position, task),
+                                                      "chunk": chunk}))
+        return out
+    play.played = played
+    return play
+
+
+def select(played, play_more, any_host):
+    return played, {"rollout/played_tokens": float(3 * len(played))}
+
+
+def producer(engine, play, k, deterministic, stream=None):
+    return AsyncProducer(play, select, stream or Stream(), engine, lambda p: p, max_staleness=k,
+                         deterministic=deterministic, groups_per_step=PER_STEP)
+
+
+def train(p, steps, first=1):
+    """The learner's side: take each step's batch, 'train', publish the next version."""
+    seen = []
+    for step in range(first, first + steps):
+        trajs, metrics = p.next_batch(step)
+        seen.append((step, trajs, metrics))
+        p.publish({"w": np.float32(step)}, step)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_deterministic_producer_is_exactly_k_versions_behind(k):
+    engine = Engine()
+    p = producer(engine, make_play(engine), k, deterministic=True)
+    p.start()
+    try:
+        seen = train(p, 8)
+    finally:
+        p.close()
+    for step, trajs, metrics in seen:
+        assert len(groups_of(trajs)) == PER_STEP
+        assert {group_version(g) for g in groups_of(trajs)} == {max(0, step - 1 - k)}
+        assert metrics["rollout/staleness_max"] == min(k, step - 1)
+        assert metrics["rollout/dropped_stale"] == 0
+        # chunk c holds the tasks step c would train on when synchronous
+        assert sorted(t.group_id for t in trajs[::G]) == list(range((step - 1) * PER_STEP,
+                                                                    step * PER_STEP))
+
+
+def test_free_running_drops_groups_older_than_k():
+    engine = Engine()
+    # the engine's data come out 3 versions older than it says: beyond k = 2 from step 4 on
+    play = make_play(engine, lag=3)
+    p = producer(engine, play, 2, deterministic=False)
+    p.start()
+    try:
+        seen = train(p, 4)
+    finally:
+        p.close()
+    for step, trajs, metrics in seen:
+        for group in groups_of(trajs):
+            assert (step - 1) - group_version(group) <= 2  # never older than k
+        assert metrics["rollout/staleness_max"] <= 2
+    assert sum(m["rollout/dropped_stale"] for _, _, m in seen) > 0
+
+
+def test_free_running_resume_loses_and_repeats_no_task():
+    engine = Engine()
+    p = producer(engine, make_play(engine, delay=0.01), 2, deterministic=False)
+    p.start()
+    try:
+        first = train(p, 3)
+        state = p.state(3)
+    finally:
+        p.close()
+    trained = [t.group_id for _, trajs, _ in first for t in trajs[::G]]
+    # a fresh producer (a restarted process) from the saved state
+    engine2 = Engine()
+    engine2.version = 3
+    stream = Stream()
+    q = producer(engine2, make_play(engine2), 2, deterministic=False, stream=stream)
+    q.load_state(state, 3)
+    q.start()
+    try:
+        second = train(q, 3, first=4)
+    finally:
+        q.close()
+    trained += [t.group_id for _, trajs, _ in second for t in trajs[::G]]
+    assert len(trained) == len(set(trained))  # nothing repeated
+    assert sorted(trained) == list(range(len(trained)))  # nothing lost: positions 0.. in full
+
+
+def test_deterministic_resume_repeats_the_same_batches():
+    def batches(resume_at=None):
+        engine = Engine()
+        p = producer(engine, make_play(engine), 2, deterministic=True)
+        p.start()
+        try:
+            if resume_at is None:
+                return [(s, [t.group_id for t in tr], [t.oldest_version for t in tr])
+                        for s, tr, _ in train(p, 7)]
+            head = train(p, resume_at)
+            state = p.state(resume_at)
+        finally:
+            p.close()
+        engine = Engine()
+        engine.version = resume_at  # the restored weights
+        q = producer(engine, make_play(engine), 2, deterministic=True)
+        q.load_state(state, resume_at)
+        q.start()
+        try:
+            tail = train(q, 7 - resume_at, first=resume_at + 1)
+        finally:
+            q.close()
+        return [(s, [t.group_id for t in tr], [t.oldest_version for t in tr])
+                for s, tr, _ in head + tail]
+
+    assert batches(resume_at=3) == batches()
+
+
+def test_sync_producer_plays_on_call():
+    engine = Engine()
+    p = SyncProducer(make_play(engine), select, Stream(), engine, lambda x: x, lambda f: f)
+    trajs, metrics = p.next_batch(1)
+    assert metrics["rollout/staleness_max"] == 0 and len(trajs) == PER_STEP * G
+    p.publish({}, 1)
+    assert engine.version == 1
+    assert p.state(1) == {"stream": {"step": 1}}
+
+
+def test_producer_failure_reaches_the_learner():
+    engine = Engine()
+
+    def broken(tasks, chunk, round_index):
+        raise OSError("env server went away")
+
+    p = producer(engine, broken, 1, deterministic=False)
+    p.start()
+    try:
+        with pytest.raises(RuntimeError, match="env server went away"):
+            p.next_batch(1)
+    finally:
+        p.close()
