@@ -3,6 +3,9 @@ update -> weight sync, on the embedded JAX sampler and the trainer's learner.
 
     python benchmarks/rl_step.py                    # 8 prompts x 4 samples, prompt 32, completion 64
     python benchmarks/rl_step.py --prompts 32 --samples 8 --steps 5
+    python benchmarks/rl_step.py --trainer --step_latency_s 1.0   # the whole trainer, sync
+        vs async (max_staleness 1) vs async deterministic, envs that wait 1 s a step
+    python benchmarks/rl_step.py --trainer --no_proximal   # recompute_proximal on vs off
 
 Completions run to their full length (ignore_eos: no EOS cuts them short), rewards are random
 0/1, so the shapes are exactly the ones named. The first step's time is mostly compilation and
@@ -79,6 +82,59 @@ def one_step(sampler, learner, mesh, prompts, args, step, rng):
     return times
 
 
+# The trainer rows: the quickstart's model and task, no warm start, eval and checkpoints only
+# at the ends (the median skips the first step, which compiles, and the last, which evaluates).
+TRAINER_FLAGS = ["--config", "configs/quickstart.py", "--config.sft.steps=0",
+                 "--config.eval.num_tasks=8", "--config.eval.every=1000",
+                 "--config.checkpoint.every=1000", "--config.checkpoint.export_hf=false",
+                 "--config.log.plot=false"]
+TRAINER_MODES = {
+    "sync": [],
+    "async k=1": ["--config.rollout.max_staleness=1"],
+    "async k=1 deterministic": ["--config.rollout.max_staleness=1",
+                                "--config.rollout.deterministic=true"],
+}
+PROXIMAL_MODES = {"recompute_proximal": [],
+                  "recompute_proximal=False": ["--config.algo.recompute_proximal=false"]}
+
+
+def trainer_rows(args) -> None:
+    """The trainer end to end (`python -m launch.train`), one subprocess per mode, all with
+    the same batch: seconds per step and the learner's idle time, medians of the steady steps."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    modes = PROXIMAL_MODES if args.no_proximal else TRAINER_MODES
+    flags = TRAINER_FLAGS + [f"--config.train.steps={args.steps + 2}",
+                             f"--config.train.tasks_per_step={args.prompts}",
+                             f"--config.train.samples_per_task={args.samples}",
+                             f"--config.env.step_latency_s={args.step_latency_s}"]
+    print(f"trainer step, quickstart model and task, {args.prompts} tasks x {args.samples} "
+          f"samples, env latency {args.step_latency_s} s a step, 2 x "
+          f"{jax.devices()[0].device_kind} devices (sampler 1 + learner 1 when async)")
+    print("| mode | s / step | rollout s | update s | learner idle s | speed-up |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for name, extra in modes.items():
+        with tempfile.TemporaryDirectory() as workdir:
+            subprocess.run([sys.executable, "-m", "launch.train", *flags, *extra,
+                            "--workdir", workdir], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f]
+        steady = [r for r in records if 1 < r["step"] < args.steps + 2]
+        med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+        step_s = med("time/step_s")
+        base = base or step_s
+        print(f"| {name} | {step_s:.3f} | {med('time/rollout_s'):.3f} | "
+              f"{med('time/update_s'):.3f} | {med('time/learner_idle_s'):.3f} | "
+              f"{base / step_s:.2f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -86,7 +142,16 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--completion", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4, help="steps after the first (compile) one")
+    parser.add_argument("--trainer", action="store_true",
+                        help="the whole trainer, synchronous vs asynchronous rollouts")
+    parser.add_argument("--no_proximal", action="store_true",
+                        help="with --trainer: recompute_proximal on vs off")
+    parser.add_argument("--step_latency_s", type=float, default=0.0,
+                        help="with --trainer: seconds every env step waits")
     args = parser.parse_args()
+    if args.trainer:
+        trainer_rows(args)
+        return
 
     cfg = ModelConfig(**RL_STEP_SHAPE)
     mesh = parallel.make_mesh({"data": -1})

@@ -16,8 +16,10 @@ and one of the off-policy settings:
                on rollouts of version s - 1 - k, i.e. staleness exactly k = 2 or 4 (the
                sampler and the learner each get one of the two CPU devices)
   replay       on-policy rollouts plus as many replayed groups of up to 4 versions old
-  partial      a token budget per step: generations cut there are resumed under the next
-               weights, so trajectories span versions
+  partial      partial rollouts: a free-running producer (at most 2 versions behind) whose
+               chunks may spend half the tokens a chunk could generate; generations cut
+               there are resumed under newer weights, so trajectories span versions (tokens
+               more than 2 versions old carry no loss)
 Variants are comma-separated: `bapo,s4`, `clip_higher,replay`; `smoke` shrinks any of them.
 The comparison, its figure and what it shows are in docs/off_policy.md.
 """
@@ -73,7 +75,9 @@ def get_config(arg: str = ""):
         c.train.replay.max_staleness = 4
     elif setting == "partial":
         c.rollout.max_staleness = 2
-        c.rollout.partial_token_budget = c.train.tasks_per_step * c.train.samples_per_task * 2
+        c.rollout.partial_token_budget = (c.train.tasks_per_step * c.train.samples_per_task
+                                          * c.env.max_new_tokens // 2)
+        c.rollout.mask_stale_tokens = True
 
     if "smoke" in parts:
         c.train.steps = 3

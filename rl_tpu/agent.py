@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -104,6 +104,16 @@ class _Episode:
         self.info: dict = {"sample_index": sample_index, "env_steps": 0, "env_step_s": 0.0}
         self.pending_action: Optional[str] = None  # parsed action awaiting env.step
         self.pending_invalid: Optional[StepResult] = None  # answer to an unparseable action
+        # A turn cut by a token budget (partial rollout): where its ids start in `tokens`, how
+        # many new tokens it may still take, and how many parts it has had.
+        self.turn_start: Optional[int] = None
+        self.turn_left = 0
+        self.parts = 0
+
+    @property
+    def turn(self) -> int:
+        """The action turn being generated: 0-based, counting completed actions."""
+        return len(self.rewards)
 
     def extend(self, ids: Sequence[int], generated: bool, turn: int,
                logprobs: Optional[Sequence[float]] = None,
@@ -129,16 +139,17 @@ def _close_quietly(env: Optional[Env]):
         log.warning("env.close() failed for %r: %s", getattr(env, "name", env), e)
 
 
-def _request_seed(seed: int, group_id: int, sample_index: int, turn: int) -> int:
+def _request_seed(seed: int, group_id: int, sample_index: int, turn: int, part: int = 0) -> int:
     # Every episode needs its own stream: G samples of one task send the same first prompt, and
     # one shared seed would make them identical. Keyed by (group id, sample), not by the
     # episode's position in this call, so a task draws the same samples whichever host plays
-    # it and however the step's tasks are split into calls.
-    return int(np.random.SeedSequence([seed, group_id & 0x7FFFFFFF, sample_index, turn])
-               .generate_state(1)[0] & 0x7FFFFFFF)
+    # it and however the step's tasks are split into calls. A resumed part of a turn (partial
+    # rollouts) draws a stream of its own.
+    key = [seed, group_id & 0x7FFFFFFF, sample_index, turn] + ([part] if part else [])
+    return int(np.random.SeedSequence(key).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def run_episodes(
+def _play_groups(
     engine: RolloutEngine,
     make_env: Callable[[], Env],
     tasks: Sequence[Task],
@@ -155,8 +166,12 @@ def run_episodes(
     reward_reduce: RewardReduce = "sum",
     group_id_offset: int = 0,
     group_ids: Optional[Sequence[int]] = None,
-) -> list[Trajectory]:
-    """Plays `samples_per_task` episodes of every task, all at once; one Trajectory each.
+    token_budget: Optional[int] = None,
+    resume: Sequence["_Episode"] = (),
+    paused: Optional[list] = None,
+) -> Iterator[tuple[int, list[Trajectory]]]:
+    """Plays `samples_per_task` episodes of every task, all at once; yields (task index, its
+    trajectories) for each task as soon as all its episodes have ended.
 
     Args:
       engine: the policy; called once per turn with every live episode's history.
@@ -182,9 +197,11 @@ def run_episodes(
         calls, e.g. when a replay buffer mixes batches).
       group_ids: one id per task instead (tasks that are not a contiguous run of positions,
         e.g. those a resumed producer plays again); overrides group_id_offset.
+      token_budget, resume, paused: partial rollouts (see `play_partial`); with a budget every
+        episode is yielded on its own, as its group may end in another call.
 
-    Returns:
-      list[Trajectory], len(tasks) * samples_per_task.
+    Yields:
+      (task index, list[Trajectory] of samples_per_task), every task once.
 
     Raises:
       ValueError: a bad argument. Errors of the engine itself propagate (no episode can go on
@@ -219,23 +236,89 @@ def run_episodes(
         group_ids = [group_id_offset + ti for ti in range(len(tasks))]
     if len(group_ids) != len(tasks):
         raise ValueError(f"{len(group_ids)} group_ids for {len(tasks)} tasks")
-    episodes = [_Episode(ti * samples_per_task + s, task, int(group_ids[ti]), s)
-                for ti, task in enumerate(tasks) for s in range(samples_per_task)]
+    if token_budget is not None and (token_budget < 1 or paused is None):
+        raise ValueError(f"token_budget={token_budget} must be >= 1, with a `paused` list")
+    fresh = [_Episode(ti * samples_per_task + s, task, int(group_ids[ti]), s)
+             for ti, task in enumerate(tasks) for s in range(samples_per_task)]
+    episodes = fresh + list(resume)
     if num_threads is None:
         num_threads = min(64, max(1, len(episodes)))
     workers = WorkerPool(num_threads, step_timeout_s)
+    if token_budget is None:
+        groups = [episodes[ti * samples_per_task:(ti + 1) * samples_per_task]
+                  for ti in range(len(tasks))]
+    else:
+        groups = [[ep] for ep in episodes]
+    handed_on: set[int] = set()
     try:
-        _start(episodes, make_env, tokenizer, workers, max_context_tokens)
-        _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
-              max_context_tokens, sampling, parse_action, stop_ids)
+        _start(fresh, make_env, tokenizer, workers, max_context_tokens)
+        for _ in _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
+                       max_context_tokens, sampling, parse_action, stop_ids, token_budget,
+                       paused):
+            for ti, group in enumerate(groups):
+                if ti not in handed_on and all(ep.finish is not None for ep in group):
+                    handed_on.add(ti)
+                    _close_envs(group, workers)
+                    yield ti, [_finalize(ep, reward_reduce) for ep in group]
     finally:
-        live_envs = [ep.env for ep in episodes if ep.env is not None and not ep.abandoned]
-        for outcome, env in zip(workers.map([env.close for env in live_envs]), live_envs):
-            if outcome.error:
-                log.warning("env.close() failed for %r: %s", getattr(env, "name", env),
-                            outcome.error)
+        _close_envs(episodes, workers)
         workers.shutdown()
-    return [_finalize(ep, reward_reduce) for ep in episodes]
+
+
+def play_episodes(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task],
+                  **kwargs) -> Iterator[list[Trajectory]]:
+    """`run_episodes` as a stream: yields each task's group (its `samples_per_task`
+    trajectories, in sample order) as soon as every episode of it has ended, in the order
+    groups finish, and closes that group's envs then. Same arguments as `run_episodes`. A
+    producer hands finished groups on while longer episodes still play."""
+    for _, group in _play_groups(engine, make_env, tasks, **kwargs):
+        yield group
+
+
+def play_partial(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,
+                 token_budget: int, resume: Sequence["_Episode"] = (), **kwargs
+                 ) -> tuple[list[Trajectory], list["_Episode"]]:
+    """Partial rollouts: plays `resume` (episodes paused by an earlier call, with their envs)
+    and fresh episodes of `tasks` until `token_budget` generated tokens are spent. Returns the
+    trajectories that ended (in any order: group them by `group_id`) and the episodes still
+    running, paused mid-turn or between turns, to pass as `resume` to a later call (the next
+    weights then go on where these stopped, the history re-prefilled, so every token's
+    behaviour log-prob is exactly its own version's). `close_paused` releases them."""
+    paused: list = []
+    ended = [traj for _, group in _play_groups(engine, make_env, tasks,
+                                               token_budget=token_budget, resume=resume,
+                                               paused=paused, **kwargs) for traj in group]
+    return ended, paused
+
+
+def close_paused(episodes: Sequence["_Episode"]) -> None:
+    """Closes the envs of paused episodes that will not be resumed."""
+    for ep in episodes:
+        if not ep.abandoned:
+            _close_quietly(ep.env)
+        ep.env = None
+
+
+def paused_task(ep: "_Episode") -> tuple[int, Task]:
+    """The (group id, task) a paused episode plays: what a restarted producer plays again."""
+    return ep.group_id, ep.task
+
+
+def run_episodes(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task],
+                 **kwargs) -> list[Trajectory]:
+    """Plays `samples_per_task` episodes of every task, all at once; one Trajectory each,
+    task-major (t0s0, t0s1, ..., t1s0, ...). Arguments: see `_play_groups`."""
+    by_task = dict(_play_groups(engine, make_env, tasks, **kwargs))
+    return [traj for ti in range(len(tasks)) for traj in by_task[ti]]
+
+
+def _close_envs(episodes, workers: WorkerPool) -> None:
+    live = [ep for ep in episodes if ep.env is not None and not ep.abandoned]
+    for outcome, ep in zip(workers.map([ep.env.close for ep in live]), live):
+        if outcome.error:
+            log.warning("env.close() failed for %r: %s", getattr(ep.env, "name", ep.env),
+                        outcome.error)
+        ep.env = None  # closed: never again
 
 
 def conversation_start(env: Env) -> list[dict]:
@@ -308,24 +391,44 @@ def _failed(ep: _Episode, outcome: Outcome, what: str) -> bool:
 
 
 def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context, sampling,
-          parse_action, stop_ids):
-    """The turn loop: one batched generate, then one parallel env step, per turn."""
-    turn = 0
+          parse_action, stop_ids, token_budget=None, paused=None):
+    """The turn loop: one batched generate, then one parallel env step, per round; yields
+    after each round (and once before the first) so the caller can hand on finished groups.
+
+    With `token_budget` (partial rollouts), the round's generations share what is left of it
+    (at least one token each); a turn cut by the budget stays unfinished, its ids kept, and
+    goes on in the next round. Once the budget is spent, the live episodes are moved to
+    `paused` (a list) as they are, envs open, for a later call to resume."""
+    spent = 0
     while True:
+        yield
         live = [ep for ep in episodes if ep.finish is None]
         if not live:
             return
+        cap = None
+        if token_budget is not None:
+            left = token_budget - spent
+            if left <= 0:
+                paused.extend(live)
+                for ep in live:
+                    episodes.remove(ep)
+                return
+            cap = max(1, left // len(live))
         # --- generate: one call for every live episode --------------------------------------
         requests = []
         for ep in live:
             room = max_context - len(ep.tokens)  # >= 1, checked when the history last grew
+            budget = ep.turn_left if ep.turn_start is not None else max_new
+            want = min(budget, room, cap or budget)
             params = dataclasses.replace(
-                sampling, max_new_tokens=min(max_new, room),
+                sampling, max_new_tokens=want,
                 seed=(None if sampling.seed is None
                       else _request_seed(sampling.seed, ep.group_id,
-                                         ep.info["sample_index"], turn)))
-            requests.append(GenerateRequest(prompt_ids=list(ep.tokens), sampling=params,
-                                            request_id=f"ep{ep.index}-turn{turn}"))
+                                         ep.info["sample_index"], ep.turn, ep.parts)))
+            part = f"-part{ep.parts}" if ep.parts else ""
+            requests.append(GenerateRequest(
+                prompt_ids=list(ep.tokens), sampling=params,
+                request_id=f"g{ep.group_id}s{ep.info['sample_index']}-turn{ep.turn}{part}"))
         results = engine.generate(requests)
         if len(results) != len(requests):
             raise RuntimeError(f"engine returned {len(results)} results for {len(requests)} "
@@ -333,9 +436,9 @@ def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context,
 
         stepping = []
         for ep, request, result in zip(live, requests, results):
-            _add_generation(ep, request, result, turn, tokenizer, stop_ids, parse_action,
-                            max_context)
-            if ep.finish is None:
+            spent += len(result.output_ids)
+            if _add_generation(ep, request, result, tokenizer, stop_ids, parse_action,
+                               max_context, max_new, capped=cap is not None):
                 stepping.append(ep)
 
         # --- env steps, in parallel ---------------------------------------------------------
@@ -344,39 +447,54 @@ def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context,
             [lambda ep=ep: ep.env.step(ep.pending_action) for ep in to_step])))
         for ep in stepping:
             outcome = outcomes.get(id(ep)) or Outcome(value=ep.pending_invalid)
-            _add_observation(ep, outcome, turn, tokenizer, max_turns, max_context)
-        turn += 1
+            _add_observation(ep, outcome, ep.turn - 1, tokenizer, max_turns, max_context)
 
 
-def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResult, turn: int,
-                    tokenizer: ChatTokenizer, stop_ids: set, parse_action, max_context: int):
+def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResult,
+                    tokenizer: ChatTokenizer, stop_ids: set, parse_action, max_context: int,
+                    max_new: int, capped: bool = False) -> bool:
+    """Appends one generation to its episode; True when the turn's action is ready to step."""
     ids, logprobs = list(result.output_ids), list(result.logprobs)
     if len(logprobs) != len(ids):
         raise RuntimeError(f"engine returned {len(ids)} ids but {len(logprobs)} logprobs for "
                            f"request {request.request_id}")
+    turn = ep.turn
+    if ep.turn_start is None:
+        ep.turn_start, ep.turn_left = len(ep.tokens), max_new
     # Per-token versions: a generation may span a weight update (the engine's spans say where).
     versions = token_versions(len(ids), result.weight_version,
                               result.info.get("weight_versions"))
     ep.extend(ids, generated=True, turn=turn, logprobs=logprobs, versions=versions)
-    ep.weight_versions.append(result.weight_version)
+    ep.turn_left -= len(ids)
     if result.logprob_convention != "full":
         ep.logprob_convention = result.logprob_convention
+    cut_by_budget = (capped and result.finish_reason == "length" and ids
+                     and len(ids) == request.sampling.max_new_tokens and ep.turn_left > 0
+                     and len(ep.tokens) < max_context and ids[-1] not in stop_ids
+                     and result.matched_stop is None)
+    if cut_by_budget:  # a partial rollout: the turn goes on in a later round or call
+        ep.parts += 1
+        return False
+    turn_ids = ep.tokens[ep.turn_start:]
+    ep.turn_start, ep.turn_left, ep.parts = None, 0, 0
+    ep.weight_versions.append(result.weight_version)
     ep.rewards.append(0.0)  # replaced by the env's reward if the step happens
-    text = _content_text(ids, result.matched_stop, tokenizer, stop_ids)
+    text = _content_text(turn_ids, result.matched_stop, tokenizer, stop_ids)
     ep.messages.append({"role": "assistant", "content": text})
     ep.pending_action = ep.pending_invalid = None
     if result.finish_reason == "abort":
         ep.end("abort", f"the engine aborted turn {turn}")
-        return
+        return False
     if result.finish_reason == "length" and len(ep.tokens) >= max_context:
         # Cut by the context room, not by L: the action is unfinished and nothing fits after it.
         ep.end("context_limit")
-        return
+        return False
     try:
         ep.pending_action = parse_action(text)
     except ValueError as e:
         # An unparseable action is an observation, as in the envs themselves.
         ep.pending_invalid = invalid_action(str(e))
+    return True
 
 
 def _content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_ids: set) -> str:

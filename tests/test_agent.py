@@ -556,3 +556,20 @@ def test_bad_conversation_start_is_an_env_error(tok, start, match):
                                max_new_tokens_per_turn=32, max_context_tokens=1024)
     assert trajs[0].finish == "env_error" and re.search(match, trajs[0].info["error"])
     assert trajs[0].num_turns == 0 and engine.calls == []
+
+
+def test_play_episodes_hands_on_each_group_when_it_ends(tok):
+    # Task k is solved at turn k (k + 1 generate calls): groups finish in the order t0, t1, t2,
+    # each handed on right after the turn that ends it, its envs closed by then.
+    tasks = [Task(f"t{k}") for k in (2, 0, 1)]
+    scripts = {f"t{k}": ["guess 1"] * k + ["guess 7"] for k in range(3)}
+    engine, factory = ScriptedEngine(tok, script_policy(scripts)), EnvFactory()
+    stream = agent.play_episodes(engine, factory, tasks, tokenizer=tok, max_turns=6,
+                                 max_new_tokens_per_turn=16, max_context_tokens=1024,
+                                 samples_per_task=2, group_id_offset=10)
+    seen = []
+    for group in stream:
+        seen.append(([t.task_id for t in group], [t.group_id for t in group], len(engine.calls)))
+        assert all(env.closed for env in factory.by_task(group[0].task_id))
+    assert seen == [(["t0", "t0"], [11, 11], 1), (["t1", "t1"], [12, 12], 2),
+                    (["t2", "t2"], [10, 10], 3)]

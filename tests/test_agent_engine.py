@@ -89,3 +89,45 @@ def test_trajectory_across_three_weight_versions(tmp_path):
                                    atol=1e-4)
     assert np.all(traj.token_versions[~mask] == -1)
     assert traj.oldest_version == 0
+
+
+def test_partial_rollouts_resume_under_newer_weights_exactly(tmp_path):
+    """A generation cut by the token budget goes on under the next weights: its turn's
+    tokens carry several versions, each with exactly that version's log-prob."""
+    import jax
+
+    from rl_tpu.agent import play_partial
+
+    path = str(tmp_path / "model")
+    tiny.write_tiny_model(path, "qwen2", vocab_size=512)
+    cfg, params = hf.load(path)
+    tokenizer = load_tokenizer(path)
+    versions = [jax.tree.map(lambda x, v=v: x * (1 + 0.05 * v), params) for v in range(8)]
+    sampler = JaxSampler(cfg, versions[0], tokenizer=tokenizer, version="0")
+    env = base.make("largest")
+    tasks = [env.tasks().get("eval", i) for i in range(2)]
+    env.close()
+    common = dict(tokenizer=tokenizer, max_turns=1, max_new_tokens_per_turn=6,
+                  max_context_tokens=256, samples_per_task=2, token_budget=4,
+                  sampling=SamplingParams(temperature=1.0, seed=0, stop_token_ids=(0,)))
+    ended, paused = play_partial(sampler, lambda: base.make("largest"), tasks, **common)
+    version = 0
+    while paused:  # 4 episodes share 4 tokens a call: 1 each, then the next weights
+        version += 1
+        sampler.update_weights(versions[version], str(version))
+        more, paused = play_partial(sampler, lambda: base.make("largest"), [], resume=paused,
+                                    **common)
+        ended += more
+    assert len(ended) == 4 and version >= 2
+    model = Transformer(cfg)
+    spanning = 0
+    for traj in ended:
+        mask = np.asarray(traj.loss_mask)
+        seen = sorted(set(traj.token_versions[mask].tolist()))
+        spanning += len(seen) > 1
+        for v in seen:
+            mine = mask & (traj.token_versions == v)
+            lp, _ = token_logprobs(model, versions[v], {"tokens": np.asarray(traj.tokens)[None]})
+            np.testing.assert_allclose(traj.behaviour_logprobs[mine], np.asarray(lp)[0][mine],
+                                       atol=1e-4)
+    assert spanning == 4  # every episode's one turn was sampled by several versions

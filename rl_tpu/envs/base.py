@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import time
 from typing import Any, Callable, Optional
 
 
@@ -183,3 +184,33 @@ def _missing_package_named(name: str):
             f"env {name!r} needs the Python package {e.name!r}, which is not installed: "
             "pip install 'rl_tpu[envs]' (in a checkout: pip install -e '.[envs]') installs "
             "every env's packages", name=e.name) from e
+
+
+class DelayedEnv(Env):
+    """`env` with `latency_s` seconds of waiting added to every reset and step: the round trip
+    of an env server in another process or host, for measuring what overlapping rollouts with
+    training buys (`env.step_latency_s`). Everything else is the wrapped env's."""
+
+    def __init__(self, env: Env, latency_s: float):
+        if latency_s < 0:
+            raise ValueError(f"env.step_latency_s={latency_s} must be >= 0 seconds")
+        self.env, self.latency_s = env, float(latency_s)
+        self.name = getattr(env, "name", type(env).__name__)
+        self.system_prompt = env.system_prompt  # a class attribute of Env: not forwarded
+
+    def __getattr__(self, attr):  # system_prompt, teacher_reply, conversation_start...
+        return getattr(self.env, attr)
+
+    def tasks(self) -> TaskSource:
+        return self.env.tasks()
+
+    def reset(self, task: Task) -> str:
+        time.sleep(self.latency_s)
+        return self.env.reset(task)
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(self.latency_s)
+        return self.env.step(action)
+
+    def close(self) -> None:
+        self.env.close()

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rl_tpu import parallel
-from rl_tpu.envs.base import Env, TaskSource, make as make_env_by_name
+from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.models.transformer import ModelConfig, Transformer
@@ -135,8 +135,12 @@ def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg
 
 
 def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
+    """Builds the config's env (with `env.step_latency_s` of waiting per step, if set)."""
     name, kwargs = config.env.name, config.env.kwargs.to_dict()
+    latency = config.env.step_latency_s
     make_env_by_name(name, **kwargs).close()  # a bad env name or kwarg fails here, by name
+    if latency:
+        return lambda: DelayedEnv(make_env_by_name(name, **kwargs), latency)
     return lambda: make_env_by_name(name, **kwargs)
 
 

@@ -65,10 +65,13 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     # asynchronous producer whose data is at most k versions old (rl_tpu/recipes/producer.py).
     c.rollout.max_staleness = 0
     c.rollout.deterministic = False  # async in lock-step, exactly k versions behind (exact resume)
-    # Partial rollouts (async): generated tokens a chunk may spend (this host's; 0 = no limit).
-    # Generations still running when it is spent are cut, kept, and resumed under newer weights.
+    # Partial rollouts (async, free-running): generated tokens one rollout chunk may spend on
+    # this host (0 = no limit). Generations still running then are kept and resumed under the
+    # next weights, so a trajectory spans versions (each token keeps its own).
     c.rollout.partial_token_budget = 0
-    c.rollout.mask_stale_tokens = False  # no loss on tokens more than max_staleness old
+    # With max_staleness: train on groups older than k with their old tokens' loss masked,
+    # instead of dropping the groups.
+    c.rollout.mask_stale_tokens = False
 
     c.env = ml_collections.ConfigDict()
     c.env.name = "largest"
@@ -80,6 +83,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.env.max_new_tokens = 16  # per turn (the generation budget L)
     c.env.max_context_tokens = 512
     c.env.step_timeout_s = 60.0
+    c.env.step_latency_s = 0.0  # waiting added to every env step (an env server's round trip)
     c.env.reward_reduce = "sum"
 
     c.algo = algo_config(algo)
@@ -321,6 +325,15 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.rollout.max_staleness < 0:
         raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} must be >= 0 "
                          "(0 = on-policy)")
+    r = config.rollout
+    if (r.partial_token_budget or r.mask_stale_tokens) and (
+            r.max_staleness < 1 or r.deterministic):
+        raise ValueError("rollout.partial_token_budget and rollout.mask_stale_tokens need a "
+                         "free-running asynchronous producer: set rollout.max_staleness >= 1 "
+                         "and rollout.deterministic=False")
+    if r.partial_token_budget < 0:
+        raise ValueError(f"rollout.partial_token_budget={r.partial_token_budget} must be >= 0 "
+                         "(0 = no partial rollouts)")
     off_policy = config.rollout.max_staleness > 0 or config.train.replay.capacity > 0
     if (off_policy and not config.algo.recompute_proximal
             and config.algo.ratio_against == "proximal"):

@@ -20,10 +20,11 @@ learner trains. Two modes:
   min(k, s - 1) and the run is a function of the config alone. Published versions are held
   (at most k + 1 copies) until the chunk that needs them starts; weights never change
   within a chunk.
-- free-running: chunk c may start once the learner has published version c - 1 - k
-  (admission: the producer is never more than k + 1 chunks ahead); new weights reach the
-  engine as soon as they are published, between decode chunks, so a generation can span
-  versions (per-token versions say which). Groups older than k when the learner reaches them
+- free-running: a chunk may start while fewer than k steps' worth of groups wait for the
+  learner (admission: the producer is never more than about k steps ahead; counted in
+  groups, since a partial-rollout chunk completes a varying number of them); new weights
+  reach the engine as soon as they are published, between decode chunks, so a generation can
+  span versions (per-token versions say which). Groups older than k when the learner reaches them
   are dropped and counted (`rollout/dropped_stale`); the learner takes the next ones, so no
   trained token is ever more than k versions old.
 
@@ -116,10 +117,18 @@ class AsyncProducer:
 
     def __init__(self, play: PlayFn, select: SelectFn, stream: TaskStream, engine,
                  to_engine: Callable[[Any], Any], *, max_staleness: int, deterministic: bool,
-                 groups_per_step: int):
+                 groups_per_step: int, partial: Optional[PartialRollouts] = None,
+                 keep_stale: bool = False):
+        """`partial`: play through partial rollouts (free-running only: chunks then hold a
+        varying number of groups). `keep_stale`: groups older than k are trained on, their
+        old tokens masked by the trainer (rollout.mask_stale_tokens), instead of dropped."""
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: the async producer needs >= 1")
-        self._play, self._select, self._stream = play, select, stream
+        if partial is not None and deterministic:
+            raise ValueError("partial rollouts run free: set rollout.deterministic=False")
+        self._partial, self._keep_stale = partial, keep_stale
+        self._play = partial if partial is not None else play
+        self._select, self._stream = select, stream
         self._engine, self._to_engine = engine, to_engine
         self.k, self.deterministic, self.groups_per_step = max_staleness, deterministic, \
             groups_per_step
@@ -129,6 +138,9 @@ class AsyncProducer:
         self._ready: dict[int, list[Trajectory]] = {}  # chunk -> its selected trajectories
         self._ready_metrics: dict[int, dict] = {}
         self._in_flight: list = []  # free-running: tasks of the chunk being played
+        # partial rollouts: tasks of groups not complete after the last chunk (snapshotted by
+        # the producer thread between chunks, when nothing else touches them)
+        self._partial_pending: list = []
         self._leftover: list[list[Trajectory]] = []  # free-running: groups not yet trained
         self._next_chunk = 1
         self._stream_before: dict[int, dict] = {}  # chunk -> stream state before it was read
@@ -157,16 +169,18 @@ class AsyncProducer:
         else:
             chosen, dropped, metrics = [], 0, {}
             while len(chosen) < self.groups_per_step:
-                if not self._leftover:
+                while not self._leftover:  # a partial-rollout chunk may complete no group
                     self._wait_for(lambda: bool(self._ready), step)
                     with self._cond:
                         chunk = min(self._ready)
                         self._leftover = groups_of(self._ready.pop(chunk))
                         chunk_metrics = self._ready_metrics.pop(chunk, {})
+                        self._cond.notify_all()  # room for the producer (admission)
                     metrics = metrics or chunk_metrics
                 group = self._leftover.pop(0)
                 version = group_version(group)
-                if version != NO_VERSION and learner_version - version > self.k:
+                if (not self._keep_stale and version != NO_VERSION
+                        and learner_version - version > self.k):
                     dropped += 1  # too stale to train on: the bound is a promise
                     continue
                 chosen.append(group)
@@ -202,14 +216,22 @@ class AsyncProducer:
                 return {"mode": "deterministic", "next_chunk": last + 1,
                         "stream": self._stream_before[last + 1]
                         if last + 1 in self._stream_before else self._stream.get_state(),
-                        "chunks": {c: self._ready[c] for c in range(step + 1, last + 1)}}
+                        "chunks": {c: self._ready[c] for c in range(step + 1, last + 1)},
+                        "chunk_metrics": {c: self._ready_metrics.get(c, {})
+                                          for c in range(step + 1, last + 1)}}
         with self._cond:
             pending = [task for g in self._leftover for task in _group_task(g)]
             for c in sorted(self._ready):
                 pending += [task for g in groups_of(self._ready[c]) for task in _group_task(g)]
-            pending += list(self._in_flight)
+            pending += list(self._in_flight) + list(self._partial_pending)
+            pending = sorted(dict(pending).items())  # each task once, in stream order
+            # the resumed producer replays `pending` as one chunk, numbered as the newest chunk
+            # they come from (the one in flight, else the last one played), so that the chunks
+            # after it keep their numbers (seeds, horizon schedule) rather than run one ahead
+            newest = self._next_chunk - 1 if pending and not self._in_flight \
+                else self._next_chunk
             return {"mode": "free", "stream": self._stream.get_state(), "pending": pending,
-                    "next_chunk": self._next_chunk}
+                    "next_chunk": newest}
 
     def load_state(self, state: dict, step: int) -> None:
         """Before `start`: continue where a saved producer stopped."""
@@ -221,6 +243,7 @@ class AsyncProducer:
         self._published = step
         if self.deterministic:
             self._ready = {int(c): trajs for c, trajs in state["chunks"].items()}
+            self._ready_metrics = {int(c): m for c, m in state.get("chunk_metrics", {}).items()}
         else:
             self._replay_tasks = list(state["pending"])
 
@@ -230,6 +253,8 @@ class AsyncProducer:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=600)
+        if self._partial is not None:
+            self._partial.close()
 
     def _wait_for(self, ready: Callable[[], bool], step: int):
         with self._cond:
@@ -248,10 +273,11 @@ class AsyncProducer:
                 # chunk c may start once version c - 1 - k exists (the staleness bound)
                 needed = max(0, chunk - 1 - self.k)
                 with self._cond:
-                    while not self._stop and self._published < needed:
+                    while not self._stop and self._may_start(needed) is None:
                         self._cond.wait(timeout=1.0)
                     if self._stop:
                         return
+                    resume_only = self._may_start(needed) == "resume"
                     if self.deterministic:
                         params = self._held.pop(needed, None)
                         for v in [v for v in self._held if v < needed]:
@@ -259,21 +285,24 @@ class AsyncProducer:
                     self._stream_before[chunk] = self._stream.get_state()
                     for c in [c for c in self._stream_before if c < chunk - self.k - 1]:
                         del self._stream_before[c]
-                    if self._replay_tasks:
+                    if resume_only:  # partial rollouts: finish what runs, start nothing new
+                        tasks = []
+                    elif self._replay_tasks:
                         tasks, self._replay_tasks = self._replay_tasks, []
                     else:
                         tasks = self._stream.next()
-                    self._in_flight = list(tasks)
+                    self._in_flight = list(tasks) + list(self._partial_pending)
                 if self.deterministic and params is not None:
                     self._engine.update_weights(self._to_engine(params), str(needed))
                 played = self._play(tasks, chunk, 0)
                 # no collectives here: refill rounds are decided by this host alone
                 chosen, metrics = self._select(
                     played, lambda r: self._play(self._read_more(), chunk, r), lambda f: f)
+                pending = self._partial.pending_tasks() if self._partial is not None else []
                 with self._cond:
                     self._ready[chunk] = chosen
                     self._ready_metrics[chunk] = metrics
-                    self._in_flight = []
+                    self._in_flight, self._partial_pending = [], pending
                     self._next_chunk = chunk + 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the learner, which raises it
@@ -282,11 +311,64 @@ class AsyncProducer:
                 self._error = e
                 self._cond.notify_all()
 
+    def _may_start(self, needed_version: int) -> Optional[str]:
+        """Admission (under the lock): "new" (a chunk of new tasks), "resume" (partial
+        rollouts: only the paused episodes go on) or None (wait). Deterministic, a chunk
+        needs the version it is sampled with; free-running, fewer than k steps of groups may
+        wait for the learner, groups still being played counted too (else the producer would
+        keep starting tasks under old weights while the learner is busy)."""
+        if self.deterministic:
+            return "new" if self._published >= needed_version else None
+        limit = self.k * self.groups_per_step
+        ready = sum(len(groups_of(trajs)) for trajs in self._ready.values())
+        if ready + len(self._partial_pending) < limit:
+            return "new"
+        if self._partial_pending and ready < limit:
+            return "resume"
+        return None
+
     def _read_more(self) -> list:
         with self._cond:
             tasks = self._stream.next()
             self._in_flight = self._in_flight + list(tasks)
         return tasks
+
+
+class PartialRollouts:
+    """A play function for partial rollouts: each chunk spends `rollout.partial_token_budget`
+    generated tokens, first on the episodes the previous chunk left running (under the newer
+    weights the engine now has: a trajectory spans versions, each token keeping its own), then
+    on the chunk's new tasks. Returns the groups whose every episode has ended; ended episodes
+    of unfinished groups wait here for their siblings.
+
+    play(tasks, chunk, round_index, resume) -> (ended trajectories, paused episodes).
+    """
+
+    def __init__(self, play: Callable, samples_per_task: int):
+        self._play, self.g = play, samples_per_task
+        self.paused: list = []
+        self.waiting: dict[int, list[Trajectory]] = {}
+
+    def __call__(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
+        ended, self.paused = self._play(tasks, chunk, round_index, self.paused)
+        for traj in ended:
+            self.waiting.setdefault(traj.group_id, []).append(traj)
+        out = []
+        for gid in [gid for gid, trajs in self.waiting.items() if len(trajs) == self.g]:
+            out += sorted(self.waiting.pop(gid), key=lambda t: t.info["sample_index"])
+        return out
+
+    def pending_tasks(self) -> list:
+        """(position, Task) of every group not yet complete: a restarted producer replays them."""
+        from rl_tpu.agent import paused_task
+        tasks = {t.group_id: t.info["task"] for trajs in self.waiting.values() for t in trajs}
+        tasks.update(paused_task(ep) for ep in self.paused)
+        return sorted(tasks.items())
+
+    def close(self) -> None:
+        from rl_tpu.agent import close_paused
+        close_paused(self.paused)
+        self.paused = []
 
 
 def _group_task(group: list[Trajectory]) -> list:

@@ -45,7 +45,7 @@ import numpy as np
 
 from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel, schedules
-from rl_tpu.agent import run_episodes
+from rl_tpu.agent import play_partial, run_episodes
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats
@@ -53,7 +53,7 @@ from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.recipes import algorithms, components, resume, sft
 from rl_tpu.recipes.config import check
-from rl_tpu.recipes.producer import AsyncProducer, SyncProducer, groups_of
+from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer, groups_of
 from rl_tpu.train import rollout_batch
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
@@ -83,7 +83,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             trajectories, rollout_metrics = trainer.rollout(step)              # rollout
             t_rollout = time.time() - t_step
             t0 = time.time()
-            batch = trainer.score(trainer.batch(trajectories))                 # batch, score
+            batch = trainer.score(trainer.batch(trajectories, step))           # batch, score
             t_score = time.time() - t0
             t0 = time.time()
             train_metrics = trainer.update(batch, step)                        # update
@@ -226,12 +226,17 @@ class Trainer:
             metrics.update(replay_metrics)
         return trajectories, metrics
 
-    def batch(self, trajectories: list[Trajectory]) -> dict:
+    def batch(self, trajectories: list[Trajectory], step: int) -> dict:
         """Trajectories -> the global padded batch the learner takes."""
         buckets = self.config.train.length_buckets
         host = rollout_batch.trajectories_to_batch(
             trajectories, length_buckets=buckets, row_multiple=self._row_multiple(),
             length=_agreed_length(trajectories, buckets))
+        if self.config.rollout.mask_stale_tokens:
+            # partial rollouts: tokens sampled more than k versions ago carry no loss
+            versions = host["token_versions"]
+            host["loss_mask"] &= ~((versions >= 0) & (
+                step - 1 - versions > self.config.rollout.max_staleness))
         keys = algorithms.batch_keys(trajectories, self.config.algo)
         return parallel.host_to_global({k: host[k] for k in keys}, self.mesh)
 
@@ -266,6 +271,10 @@ class Trainer:
     def save(self, step: int) -> None:
         """Host-side state first (producer, replay), then the sharded state: a checkpoint
         step that exists always has its host state."""
+        # The previous (async) save must be complete first: writing this host state prunes
+        # the host states of steps not (yet) on disk, and the previous step is the one a kill
+        # during this save resumes from. (`ckpt.save` waits for it anyway.)
+        self.ckpt.wait()
         state = {"producer": self.producer.state(step), "replay": self.replay.state()}
         self._write_host_state(step, state)
         meta = {"config": resume.config_record(self.config)}
@@ -308,24 +317,45 @@ class Trainer:
         if not self.asynchronous:
             return SyncProducer(self._play, select, self.stream, self.engine, to_engine,
                                 lambda flag: parallel.across_hosts(flag, "any"))
+        partial = None
+        if config.rollout.partial_token_budget:
+            partial = PartialRollouts(self._play_partial, g)
         return AsyncProducer(self._play, select, self.stream, self.engine, to_engine,
                              max_staleness=config.rollout.max_staleness,
                              deterministic=config.rollout.deterministic,
-                             groups_per_step=per_host)
+                             groups_per_step=per_host, partial=partial,
+                             keep_stale=config.rollout.mask_stale_tokens)
 
-    def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
-        """G episodes of each (position, task), sampled for step `chunk`: task-major, each
-        group id the task's global stream position (the same whichever host plays it)."""
+    def _episode_args(self, tasks: list, chunk: int, round_index: int) -> dict:
         config, env_cfg = self.config, self.config.env
-        trajectories = run_episodes(
-            self.engine, self.make_env, [t for _, t in tasks], tokenizer=self.tokenizer,
-            max_turns=_horizon(config, chunk - 1), group_ids=[p for p, _ in tasks],
-            max_new_tokens_per_turn=env_cfg.max_new_tokens,
+        return dict(
+            tokenizer=self.tokenizer, max_turns=_horizon(config, chunk - 1),
+            group_ids=[p for p, _ in tasks], max_new_tokens_per_turn=env_cfg.max_new_tokens,
             max_context_tokens=env_cfg.max_context_tokens,
             sampling=components.sampling_params(
                 config, step_seed(config.seed, chunk, 10 + round_index)),
             samples_per_task=config.train.samples_per_task,
             step_timeout_s=env_cfg.step_timeout_s, reward_reduce=env_cfg.reward_reduce)
+
+    def _play_partial(self, tasks: list, chunk: int, round_index: int, resume: list):
+        """Partial rollouts: the paused episodes `resume`, then `tasks`, within the chunk's
+        token budget; (ended trajectories, episodes still running)."""
+        ended, paused = play_partial(
+            self.engine, self.make_env, [t for _, t in tasks],
+            token_budget=self.config.rollout.partial_token_budget, resume=resume,
+            **self._episode_args(tasks, chunk, round_index))
+        known = dict(tasks) | {ep.group_id: ep.task for ep in resume}
+        for traj in ended:
+            traj.info["task"] = (traj.group_id, known[traj.group_id])
+        algorithms.shape_overlong(ended, self.config.algo, self.config.env.max_new_tokens)
+        return ended, paused
+
+    def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
+        """G episodes of each (position, task), sampled for step `chunk`: task-major, each
+        group id the task's global stream position (the same whichever host plays it)."""
+        config, env_cfg = self.config, self.config.env
+        trajectories = run_episodes(self.engine, self.make_env, [t for _, t in tasks],
+                                    **self._episode_args(tasks, chunk, round_index))
         g = config.train.samples_per_task
         for i, traj in enumerate(trajectories):
             if traj.group_id != tasks[i // g][0]:

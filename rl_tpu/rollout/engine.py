@@ -8,7 +8,9 @@ engines in tests. The agent loop and the recipes see only this interface.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dataclasses
+import threading
 from typing import Any, Optional, Sequence
 
 
@@ -118,3 +120,20 @@ class RolloutEngine(abc.ABC):
     @property
     def weight_version(self) -> Optional[str]:
         return None
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> "concurrent.futures.Future":
+        """The non-blocking form of `generate`: returns at once; the future's `result()` is
+        what `generate(requests)` returns (or raises), `done()` polls it. Requests submitted
+        while others run proceed side by side as far as the backend allows (the embedded
+        sampler runs one batch on its devices at a time; servers batch them). This default
+        runs `generate` on a small thread pool; a backend with its own queue may override."""
+        with _POOL_LOCK:
+            pool = self.__dict__.get("_submit_pool")
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=4, thread_name_prefix=f"{type(self).__name__}-submit")
+                self.__dict__["_submit_pool"] = pool
+        return pool.submit(self.generate, list(requests))
+
+
+_POOL_LOCK = threading.Lock()

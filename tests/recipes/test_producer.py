@@ -46,12 +46,13 @@ class Engine:
 
 
 def make_play(engine, lag=0, delay=0.0):
-    """Plays by stamping each token with the engine's version (minus `lag`: older data)."""
+    """Plays by stamping each token with the engine's version (minus `lag` in odd chunks:
+    older data, as a slow env or a resumed partial rollout would give)."""
     played = []
 
     def play(tasks, chunk, round_index):
         time.sleep(delay)
-        version = max(engine.version - lag, 0)
+        version = max(engine.version - (lag if chunk % 2 else 0), 0)
         out = []
         for position, task in tasks:
             played.append(position)
@@ -109,12 +110,12 @@ def test_deterministic_producer_is_exactly_k_versions_behind(k):
 
 def test_free_running_drops_groups_older_than_k():
     engine = Engine()
-    # the engine's data come out 3 versions older than it says: beyond k = 2 from step 4 on
-    play = make_play(engine, lag=3)
+    # every other chunk's data come out 8 versions older than the engine says: beyond k = 2
+    play = make_play(engine, lag=8)
     p = producer(engine, play, 2, deterministic=False)
     p.start()
     try:
-        seen = train(p, 4)
+        seen = train(p, 12)
     finally:
         p.close()
     for step, trajs, metrics in seen:

@@ -531,3 +531,13 @@ def test_min_new_tokens_reports_the_penalised_logprob(setup):
     assert res.output_ids[0] == int(np.argmax(logits)) != first
     np.testing.assert_allclose(res.logprobs[0], logits.max() - np.logaddexp.reduce(logits),
                                atol=1e-5)
+
+
+def test_submit_is_generate_without_blocking(setup):
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in PROMPTS]
+    future = setup["sampler"].submit(requests)
+    other = setup["sampler"].submit(requests[:1])  # a second one queued beside it
+    done = future.result(timeout=300)
+    assert [r.output_ids for r in done] == [r.output_ids for r in
+                                            setup["sampler"].generate(requests)]
+    assert other.result(timeout=300)[0].output_ids == done[0].output_ids and future.done()
