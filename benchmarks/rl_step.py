@@ -3,8 +3,9 @@ update -> weight sync, on the embedded JAX sampler and the trainer's learner.
 
     python benchmarks/rl_step.py                    # 8 prompts x 4 samples, prompt 32, completion 64
     python benchmarks/rl_step.py --prompts 32 --samples 8 --steps 5
-    python benchmarks/rl_step.py --trainer --step_latency_s 1.0   # the whole trainer, sync
-        vs async (max_staleness 1) vs async deterministic, envs that wait 1 s a step
+    python benchmarks/rl_step.py --trainer --step_latency_s 1.5 --epochs 4   # the whole
+        trainer, sync vs async (max_staleness 1) vs async deterministic, with envs that wait
+        1.5 s a reset and a step (an env server's round trip) and 4 update epochs
     python benchmarks/rl_step.py --trainer --no_proximal   # recompute_proximal on vs off
 
 Completions run to their full length (ignore_eos: no EOS cuts them short), rewards are random
@@ -112,12 +113,14 @@ def trainer_rows(args) -> None:
     flags = TRAINER_FLAGS + [f"--config.train.steps={args.steps + 2}",
                              f"--config.train.tasks_per_step={args.prompts}",
                              f"--config.train.samples_per_task={args.samples}",
-                             f"--config.env.step_latency_s={args.step_latency_s}"]
+                             f"--config.env.step_latency_s={args.step_latency_s}",
+                             f"--config.train.epochs={args.epochs}"]
     print(f"trainer step, quickstart model and task, {args.prompts} tasks x {args.samples} "
-          f"samples, env latency {args.step_latency_s} s a step, 2 x "
+          f"samples, {args.epochs} epoch(s), env latency {args.step_latency_s} s per reset "
+          f"and step, 2 x "
           f"{jax.devices()[0].device_kind} devices (sampler 1 + learner 1 when async)")
-    print("| mode | s / step | rollout s | update s | learner idle s | speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | s / step | rollout s | score s | update s | learner idle s | speed-up |")
+    print("|---|---|---|---|---|---|---|")
     base = None
     for name, extra in modes.items():
         with tempfile.TemporaryDirectory() as workdir:
@@ -131,8 +134,8 @@ def trainer_rows(args) -> None:
         step_s = med("time/step_s")
         base = base or step_s
         print(f"| {name} | {step_s:.3f} | {med('time/rollout_s'):.3f} | "
-              f"{med('time/update_s'):.3f} | {med('time/learner_idle_s'):.3f} | "
-              f"{base / step_s:.2f}x |")
+              f"{med('time/score_s'):.3f} | {med('time/update_s'):.3f} | "
+              f"{med('time/learner_idle_s'):.3f} | {base / step_s:.2f}x |")
 
 
 def main():
@@ -147,7 +150,9 @@ def main():
     parser.add_argument("--no_proximal", action="store_true",
                         help="with --trainer: recompute_proximal on vs off")
     parser.add_argument("--step_latency_s", type=float, default=0.0,
-                        help="with --trainer: seconds every env step waits")
+                        help="with --trainer: seconds every env reset and step waits")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="with --trainer: update epochs (the learner's share of a step)")
     args = parser.parse_args()
     if args.trainer:
         trainer_rows(args)

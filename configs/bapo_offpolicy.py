@@ -24,7 +24,7 @@ Variants are comma-separated: `bapo,s4`, `clip_higher,replay`; `smoke` shrinks a
 The comparison, its figure and what it shows are in docs/off_policy.md.
 """
 
-from rl_tpu.recipes.config import base_config
+from rl_tpu.recipes.config import base_config, largest_task
 
 LOSSES = ("bapo", "clip", "clip_higher")
 SETTINGS = ("s0", "s2", "s4", "replay", "partial")
@@ -39,32 +39,13 @@ def get_config(arg: str = ""):
     loss = next((p for p in parts if p in LOSSES), "bapo")
     setting = next((p for p in parts if p in SETTINGS), "s2")
 
-    c = base_config("bapo" if loss == "bapo" else "grpo")
+    c = largest_task(base_config("bapo" if loss == "bapo" else "grpo"))
     c.algo.ratio_against = "behaviour"
     c.algo.aggregation = "token_mean"
     if loss == "clip_higher":
         c.algo.clip_high = 0.28
-    c.model.tiny_hidden = 64
-    c.model.tiny_layers = 2
-    c.env.name = "largest"
-    c.env.max_turns = 1
-    c.env.max_new_tokens = 4
-    c.env.max_context_tokens = 64
-    c.train.length_buckets = (64,)
-    c.train.steps = 60
-    c.train.tasks_per_step = 32
-    c.train.samples_per_task = 8
     c.train.minibatches = 4
-    c.optim.lr = 5e-4
-    c.sft.steps = 300
-    c.sft.batch_size = 64
-    c.sft.lr = 3e-3
-    c.sft.num_demos = 4000
-    c.sft.teacher_skill = 0.3
-    c.sft.max_length = 64
-    c.eval.every = 10
     c.eval.num_tasks = 200
-    c.checkpoint.every = 20
 
     if setting in ("s2", "s4"):
         c.rollout.max_staleness = int(setting[1])

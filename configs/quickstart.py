@@ -13,33 +13,13 @@ every step, W/curves.png the curves. `get_config("smoke")` runs the same pipelin
 `get_config("sft_only")` is the control: the same budget spent on more SFT instead of RL.
 """
 
-from rl_tpu.recipes.config import base_config
+from rl_tpu.recipes.config import base_config, largest_task
 
 
 def get_config(arg: str = ""):
-    c = base_config("grpo")
+    c = largest_task(base_config("grpo"))
     c.seed = 0
-    c.model.tiny_hidden = 64
-    c.model.tiny_layers = 2
-    c.env.name = "largest"
-    c.env.max_turns = 1
-    c.env.max_new_tokens = 4
-    c.env.max_context_tokens = 64
-    c.train.length_buckets = (64,)
-    c.train.steps = 60
-    c.train.tasks_per_step = 32
-    c.train.samples_per_task = 8
-    c.optim.lr = 5e-4
-    c.optim.grad_clip = 1.0
-    c.sft.steps = 300
-    c.sft.batch_size = 64
-    c.sft.lr = 3e-3
-    c.sft.num_demos = 4000
-    c.sft.teacher_skill = 0.3
-    c.sft.max_length = 64
-    c.eval.every = 10
     c.eval.num_tasks = 500
-    c.checkpoint.every = 20
     if arg == "smoke":
         c.train.steps = 2
         c.train.tasks_per_step = 4

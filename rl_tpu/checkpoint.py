@@ -41,6 +41,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
 
+from rl_tpu import parallel
+
 log = logging.getLogger(__name__)
 
 SUPERSEDED_DIR = "superseded"
@@ -561,10 +563,7 @@ def _static_handler() -> ocp.CompositeCheckpointHandler:
 
 def _all_processes_agree(ok: bool) -> bool:
     """All processes must restore the same step, so one process's failure fails them all."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+    return parallel.across_hosts(ok, "all")
 
 
 def _on_every_process(read, what: str):

@@ -117,6 +117,8 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         check(config)
+        # saved with every checkpoint; made now, so a value JSON cannot hold fails at once
+        self.config_record = resume.config_record(config)
         parallel.maybe_initialize_distributed()
         os.makedirs(workdir, exist_ok=True)
         self.config, self.workdir = config, workdir
@@ -277,7 +279,7 @@ class Trainer:
         self.ckpt.wait()
         state = {"producer": self.producer.state(step), "replay": self.replay.state()}
         self._write_host_state(step, state)
-        meta = {"config": resume.config_record(self.config)}
+        meta = {"config": self.config_record}
         if not self.asynchronous:
             meta["stream"] = state["producer"]["stream"]
         self.ckpt.save(step, self._checkpoint_state(), meta)

@@ -114,6 +114,8 @@ def _train_command(workdir, async_save):
     return [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
             "--workdir", str(workdir), f"--config.train.steps={KILL_STEPS}",
             "--config.checkpoint.every=1",
+            # a warm start, so rewards differ within groups and the updates move the params
+            "--config.sft.steps=30",
             f"--config.checkpoint.async_save={'true' if async_save else 'false'}"]
 
 
@@ -188,6 +190,7 @@ def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_sav
 
     a = [_finite(r) for r in read_metrics(str(uninterrupted_run))]
     b = [_finite(r) for r in read_metrics(str(resumed))]
+    assert any(r.get("train/grad_norm", 0) > 0 for r in a), "no update moved the params"
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra == rb, f"step {ra['step']} differs after resume"

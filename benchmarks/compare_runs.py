@@ -1,0 +1,106 @@
+"""Compare training runs: curves of several workdirs in one figure, and a table of results.
+
+    python benchmarks/compare_runs.py --runs 'bapo s2=/tmp/exp/bapo_s2_seed*' \\
+        --runs 'clip s2=/tmp/exp/clip_s2_seed*' --out docs/figures/bapo_offpolicy.png
+
+Each `--runs NAME=GLOB` is one method: the workdirs the glob matches are its seeds. The figure
+has one panel per metric (held-out success, policy entropy, rollout reward, BAPO's bounds),
+each method's seed-mean as a line and its seeds as faint lines. The table (markdown) gives,
+per method, the mean over seeds of the last `--last` evals' success (with the seeds' spread),
+the final entropy and reward (means of the last 5 steps), the seconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+
+PANELS = (("eval/success", "held-out greedy success"), ("train/entropy", "policy entropy"),
+          ("rollout/reward", "rollout reward"), ("train/bapo_c_high", "BAPO c_high (c_low dashed)"))
+
+
+def read(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if key in r and r["step"] >= 0]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def summary(records: list[dict], last: int) -> dict[str, float]:
+    evals = series(records, "eval/success")[1]
+    tail = lambda key: statistics.mean(series(records, key)[1][-5:] or [float("nan")])  # noqa
+    steps = [r["time/step_s"] for r in records if "time/step_s" in r][1:]
+    return {"success": statistics.mean(evals[-last:]), "start": evals[0] if evals else 0.0,
+            "entropy": tail("train/entropy"), "reward": tail("rollout/reward"),
+            "step_s": statistics.median(steps) if steps else 0.0}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", action="append", required=True, help="NAME=GLOB of workdirs")
+    parser.add_argument("--out", default="", help="figure path (.png); none if empty")
+    parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
+    args = parser.parse_args()
+
+    methods = {}
+    for spec in args.runs:
+        name, _, pattern = spec.partition("=")
+        dirs = sorted(d for d in glob.glob(pattern) if os.path.isfile(f"{d}/metrics.jsonl"))
+        if not dirs:
+            raise SystemExit(f"--runs {spec!r}: no workdir with a metrics.jsonl matches")
+        methods[name] = [read(d) for d in dirs]
+
+    print("| method | seeds | success at step 0 | success, mean of last "
+          f"{args.last} evals (per seed) | entropy, last 5 steps | reward, last 5 steps | "
+          "s / step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in methods.items():
+        rows = [summary(r, args.last) for r in runs]
+        mean = lambda k: statistics.mean(x[k] for x in rows)  # noqa: E731
+        seeds = ", ".join(f"{x['success']:.3f}" for x in rows)
+        print(f"| {name} | {len(rows)} | {mean('start'):.3f} | {mean('success'):.3f} "
+              f"({seeds}) | {mean('entropy'):.3f} | {mean('reward'):.3f} | "
+              f"{mean('step_s'):.2f} |")
+
+    if not args.out:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (key, title), ax in zip(PANELS, axes):
+        for colour, (name, runs) in zip(colours, methods.items()):
+            curves = [series(r, key) for r in runs]
+            curves = [c for c in curves if c[0]]
+            if not curves:
+                continue
+            for steps, values in curves:
+                ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+            n = min(len(c[0]) for c in curves)
+            mean = [statistics.mean(c[1][i] for c in curves) for i in range(n)]
+            ax.plot(curves[0][0][:n], mean, color=colour, label=name, linewidth=1.8)
+            if key == "train/bapo_c_high":
+                low = [series(r, "train/bapo_c_low") for r in runs]
+                low_mean = [statistics.mean(c[1][i] for c in low) for i in range(n)]
+                ax.plot(curves[0][0][:n], low_mean, color=colour, linestyle="--",
+                        linewidth=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
