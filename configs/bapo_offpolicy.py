@@ -61,7 +61,7 @@ def get_config(arg: str = ""):
         c.rollout.mask_stale_tokens = True
 
     if "smoke" in parts:
-        c.train.steps = 3
+        c.train.steps = 2
         c.train.tasks_per_step = 4
         c.train.samples_per_task = 2
         c.train.minibatches = 2
@@ -72,7 +72,7 @@ def get_config(arg: str = ""):
         c.sft.num_demos = 64
         c.sft.batch_size = 16
         c.eval.num_tasks = 8
-        c.eval.every = 3
+        c.eval.every = 2
         c.checkpoint.every = 1
         c.log.plot = False
     return c
