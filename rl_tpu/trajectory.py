@@ -99,6 +99,21 @@ class Trajectory:
         return int(sampled.min()) if sampled.size else NO_VERSION
 
 
+def groups_of(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories -> their groups (samples of one task), in order of first appearance."""
+    groups: dict[int, list[Trajectory]] = {}
+    for traj in trajectories:
+        groups.setdefault(traj.group_id, []).append(traj)
+    return list(groups.values())
+
+
+def group_version(group: Sequence[Trajectory]) -> int:
+    """The oldest weight version of any token of the group (NO_VERSION: it sampled nothing):
+    what its staleness is counted from."""
+    versions = [t.oldest_version for t in group if t.oldest_version != NO_VERSION]
+    return min(versions) if versions else NO_VERSION
+
+
 @dataclasses.dataclass
 class EpisodeStats:
     """Summary of a batch of trajectories, for logs and benchmarks."""

@@ -29,7 +29,7 @@ from rl_tpu.rl.losses import PolicyLossConfig
 from rl_tpu.train import steps
 from rl_tpu.train.learner import UpdateConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.trajectory import Trajectory, groups_of
 
 ALGORITHMS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "bapo")
 
@@ -156,10 +156,7 @@ def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int
 def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
     """Groups (by group_id, in order) whose rewards are not all equal: DAPO's dynamic sampling
     keeps only these, since a group of equal rewards has zero advantage everywhere."""
-    groups: dict[int, list[Trajectory]] = {}
-    for traj in trajectories:
-        groups.setdefault(traj.group_id, []).append(traj)
-    return [g for g in groups.values() if len({round(t.reward, 9) for t in g}) > 1]
+    return [g for g in groups_of(trajectories) if len({round(t.reward, 9) for t in g}) > 1]
 
 
 # ----------------------------------------------------------------------------- rollout hooks

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_tpu.data.tasks import TaskStream
-from rl_tpu.trajectory import NO_VERSION, Trajectory
+from rl_tpu.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +60,6 @@ log = logging.getLogger(__name__)
 PlayFn = Callable[[list, int, int], list[Trajectory]]
 # select(played, play_more(round) -> more, any_host(flag) -> bool) -> (chosen, metrics)
 SelectFn = Callable[..., tuple[list[Trajectory], dict]]
-
-
-def groups_of(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
-    """Trajectories -> their groups (samples of one task), in order of first appearance."""
-    groups: dict[int, list[Trajectory]] = {}
-    for traj in trajectories:
-        groups.setdefault(traj.group_id, []).append(traj)
-    return list(groups.values())
-
-
-def group_version(group: list[Trajectory]) -> int:
-    """The oldest weight version of any token of the group (NO_VERSION: it sampled nothing)."""
-    versions = [t.oldest_version for t in group if t.oldest_version != NO_VERSION]
-    return min(versions) if versions else NO_VERSION
 
 
 def staleness_metrics(groups: list[list[Trajectory]], learner_version: int) -> dict:

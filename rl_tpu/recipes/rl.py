@@ -53,13 +53,13 @@ from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.recipes import algorithms, components, resume, sft
 from rl_tpu.recipes.config import check
-from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer, groups_of
+from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer
 from rl_tpu.train import rollout_batch
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
 from rl_tpu.train.replay import ReplayBuffer, ReplayConfig
 from rl_tpu.train.state import step_schedule
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.trajectory import Trajectory, groups_of
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from rl_tpu.trajectory import NO_VERSION, Trajectory
+from rl_tpu.trajectory import Trajectory, group_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +40,6 @@ class ReplayConfig:
             raise ValueError(f"train.replay.fraction={self.fraction} must be in (0, 1)")
         if self.max_staleness < 1:
             raise ValueError(f"train.replay.max_staleness={self.max_staleness} must be >= 1")
-
-
-def _oldest(group: list[Trajectory]) -> int:
-    versions = [t.oldest_version for t in group if t.oldest_version != NO_VERSION]
-    return min(versions) if versions else NO_VERSION
 
 
 class ReplayBuffer:
@@ -67,7 +62,7 @@ class ReplayBuffer:
         rng = np.random.default_rng([self.cfg.seed, step])
         picks = sorted(rng.choice(len(self._groups), size=take, replace=False)) if take else []
         replayed = [self._groups[i] for i in picks]
-        ages = [learner_version - _oldest(g) for g in replayed]
+        ages = [learner_version - group_version(g) for g in replayed]
         metrics = {"replay/groups": float(take), "replay/buffer_groups": float(len(self._groups)),
                    "replay/staleness_mean": float(np.mean(ages)) if ages else 0.0}
         self._groups.extend(fresh)
@@ -77,7 +72,7 @@ class ReplayBuffer:
 
     def _evict(self, learner_version: int) -> None:
         self._groups = [g for g in self._groups
-                        if learner_version - _oldest(g) <= self.cfg.max_staleness]
+                        if learner_version - group_version(g) <= self.cfg.max_staleness]
 
     def state(self) -> list[list[Trajectory]]:
         return list(self._groups)

@@ -150,26 +150,24 @@ def _wait_for_checkpoint(proc, directory, step, log_path, deadline):
         time.sleep(0.02)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("async_save", [True, False], ids=["async_save", "sync_save"])
-def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_save):
-    resumed = tmp_path / "resumed"
-    checkpoints = resumed / "checkpoints"
-    log_path = tmp_path / "killed.log"
+def kill_mid_run(command, workdir, log_path, env, after: int, timeout_s: float = 300) -> int:
+    """Starts `command`, SIGKILLs it at a random moment of a step after checkpoint `after`
+    (mid-rollout, mid-update, mid-eval or mid-save: all must be survivable; timed by the rate
+    of checkpoints after-1 -> after), checks it died of the signal while still running, and
+    returns the latest checkpoint that was complete before the kill."""
+    checkpoints = workdir / "checkpoints"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(_train_command(resumed, async_save), cwd=REPO, env=_cpu_env(),
-                                stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT)
     try:
-        # Kill at a random moment of a step after the second checkpoint (mid-rollout,
-        # mid-update, mid-eval or mid-save: all must be survivable), timed by the step rate.
-        deadline = time.time() + 300
-        _wait_for_checkpoint(proc, checkpoints, 1, log_path, deadline)
+        deadline = time.time() + timeout_s
+        _wait_for_checkpoint(proc, checkpoints, after - 1, log_path, deadline)
         first = time.time()
-        _wait_for_checkpoint(proc, checkpoints, 2, log_path, deadline)
+        _wait_for_checkpoint(proc, checkpoints, after, log_path, deadline)
         delay = random.Random(os.getpid()).uniform(0.0, 2 * (time.time() - first))
         time.sleep(delay)
-        assert proc.poll() is None, (f"training ended {delay:.2f}s after checkpoint 2, before "
-                                     f"the kill; raise KILL_STEPS")
+        assert proc.poll() is None, (f"training ended {delay:.2f}s after checkpoint {after}, "
+                                     "before the kill; run more steps")
         complete = _latest_checkpoint(checkpoints)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -178,15 +176,29 @@ def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_sav
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, log_path.read_text()[-3000:]
+    return complete
+
+
+def resumed_from(result) -> int:
+    """The k of the one "resumed from step k" the rerun logged."""
+    found = [int(k) for k in re.findall(r"resumed from step (\d+)", result.stderr + result.stdout)]
+    assert len(found) == 1, (result.stderr + result.stdout)[-3000:]
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True, False], ids=["async_save", "sync_save"])
+def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_save):
+    resumed = tmp_path / "resumed"
+    complete = kill_mid_run(_train_command(resumed, async_save), resumed,
+                            tmp_path / "killed.log", _cpu_env(), after=2)
 
     result = subprocess.run(_train_command(resumed, async_save), cwd=REPO, env=_cpu_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    resumed_from = [int(k) for k in re.findall(r"resumed from step (\d+)",
-                                               result.stderr + result.stdout)]
-    assert len(resumed_from) == 1, result.stderr[-3000:]
     # at or after the last checkpoint seen complete before the kill, and before the end
-    assert complete <= resumed_from[0] < KILL_STEPS, (complete, resumed_from, delay)
+    k = resumed_from(result)
+    assert complete <= k < KILL_STEPS, (complete, k)
 
     a = [_finite(r) for r in read_metrics(str(uninterrupted_run))]
     b = [_finite(r) for r in read_metrics(str(resumed))]

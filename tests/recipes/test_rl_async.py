@@ -9,19 +9,15 @@ XLA_FLAGS=--xla_force_host_platform_device_count=2.
 import json
 import os
 import pickle
-import random
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from rl_tpu.metrics import read_metrics
-from test_rl import REPO, _final_params, _finite, _latest_checkpoint, _wait_for_checkpoint, config
+from test_rl import REPO, _final_params, _finite, config, kill_mid_run, resumed_from
 
 # The kill comes within two step-times of checkpoint KILL_AFTER, timed from the step before
 # it (steps 1 and 2 compile: replay grows the batch at step 2), and long before the last step
@@ -35,39 +31,11 @@ def _two_device_env(**extra):
                 XLA_FLAGS="--xla_force_host_platform_device_count=2", **extra)
 
 
-def _resumed_from(result) -> int:
-    found = [int(k) for k in re.findall(r"resumed from step (\d+)", result.stderr + result.stdout)]
-    assert len(found) == 1, (result.stderr + result.stdout)[-3000:]
-    return found[0]
-
-
 def _kill_mid_run(command, workdir, log_path, env) -> int:
-    """Starts `command`, SIGKILLs it at a random moment of a step after checkpoint KILL_AFTER
-    (timed by the step rate), checks it died of the signal while still running, and returns
-    the latest checkpoint that was complete before the kill. The host states (producer,
-    replay) are copied to `workdir`/host_at_kill: the rerun prunes old ones."""
-    checkpoints = workdir / "checkpoints"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 400
-        _wait_for_checkpoint(proc, checkpoints, KILL_AFTER - 1, log_path, deadline)
-        first = time.time()
-        _wait_for_checkpoint(proc, checkpoints, KILL_AFTER, log_path, deadline)
-        delay = random.Random(os.getpid()).uniform(0.0, 2 * (time.time() - first))
-        time.sleep(delay)
-        assert proc.poll() is None, (f"training ended {delay:.2f}s after checkpoint "
-                                     f"{KILL_AFTER}, before the kill; raise STEPS")
-        complete = _latest_checkpoint(checkpoints)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, log_path.read_text()[-3000:]
-    shutil.copytree(checkpoints / "host", workdir / "host_at_kill")
+    """`kill_mid_run` after checkpoint KILL_AFTER; the host states (producer, replay) are
+    copied to `workdir`/host_at_kill, since the rerun prunes old ones."""
+    complete = kill_mid_run(command, workdir, log_path, env, after=KILL_AFTER, timeout_s=400)
+    shutil.copytree(workdir / "checkpoints" / "host", workdir / "host_at_kill")
     return complete
 
 
@@ -107,7 +75,7 @@ def test_kill_9_resumes_exactly_async_deterministic_with_replay(tmp_path):
     result = subprocess.run(_deterministic_command(resumed), cwd=REPO, env=_two_device_env(),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    k = _resumed_from(result)
+    k = resumed_from(result)
     assert 0 < k < STEPS and complete <= k, (complete, k)
 
     # what the resume started from: the two chunks after k, played, and the replay buffer
@@ -227,7 +195,7 @@ def test_free_running_resume_loses_and_repeats_no_task(tmp_path):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900,
                             env=_two_device_env(RL_TPU_TEST_TRACE=str(resumed_trace)))
     assert result.returncode == 0, result.stderr[-3000:]
-    k = _resumed_from(result)
+    k = resumed_from(result)
     assert 0 < k < STEPS and complete <= k, (complete, k)
 
     n = config("quickstart").train.tasks_per_step
