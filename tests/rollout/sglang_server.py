@@ -28,6 +28,9 @@ from typing import Optional, Sequence
 
 SGLANG_VERSION = "0.5.23"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# SGLang's CPU start (tokenizer manager, scheduler, model load) takes ~1 min alone and over
+# 3 min when the other pytest worker is compiling; a deadline is a hang guard, not a speed test.
+SGLANG_START_TIMEOUT_S = 600.0
 _READY = ".rl_tpu_ready"  # written into the venv once sglang is installed and importable
 
 SGL_KERNEL_STUB = textwrap.dedent('''\
@@ -215,7 +218,7 @@ def start_subprocess_server(cmd: Sequence[str], port: int, *, env: Optional[dict
     return server.wait_ready(timeout, ready_path)
 
 
-def start_rollout_server(model_dir: str, *flags: str, timeout: float = 180.0) -> ServerProcess:
+def start_rollout_server(model_dir: str, *flags: str, timeout: float = 300.0) -> ServerProcess:
     """rl_tpu's own SGLang-compatible JAX server: `python -m launch.serve_rollout`."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
@@ -234,7 +237,7 @@ def write_sgl_kernel_stub(directory: str) -> str:
     return directory
 
 
-def start_sglang_server(model_dir: str, *flags: str, timeout: float = 180.0,
+def start_sglang_server(model_dir: str, *flags: str, timeout: float = SGLANG_START_TIMEOUT_S,
                         env: Optional[dict] = None) -> ServerProcess:
     """A real SGLang 0.5.23 server on CPU serving `model_dir` (the CPU flags below;
     `--dtype float32` so a float32 tiny model is served as saved). `env` adds variables to the
