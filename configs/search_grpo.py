@@ -1,4 +1,6 @@
 """GRPO on search-engine QA: BM25 search over the shipped corpus, answer with EM/F1 reward.
+The env is "search" in rl_tpu's brackets style (`actions="brackets"`: one answer ends the
+episode); configs/agentgym.py:searchqa trains the same env in AgentGym's default tag style.
 
     python -m launch.train --config configs/search_grpo.py \\
         --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/search_grpo
@@ -13,6 +15,7 @@ from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smok
 def get_config(arg: str = ""):
     c = multi_turn_agent(base_config("grpo"), "search", turns=10, horizon_stages=(5, 8, 10),
                          max_new_tokens=256)
+    c.env.kwargs.actions = "brackets"
     if arg == "smoke":
         shrink_for_smoke(c)
         c.env.max_context_tokens = 2048

@@ -16,5 +16,6 @@ ENV_MODULES: dict[str, str] = {
     "babyai_agentgym": "babyai_agentgym",
     "textcraft_agentgym": "textcraft_agentgym",
     "sciworld_agentgym": "sciworld_agentgym",
-    "searchqa_agentgym": "search_agentgym",
+    "searchqa_agentgym": "search",
+    "searchqa": "search",
 }

@@ -1,20 +1,46 @@
-"""Deep-Search style question answering over a local corpus (AgentGym-RL's search env, offline).
+"""Search: answer questions by searching a local corpus (AgentGym's "Deep Search" / SearchQA).
 
-The agent sees a question and acts with two commands:
+Env "search" (aliases "searchqa_agentgym", "searchqa"). Its default is AgentGym's SearchQA
+protocol, so results compare with AgentGym-RL's; `actions="brackets"` is rl_tpu's own command
+style. Retrieval is the same in both: BM25 over the corpus, title and text indexed together.
+AgentGym's server retrieves from an e5 dense index over Wikipedia 2018, which is not available
+here, so which passages come back differs from AgentGym's; the protocol does not.
 
-    search[<query>]   -> the top-k passages of a BM25 index over the corpus
-    answer[<text>]    -> ends the episode; reward 1.0 on an exact match (after SQuAD-style
-                         normalisation) or the token F1 when `reward="f1"`
+Default (`actions="tags"`, AgentGym's). `step` takes the model's whole reply; the FIRST complete
+`<search>...</search>` or `<answer>...</answer>` pair (tags lower-case, content may span lines)
+decides what happens:
+  search  the stripped content is the query; the observation is `<information>Doc 1(Title: t)
+          text\\nDoc 2(Title: t) text\\n...</information>` with the top `top_k` (3) passages
+          (fewer when fewer share a word with the query); reward 0, not done.
+  answer  the content of the LAST `<answer>` pair is checked. Right when, normalised (lower
+          case, punctuation and a/an/the dropped, spaces collapsed), it equals a normalised gold
+          answer: reward 1, done, CORRECT. Else reward 0, NOT done, INCORRECT (try again).
+  neither INVALID (how to write an action); reward 0, not done.
+The first user turn is AgentGym's instruction and the assistant acknowledges "Ok."
+(`conversation_start`); the first observation is AgentGym's prompt with the question.
 
-The default data is the synthetic corpus shipped in `rl_tpu/envs/data/` (invented entities,
-written by `make_search_data.py`): a pretrained model cannot know the answers, so the only way
-to a reward is to search, and two-hop questions need a second search for the bridge entity.
-Any other corpus works: JSONL passages `{"id", "title", "text"}` and questions
-`{"id", "split", "question", "answer"}` (answer may also be a list of accepted strings).
+Option `actions="brackets"` (rl_tpu's): a system prompt states the commands `search[<query>]`
+and `answer[<text>]`; the LAST command in the reply acts (its argument runs to the balancing
+bracket); observations are `Question: ...` and `[k] Title: text` result lists; an answer ENDS
+the episode, right or wrong; malformed commands are `Invalid action: ...` observations.
+Other options: `reward="f1"` (token F1 instead of exact match; success is still exact match),
+`top_k`, `max_steps` (the step that uses them up ends the episode unsuccessfully; AgentGym's
+server has no limit and AgentGym-RL's loop stops after 5 turns to train, 30 to evaluate),
+`corpus_path` / `questions_path` (JSONL passages `{"id", "title", "text"}` and questions
+`{"id", "split", "question", "answer"}`, answer a string or a list of accepted strings).
 
-`SearchOracle` is a scripted policy that follows each question's `hops` (search the entity,
-check the passage it expects is among the results and says what it expects, search the bridge,
-answer). It is the demonstration the tests measure, and a check that retrieval works.
+The default data is the synthetic corpus in `rl_tpu/envs/data/` (invented entities, written by
+`make_search_data.py`): a pretrained model cannot know the answers, so the only way to a reward
+is to search, and two-hop questions need a second search for the bridge entity.
+
+Tasks: data_idx indexes the questions file; task i is `Task(f"searchqa_{i}", {"data_idx": i})`
+(AgentGym-RL's item ids: data_idx is the int after the last `_`). Splits `train` / `eval` hold
+the data_idx whose question's `split` is train / eval, ascending; `all` is every question
+(index == data_idx). A task may instead carry its own `question` and `answer` in its data.
+
+`SearchOracle` is a scripted policy in the brackets style that follows a question's `hops`
+(search the entity, check the expected passage and evidence came back, search the bridge,
+answer): the demonstration the tests measure, and a check that retrieval works.
 """
 
 from __future__ import annotations
@@ -32,8 +58,34 @@ from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "search_corpus.jsonl"
 DEFAULT_QUESTIONS = DATA_DIR / "search_questions.jsonl"
+ACTION_STYLES = ("tags", "brackets")
+TRAIN_TURNS, EVAL_TURNS = 5, 30  # AgentGym-RL's turn limits for SearchQA
 
-SYSTEM_PROMPT = """You answer questions by searching a document collection.
+ACK = "Ok."
+
+# Written for rl_tpu: the tag protocol AgentGym's SearchQA uses.
+INSTRUCTION = ("Think inside <think>...</think> before anything else. When you are missing "
+               "knowledge, write a query as <search>...</search> and stop there: do not write "
+               "<information> or <answer> yourself. Search results come back to you inside "
+               "<information>...</information>; only then think again and go on. Take every "
+               "step in this order and do not guess the answer ahead of the information.")
+
+_PROMPT = ("Start by reasoning inside <think>...</think>. If you do not know enough, write a "
+           "<search>...</search> query and then STOP; do not write <information> or <answer> "
+           "yet, and wait for the results, which arrive inside <information>...</information>. "
+           "With the results in hand, reason again inside <think>. When you are sure, give the "
+           "final answer inside <answer>...</answer>. Give <answer> before any <information> "
+           "only if you are fully sure. If you need no outside knowledge, answer directly "
+           "inside <answer> and </answer> with no long explanation, e.g. <answer> Beijing "
+           "</answer>. Do this every time.\n\nQuestion: {question}")
+
+CORRECT = "Congratulations! You have answered the question correctly."
+INCORRECT = "Sorry, your answer is incorrect. Please try again."
+INVALID = ("Your previous action is invalid. To search, put the query between <search> and "
+           "</search>. To give the final answer, put it between <answer> and </answer>. "
+           "Please try again.")
+
+BRACKETS_PROMPT = """You answer questions by searching a document collection.
 Each turn, think briefly, then end your reply with exactly one action:
   search[<query>]   look up passages; you get the top results back
   answer[<answer>]  give the final answer (a short phrase: a name, a year, a place); this ends the episode
@@ -48,7 +100,11 @@ _STOPWORDS = frozenset(
     "whose why with".split())
 _TOKEN = re.compile(r"[a-z0-9]+")
 _PUNCTUATION = frozenset(string.punctuation)
-_ACTION = re.compile(r"\b(search|answer)\s*\[", re.IGNORECASE)
+_BRACKET = re.compile(r"\b(search|answer)\s*\[", re.IGNORECASE)
+# The first complete pair: the opening tag's name must close it (`<search>..</answer>` is not
+# a pair), and the lazy body stops at the first closing tag.
+_PAIR = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def tokenize(text: str) -> list[str]:
@@ -58,10 +114,8 @@ def tokenize(text: str) -> list[str]:
 
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 
 def exact_match(prediction: str, gold: str) -> float:
@@ -131,16 +185,27 @@ class BM25Index:
         return [(self.passages[i], scores[i]) for i in best]
 
 
-def parse_action(text: str) -> tuple[Optional[str], str]:
+def acting_pair(reply: str) -> tuple[Optional[str], str]:
+    """("search" | "answer", stripped content) of the first complete tag pair, or (None, "")."""
+    m = _PAIR.search(reply)
+    return (m.group(1), m.group(2).strip()) if m else (None, "")
+
+
+def last_answer(reply: str) -> Optional[str]:
+    """The stripped content of the last `<answer>...</answer>`; None without one."""
+    found = _ANSWER.findall(reply)
+    return found[-1].strip() if found else None
+
+
+def bracket_action(text: str) -> tuple[Optional[str], str]:
     """(kind, argument) of the last `search[...]` / `answer[...]` in `text`, or (None, why).
 
     The last command counts because models reason first and act at the end; the argument
     runs to the bracket that balances the opening one, so `answer[[1, 2]]` keeps its list.
     """
-    matches = list(_ACTION.finditer(text))
+    matches = list(_BRACKET.finditer(text))
     if not matches:
-        return None, ("no action found; end your reply with search[<query>] or "
-                      "answer[<answer>]")
+        return None, "no action found; end your reply with search[<query>] or answer[<answer>]"
     m = matches[-1]
     depth, start = 1, m.end()
     for i in range(start, len(text)):
@@ -153,34 +218,52 @@ def parse_action(text: str) -> tuple[Optional[str], str]:
     return None, f"{m.group(1).lower()}[ has no closing ']'"
 
 
-class SearchTasks(TaskSource):
-    """Questions by their `split` field; ids are the questions' own."""
+def format_passages(passages: list[dict]) -> str:
+    """AgentGym's `<information>` block: `Doc k(Title: t) text` per passage, one a line."""
+    lines = "".join(f"Doc {k}(Title: {p.get('title', '')}) {p['text']}\n"
+                    for k, p in enumerate(passages, 1))
+    return f"<information>{lines.strip()}</information>"
 
-    def __init__(self, questions: Sequence[dict]):
-        self._by_split = {s: [q for q in questions if q.get("split", "train") == s]
-                          for s in self.splits}
+
+class SearchTasks(TaskSource):
+    """data_idx over the questions file; train/eval by each question's `split`."""
+
+    splits = ("train", "eval", "all")
+
+    def __init__(self, questions: list[dict]):
+        self._members = {
+            "all": list(range(len(questions))),
+            **{s: [i for i, q in enumerate(questions) if q.get("split", "train") == s]
+               for s in ("train", "eval")}}
 
     def size(self, split: str) -> int:
         self.check_split(split)
-        return len(self._by_split[split])
+        return len(self._members[split])
 
     def get(self, split: str, index: int) -> Task:
         self.check_split(split)
-        q = self._by_split[split][index]
-        return Task(task_id=str(q["id"]), data=dict(q))
+        members = self._members[split]
+        if not 0 <= index < len(members):
+            raise IndexError(f"search split {split!r} has {len(members)} tasks; "
+                             f"index {index} is out of range")
+        return Task(f"searchqa_{members[index]}", {"data_idx": members[index]})
 
 
 @register("search")
 class SearchEnv(Env):
-    """Question answering with `search[...]` over a local BM25 index and `answer[...]`."""
+    """Question answering over a local BM25 index (see the module docstring for the options)."""
 
     name = "search"
-    system_prompt = SYSTEM_PROMPT
+    system_prompt = ""  # AgentGym's instruction is the first user turn: conversation_start()
 
-    def __init__(self, corpus_path: Optional[str] = None,
-                 questions_path: Optional[str] = None, top_k: int = 3,
-                 reward: str = "em", max_steps: Optional[int] = None,
-                 max_query_chars: int = 300, max_passage_chars: int = 600):
+    def __init__(self, corpus_path: Optional[str] = None, questions_path: Optional[str] = None,
+                 actions: str = "tags", reward: str = "em", top_k: int = 3,
+                 max_steps: Optional[int] = None, max_query_chars: int = 300,
+                 max_passage_chars: int = 600):
+        if actions not in ACTION_STYLES:
+            raise ValueError(f"actions must be one of {ACTION_STYLES} ('tags': AgentGym's "
+                             f"<search>/<answer>; 'brackets': search[...]/answer[...]), "
+                             f"got {actions!r}")
         if reward not in ("em", "f1"):
             raise ValueError(f"reward must be 'em' (exact match) or 'f1' (token F1), got {reward!r}")
         if top_k < 1:
@@ -198,58 +281,97 @@ class SearchEnv(Env):
             missing = {"id", "question", "answer"} - set(q)
             if missing:
                 raise ValueError(f"{self.questions_path}: question {q} lacks fields {sorted(missing)}")
-        self._by_id = {str(q["id"]): q for q in self.questions}
         self._tasks = SearchTasks(self.questions)
-        self.top_k, self.reward, self.max_steps = top_k, reward, max_steps
+        self.actions, self.reward, self.top_k, self.max_steps = actions, reward, top_k, max_steps
         self.max_query_chars, self.max_passage_chars = max_query_chars, max_passage_chars
-        self._question: Optional[dict] = None
+        if actions == "brackets":
+            self.system_prompt = BRACKETS_PROMPT
+        self._golds: Optional[list[str]] = None
         self._steps, self._done = 0, True
 
     def tasks(self) -> SearchTasks:
         return self._tasks
 
+    def conversation_start(self) -> Optional[list[dict]]:
+        """AgentGym's opening turns (the instruction, then "Ok."); None in the brackets style,
+        whose system prompt states the commands."""
+        if self.actions == "brackets":
+            return None
+        return [{"role": "user", "content": INSTRUCTION}, {"role": "assistant", "content": ACK}]
+
+    def question(self, task: Task) -> dict:
+        """The task's question: its own data when it has `question` and `answer`, else the
+        questions file's entry at data_idx (data["data_idx"] or the int after the id's last `_`)."""
+        if "question" in task.data and "answer" in task.data:
+            return dict(task.data)
+        value = task.data.get("data_idx", task.task_id.rpartition("_")[2])
+        if not str(value).isdigit():
+            raise ValueError(f"search task {task.task_id!r}: want data {{'data_idx': i}}, an id "
+                             "like 'searchqa_7', or data with its own question and answer")
+        i = int(value)
+        if not 0 <= i < len(self.questions):
+            raise ValueError(f"search data_idx {i} is out of range: {self.questions_path} has "
+                             f"{len(self.questions)} questions (0..{len(self.questions) - 1})")
+        return self.questions[i]
+
     def reset(self, task: Task) -> str:
-        question = dict(task.data) if "question" in task.data else self._by_id.get(task.task_id)
-        if question is None or "answer" not in question:
-            raise ValueError(f"unknown search task {task.task_id!r}: give its question and "
-                             f"answer in task.data or use an id from {self.questions_path}")
-        self._question, self._steps, self._done = question, 0, False
-        return f"Question: {question['question']}"
+        question = self.question(task)
+        golds = question["answer"]
+        self._golds = [str(g) for g in golds] if isinstance(golds, list) else [str(golds)]
+        self._steps, self._done = 0, False
+        text = str(question["question"])
+        if self.actions == "brackets":
+            return f"Question: {text}"
+        return _PROMPT.format(question=text.strip())
 
     def step(self, action: str) -> StepResult:
-        if self._question is None or self._done:
+        if self._golds is None or self._done:
             return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
                               {"invalid_action": True})
         self._steps += 1
-        result = self._apply(action if isinstance(action, str) else str(action))
+        reply = action if isinstance(action, str) else str(action)
+        result = self._brackets(reply) if self.actions == "brackets" else self._tags(reply)
         if not result.done and self.max_steps is not None and self._steps >= self.max_steps:
-            # Out of turns without an answer: the episode fails, and says so.
             result = StepResult(result.observation + f"\nNo steps left ({self.max_steps}); "
                                 "the episode ends without an answer.", 0.0, True,
                                 {**result.info, "success": False, "truncated": True})
         self._done = result.done
         return result
 
-    def _apply(self, action: str) -> StepResult:
-        kind, arg = parse_action(action)
+    def _tags(self, reply: str) -> StepResult:
+        kind, content = acting_pair(reply)
+        if kind == "search":
+            hits = self.index.search(content, self.top_k)
+            return StepResult(format_passages([p for p, _ in hits]), 0.0, False,
+                              {"query": content, "num_results": len(hits),
+                               "passage_ids": [p.get("id") for p, _ in hits]})
+        if kind == "answer":
+            answer = last_answer(reply)  # the pair that acted may not be the one checked
+            result = self._judge(answer)
+            result.observation = CORRECT if result.done else INCORRECT
+            return result
+        return StepResult(INVALID, 0.0, False, {"invalid_action": True})
+
+    def _brackets(self, reply: str) -> StepResult:
+        kind, arg = bracket_action(reply)
         if kind is None:
             return invalid_action(arg)
         if not arg:
-            return invalid_action(f"{kind}[] is empty; put the {'query' if kind == 'search' else 'answer'} "
-                                  "between the brackets")
+            what = "query" if kind == "search" else "answer"
+            return invalid_action(f"{kind}[] is empty; put the {what} between the brackets")
         if len(arg) > self.max_query_chars:
             return invalid_action(f"the {kind} text is {len(arg)} characters; keep it under "
                                   f"{self.max_query_chars}")
-        if kind == "search":
-            return self._search(arg)
-        return self._answer(arg)
-
-    def _search(self, query: str) -> StepResult:
-        hits = self.index.search(query, self.top_k)
+        if kind == "answer":
+            result = self._judge(arg)
+            verdict = "correct" if result.done else "incorrect"
+            result.observation, result.done = f"Your answer {arg!r} is {verdict}.", True
+            return result
+        hits = self.index.search(arg, self.top_k)
         if not hits:
-            return StepResult(f"No passages match {query!r}. Try the exact name of an entity "
+            return StepResult(f"No passages match {arg!r}. Try the exact name of an entity "
                               "from the question.", 0.0, False, {"num_results": 0})
-        lines = [f"Search results for {query!r}:"]
+        lines = [f"Search results for {arg!r}:"]
         for rank, (passage, _) in enumerate(hits, 1):
             text = passage["text"]
             if len(text) > self.max_passage_chars:
@@ -259,29 +381,33 @@ class SearchEnv(Env):
         return StepResult("\n".join(lines), 0.0, False,
                           {"num_results": len(hits), "passage_ids": [p.get("id") for p, _ in hits]})
 
-    def _answer(self, prediction: str) -> StepResult:
-        golds = self._question["answer"]
-        golds = [str(g) for g in golds] if isinstance(golds, list) else [str(golds)]
-        em = max(exact_match(prediction, g) for g in golds)
-        f1 = max(token_f1(prediction, g) for g in golds)
-        reward = em if self.reward == "em" else f1
-        verdict = "correct" if em else "incorrect"
-        return StepResult(f"Your answer {prediction!r} is {verdict}.", reward, True,
-                          {"success": bool(em), "em": em, "f1": f1, "gold": golds[0]})
+    def _judge(self, answer: str) -> StepResult:
+        """Reward (exact match, or token F1) and success (exact match) of an answer; done when
+        it is right (the brackets style ends the episode either way)."""
+        em = max(exact_match(answer, g) for g in self._golds)
+        f1 = max(token_f1(answer, g) for g in self._golds)
+        return StepResult("", em if self.reward == "em" else f1, bool(em),
+                          {"answer": answer, "success": bool(em), "em": em, "f1": f1,
+                           "gold": self._golds[0]})
+
+
+register("searchqa_agentgym")(SearchEnv)
+register("searchqa")(SearchEnv)
 
 
 class SearchOracle:
-    """Scripted policy over a question's `hops`: one `search[...]` per hop, then the answer.
+    """Scripted brackets-style policy over a question's `hops`: one `search[...]` per hop,
+    then the answer.
 
     It reads the results: a hop counts only when the passage it needs is among the ones
     returned and contains the evidence (the bridge entity, or the answer on the last hop), so
     a retrieval failure shows up as a wrong answer rather than being papered over.
     """
 
-    def __init__(self, task: Task):
-        if not task.data.get("hops"):
-            raise ValueError(f"task {task.task_id!r} has no 'hops': the oracle needs them")
-        self.hops = task.data["hops"]
+    def __init__(self, question: dict):
+        if not question.get("hops"):
+            raise ValueError(f"question {question.get('id')!r} has no 'hops': the oracle needs them")
+        self.hops = question["hops"]
         self._hop, self._found = 0, True
 
     def act(self, observation: str) -> str:
@@ -297,7 +423,7 @@ class SearchOracle:
 
 
 def _result_block(observation: str, title: str) -> Optional[str]:
-    """The text of the result titled `title` in a search observation, if present."""
+    """The text of the result titled `title` in a brackets-style search observation."""
     for line in observation.splitlines():
         m = re.match(r"\[\d+\] (.*?): (.*)", line)
         if m and m.group(1) == title:

@@ -1,4 +1,5 @@
-"""Search env: BM25 retrieval, action parsing, scoring, the oracle demonstration, garbage input."""
+"""Search env, rl_tpu's brackets style (`actions="brackets"`): BM25 retrieval, action parsing,
+scoring, the oracle demonstration, garbage input."""
 
 import json
 import random
@@ -11,19 +12,19 @@ import pytest
 from garbage import garbage_actions, one_of, step_through, text
 
 from rl_tpu.envs import base
-from rl_tpu.envs.search import (DATA_DIR, BM25Index, SearchEnv, SearchOracle, exact_match,
-                                parse_action, token_f1)
+from rl_tpu.envs.search import (DATA_DIR, BM25Index, SearchEnv, SearchOracle, bracket_action,
+                                exact_match, token_f1)
 
 
 @pytest.fixture(scope="module")
 def env():
-    e = base.make("search")
+    e = base.make("search", actions="brackets")
     yield e
     e.close()
 
 
 def _play_oracle(env, task):
-    obs, oracle = env.reset(task), SearchOracle(task)
+    obs, oracle = env.reset(task), SearchOracle(env.question(task))
     for _ in range(10):
         result = env.step(oracle.act(obs))
         obs = result.observation
@@ -52,25 +53,27 @@ def test_tasks_are_reproducible_and_split(env):
 
 def test_search_then_answer(env):
     task = next(t for t in (env.tasks().get("eval", i) for i in range(50))
-                if t.data["type"] == "2hop")
+                if env.question(t)["type"] == "2hop")
+    q = env.question(task)
     obs = env.reset(task)
-    assert task.data["question"] in obs
-    first = task.data["hops"][0]
+    assert obs == f"Question: {q['question']}" and env.conversation_start() is None
+    assert env.system_prompt.startswith("You answer questions")
+    first = q["hops"][0]
     r = env.step(f"Thought: look it up.\nsearch[{first['query']}]")
     assert not r.done and r.reward == 0.0
     assert f"[1] {first['title']}:" in r.observation  # the entity's own passage ranks first
     assert first["evidence"] in r.observation
-    r = env.step(f"answer[{task.data['answer'].upper()}.]")  # normalisation: case, punctuation
+    r = env.step(f"answer[{q['answer'].upper()}.]")  # normalisation: case, punctuation
     assert r.done and r.reward == 1.0 and r.info["success"]
     assert env.step("search[anything]").done  # after the end: says so, no exception
 
 
 def test_wrong_answer_and_f1_reward():
-    env = SearchEnv(reward="f1")
+    env = SearchEnv(actions="brackets", reward="f1")
     task = next(t for t in (env.tasks().get("train", i) for i in range(50))
-                if len(t.data["answer"].split()) >= 2)
+                if len(env.question(t)["answer"].split()) >= 2)
     env.reset(task)
-    half = task.data["answer"].split()[0]
+    half = env.question(task)["answer"].split()[0]
     r = env.step(f"answer[{half}]")
     assert r.done and 0.0 < r.reward < 1.0 and not r.info["success"]
     env.reset(task)
@@ -86,11 +89,11 @@ def test_bm25_ranks_by_term_rarity_and_frequency():
     assert [p["title"] for p, _ in index.search("red hen", 1)] == ["B"]
 
 
-def test_parse_action():
-    assert parse_action("search[a b]") == ("search", "a b")
-    assert parse_action("I will SEARCH [x] then answer[[1, 2]]") == ("answer", "[1, 2]")
-    assert parse_action("answer[unclosed")[0] is None
-    assert parse_action("nothing here")[0] is None
+def test_bracket_action():
+    assert bracket_action("search[a b]") == ("search", "a b")
+    assert bracket_action("I will SEARCH [x] then answer[[1, 2]]") == ("answer", "[1, 2]")
+    assert bracket_action("answer[unclosed")[0] is None
+    assert bracket_action("nothing here")[0] is None
     assert exact_match("The Vask Sea!", "vask sea") == 1.0
     assert token_f1("sea of ombrel", "Sea of Ombrel") == 1.0
 
@@ -107,7 +110,7 @@ def test_invalid_actions_are_observations(env):
 
 
 def test_max_steps_ends_episode():
-    env = SearchEnv(max_steps=2)
+    env = SearchEnv(actions="brackets", max_steps=2)
     env.reset(env.tasks().get("train", 0))
     assert not env.step("search[foo]").done
     r = env.step("search[bar]")
@@ -119,13 +122,19 @@ def test_custom_corpus(tmp_path: Path):
                                       + json.dumps({"id": "b", "title": "Quix", "text": "Quix is red."}) + "\n")
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": "1", "split": "eval", "question": "Colour of Quix?",
                                                   "answer": ["red", "crimson"]}) + "\n")
-    env = SearchEnv(corpus_path=tmp_path / "c.jsonl", questions_path=tmp_path / "q.jsonl", top_k=1)
+    env = SearchEnv(corpus_path=tmp_path / "c.jsonl", questions_path=tmp_path / "q.jsonl", top_k=1,
+                    actions="brackets")
     assert env.tasks().size("train") == 0
     env.reset(env.tasks().get("eval", 0))
     assert "Quix is red." in env.step("search[Quix]").observation
     assert env.step("answer[crimson]").reward == 1.0
+    # A task that carries its own question and answer needs no questions file entry.
+    env.reset(base.Task("own", {"question": "Colour of Zorblat?", "answer": "blue"}))
+    assert env.step("answer[Blue]").reward == 1.0
     with pytest.raises(FileNotFoundError, match="corpus_path"):
         SearchEnv(corpus_path=tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="actions must be one of"):
+        SearchEnv(actions="json")
 
 
 def test_oracle_solves_eval_tasks(env):

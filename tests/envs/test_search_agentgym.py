@@ -1,4 +1,4 @@
-"""searchqa_agentgym: AgentGym's SearchQA protocol over a local BM25 corpus.
+"""The search env's default: AgentGym's SearchQA protocol over a local BM25 corpus.
 
 Most tests use a four-passage corpus written here, small enough to rank by hand (BM25 over
 title + text, stopwords such as "is", "a", "in", "by", "the", "and" dropped):
@@ -19,8 +19,8 @@ import json
 import pytest
 
 from rl_tpu.envs import base
-from rl_tpu.envs.search_agentgym import (ACK, CORRECT, INCORRECT, INSTRUCTION, INVALID,
-                                         SearchQAAgentGymEnv, acting_pair, last_answer)
+from rl_tpu.envs.search import (ACK, CORRECT, INCORRECT, INSTRUCTION, INVALID, SearchEnv,
+                                acting_pair, last_answer)
 
 PASSAGES = [
     {"id": "p0", "title": "Alpha Tower", "text": "Alpha Tower stands in Brenn."},
@@ -46,7 +46,7 @@ def _write(path, rows):
 
 @pytest.fixture
 def env(tmp_path):
-    return base.make("searchqa_agentgym",
+    return base.make("search",
                      corpus_path=_write(tmp_path / "corpus.jsonl", PASSAGES),
                      questions_path=_write(tmp_path / "questions.jsonl", QUESTIONS))
 
@@ -151,13 +151,14 @@ def test_conversation_start(env):
     assert user == {"role": "user", "content": INSTRUCTION}
     assert assistant == {"role": "assistant", "content": "Ok."} and ACK == "Ok."
     assert "<search>...</search>" in INSTRUCTION and "<information>" in INSTRUCTION
-    assert SearchQAAgentGymEnv.system_prompt == ""
+    assert SearchEnv.system_prompt == "" and env.system_prompt == ""
 
 
 def test_shipped_corpus():
     """The default data (rl_tpu/envs/data): question 0 asks for Mys Dehaes's profession,
     `apothecary`; only the passage about Mys Dehaes has both words of the name."""
-    env = base.make("searchqa_agentgym")
+    env = base.make("searchqa_agentgym")  # the old name: an alias of "search"
+    assert isinstance(env, SearchEnv) and env.actions == "tags"
     assert env.tasks().size("all") == 100
     obs = env.reset(env.tasks().get("all", 0))
     assert obs.endswith("Question: What is the profession of Mys Dehaes?")
