@@ -4,7 +4,9 @@
         --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/textcraft_bapo
 
 Crafting goals of depth 2-4 through `get`, `craft` and `inventory` actions, turn limits growing
-(10, 20, 30) as in AgentGym-RL. The rollouts come from an asynchronous producer on devices of
+(10, 20, 30) as in AgentGym-RL. The env is "textcraft" with rl_tpu's options (system prompt,
+batch crafting, eval goals held out from training); configs/agentgym.py:textcraft trains its
+AgentGym default. The rollouts come from an asynchronous producer on devices of
 its own (`rollout.sampler_devices`, half of each host's by default), at most
 `rollout.max_staleness` = 2 versions behind the learner: BAPO's setting, where its ratio
 pi_theta / pi_rollout sees the staleness. `--config.rollout.max_staleness=0` trains
@@ -19,6 +21,7 @@ from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smok
 def get_config(arg: str = ""):
     c = multi_turn_agent(base_config("bapo"), "textcraft", turns=30,
                          horizon_stages=(10, 20, 30))
+    c.env.kwargs.update(prompt="system", batch_crafting=True, tasks="held_out")
     c.rollout.max_staleness = 2
     if arg == "smoke":
         shrink_for_smoke(c)

@@ -14,7 +14,7 @@ ENV_MODULES: dict[str, str] = {
     "largest": "largest",
     # AgentGym-compatible modes: AgentGym's actions, observations, rewards and task indexing
     "babyai_agentgym": "babyai_agentgym",
-    "textcraft_agentgym": "textcraft_agentgym",
+    "textcraft_agentgym": "textcraft",
     "sciworld_agentgym": "sciworld_agentgym",
     "searchqa_agentgym": "search",
     "searchqa": "search",

@@ -1,4 +1,5 @@
-"""textcraft_agentgym: AgentGym's TextCraft rules, worked out by hand from the recipe files.
+"""The textcraft env's default: AgentGym's TextCraft rules, worked out by hand from the recipe
+files.
 
 Goals used (data_idx -> goal, from the depth-sorted goal list, ties in sorted file order):
 0 -> acacia planks (craft 4 acacia planks using 1 acacia logs), 56 -> iron ingot
@@ -19,8 +20,8 @@ from garbage import garbage_actions, step_through  # noqa: E402
 
 from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
-from rl_tpu.envs.textcraft_agentgym import (ACK, AGENTGYM_RL_TURNS,  # noqa: E402
-                                            TextCraftAgentGymEnv, load_agentgym_book)
+from rl_tpu.envs.textcraft import (ACK, AGENTGYM_RL_TURNS, TextCraftEnv,  # noqa: E402
+                                   load_recipe_book)
 
 M = "minecraft:"
 ACACIA, IRON, STICK = 0, 56, 103
@@ -34,12 +35,12 @@ def no_recipe(item_id: str, count: int) -> str:
 
 @pytest.fixture(scope="module")
 def book():
-    return load_agentgym_book()
+    return load_recipe_book()
 
 
 @pytest.fixture()
 def env():
-    return base.make("textcraft_agentgym")
+    return base.make("textcraft")
 
 
 def start(env, data_idx: int) -> str:
@@ -201,11 +202,12 @@ def test_tasks_and_conversation_start(env):
     for phrase in ("craft [target] using [ingredients]", "get [count] [item]", "inventory",
                    "Thought:\n", "\n\nAction:\n"):
         assert phrase in user["content"]
-    assert AGENTGYM_RL_TURNS == 30
+    assert AGENTGYM_RL_TURNS == 30 and env.system_prompt == ""
+    assert isinstance(base.make("textcraft_agentgym"), TextCraftEnv)  # the old name: an alias
 
 
 def test_max_steps_truncates(book):
-    env = TextCraftAgentGymEnv(max_steps=2)
+    env = TextCraftEnv(max_steps=2)
     start(env, ACACIA)
     assert not env.step("Action: inventory").done
     result = env.step("Action: inventory")
