@@ -6,7 +6,9 @@
 
 `--port 0` picks a free port. Once listening, one line goes to stdout:
 `rl_tpu env server: <env> at http://<host>:<port>`; scripts that start the server in a
-subprocess read the URL from it. Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`.
+subprocess read the URL from it. Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a
+training run given `--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
+name or kwarg fails before the socket is bound, naming the envs or kwargs there are.
 """
 
 import json
@@ -14,7 +16,7 @@ import sys
 
 from absl import app, flags
 
-from rl_tpu.envs import server
+from rl_tpu.envs import base, server
 
 flags.DEFINE_string("env", None, "Registered env name, e.g. babyai or textcraft.", required=True)
 flags.DEFINE_string("host", "127.0.0.1", "Bind address; loopback unless you mean to expose it.")
@@ -37,8 +39,14 @@ def main(argv):
         print(f"rl_tpu env server: {f.env} at {url}", flush=True)
 
     try:
+        base.check_kwargs(f.env, env_kwargs)  # an unknown env name or kwarg: fail by name
+    except ValueError as e:  # one line, not the flag help: the flags were fine
+        sys.exit(f"launch.serve_env: {e}")
+    try:
         server.serve(f.env, host=f.host, port=f.port, max_instances=f.max_instances,
                      env_kwargs=env_kwargs, ready=ready)
+    except ModuleNotFoundError as e:  # the env's package, named with its pip extra
+        sys.exit(f"launch.serve_env: {e}")
     except OSError as e:  # most often: the port is taken
         raise app.UsageError(f"cannot serve on {f.host}:{f.port}: {e}; pick another --port "
                              "(0 picks a free one)")

@@ -44,7 +44,16 @@ AgentGym-RL does with an episode whose server answered an error (it scores it 0)
   practice); a dropped `/step` on a fresh connection is raised, never replayed;
 - no reply within `timeout` seconds: raised at once (a hung server is not helped by waiting).
 
-One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra dependency).
+One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra dependency),
+never shared: the agent loop builds one RemoteEnv per episode, and a lock serialises the calls
+on one RemoteEnv (a timed-out step still running in its worker thread and a later close, say).
+
+Training against servers (`env.remote_url`, see docs/env_servers.md): `RemoteEnvFactory`
+builds the local env of the config once and takes from it what AgentGym's servers cannot
+give (they have no /info): the task source, with AgentGym's data_idx numbering and the local
+train/eval splits; the system prompt; the conversation start. Its AgentGym name
+(`agentgym_name`) picks the protocol; each call returns a RemoteEnv on the next server of the
+list (round robin).
 """
 
 from __future__ import annotations
@@ -53,10 +62,13 @@ import http.client
 import json
 import logging
 import re
+import functools
+import itertools
 import socket
+import threading
 import time
 import urllib.parse
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
@@ -72,6 +84,31 @@ ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve th
 SEARCHQA_ACKNOWLEDGEMENT = "Ok."
 
 _ITEM_SUFFIX = re.compile(r"_(\d+)$")
+
+
+def split_url(url: str) -> urllib.parse.SplitResult:
+    """`url` parsed, "http://" assumed when it names no scheme; ValueError unless it is an
+    http(s) URL with a host (and a numeric port, if any)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"env server url must look like http://host:port, got {url!r}")
+    url = url.strip()
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        raise ValueError(f"env server url {url!r} has a bad port; want http://host:port")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"env server url must look like http://host:port, got {url!r}")
+    return parts
+
+
+def _serialised(method):
+    """Runs `method` holding the env's lock (see RemoteEnv._lock)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class RemoteEnvError(RuntimeError):
@@ -120,14 +157,20 @@ class RemoteEnv(Env):
       instruction: the env's instruction (AgentGym client's `conversation_start[0]`); when
         given, `conversation_start()` returns it as a user turn and AgentGym-RL's fixed
         acknowledgement as the assistant turn.
+      system_prompt, conversation, task_source: what a local definition of the env says
+        (`RemoteEnvFactory` passes the local env's): returned by `system_prompt`,
+        `conversation_start()` and `tasks()` in place of asking the server (`/info`, `/task`).
     """
 
     def __init__(self, url: str, env_name: Optional[str] = None, timeout: float = 60.0,
                  retries: int = 3, backoff: float = 0.2, *, protocol: Optional[str] = None,
-                 instruction: Optional[str] = None):
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"env server url must look like http://host:port, got {url!r}")
+                 instruction: Optional[str] = None, system_prompt: Optional[str] = None,
+                 conversation: Optional[Sequence[dict]] = None,
+                 task_source: Optional[TaskSource] = None):
+        parts = split_url(url)
+        if not timeout > 0 or retries < 0 or backoff < 0:
+            raise ValueError(f"RemoteEnv needs timeout > 0, retries >= 0 and backoff >= 0 "
+                             f"seconds; got {timeout}, {retries}, {backoff}")
         if protocol is None:
             protocol = "agentgym" if env_name in AGENTGYM_ENVS else "rl_tpu"
         if protocol not in PROTOCOLS:
@@ -147,6 +190,12 @@ class RemoteEnv(Env):
         self._id: Optional[int] = None
         self._info: Optional[dict] = None
         self._done = True
+        self._system_prompt = system_prompt
+        self._conversation = [dict(m) for m in conversation] if conversation else None
+        self._task_source = task_source
+        # Held for a whole reset/step/close, so a second thread never interleaves requests
+        # on this env's connection or sees its id half-updated.
+        self._lock = threading.RLock()
         # SearchQA names the instance `env_idx` (its `id` is the item); the others `id`.
         self._id_key = "env_idx" if env_name == "searchqa" else "id"
 
@@ -163,6 +212,7 @@ class RemoteEnv(Env):
             self._conn.close()
             self._conn = None
 
+    @_serialised
     def _request(self, method: str, path: str, body: Optional[dict] = None) -> Any:
         """One API call; returns the decoded JSON reply or raises RemoteEnvError."""
         data = json.dumps(body).encode() if body is not None else None
@@ -241,6 +291,7 @@ class RemoteEnv(Env):
 
     # -- Env --------------------------------------------------------------------------------
 
+    @_serialised
     def server_info(self) -> dict:
         """`GET /info` (cached, rl_tpu servers only): env name, system prompt, split sizes."""
         if self._info is None:
@@ -257,13 +308,17 @@ class RemoteEnv(Env):
 
     @property
     def system_prompt(self) -> str:  # type: ignore[override]
+        if self._system_prompt is not None:
+            return self._system_prompt
         if self.protocol == "agentgym":
             return ""  # AgentGym states the format in the instruction (conversation_start)
         return self.server_info().get("system_prompt", "")
 
     def conversation_start(self) -> Optional[list[dict]]:
         """AgentGym-RL's first two turns when an `instruction` was given, else None (the
-        agent loop then uses `system_prompt`)."""
+        agent loop then uses `system_prompt`); the `conversation` given, if any."""
+        if self._conversation is not None:
+            return [dict(m) for m in self._conversation]
         if self.instruction is None:
             return None
         ack = SEARCHQA_ACKNOWLEDGEMENT if self._expected_name == "searchqa" else ACKNOWLEDGEMENT
@@ -271,7 +326,10 @@ class RemoteEnv(Env):
                 {"role": "assistant", "content": ack}]
 
     def tasks(self) -> TaskSource:
-        """The server's task source (rl_tpu servers only; AgentGym's have none)."""
+        """The `task_source` given, else the server's (rl_tpu servers only; AgentGym's have
+        none)."""
+        if self._task_source is not None:
+            return self._task_source
         return RemoteTaskSource(self)
 
     @staticmethod
@@ -302,6 +360,7 @@ class RemoteEnv(Env):
                              "{'data_idx': i} or an id '<env>_<i>' (i a non-negative int)")
         return {"data_idx": index}
 
+    @_serialised
     def reset(self, task: Task) -> str:
         if self.protocol == "agentgym":
             return self._reset_agentgym(task)
@@ -369,6 +428,7 @@ class RemoteEnv(Env):
             return parse_sciworld_action(reply), None
         return parse_action(reply)
 
+    @_serialised
     def step(self, action: str) -> StepResult:
         if self._id is None or self._done:
             return StepResult(observation="The episode is over; reset to start a new one.",
@@ -380,8 +440,11 @@ class RemoteEnv(Env):
         if refusal is not None:  # AgentGym's client answers this itself, sending nothing
             return StepResult(observation=refusal, reward=0.0, done=False,
                               info={"invalid_action": True, "too_many_actions": True})
-        reply = self._reply("POST /step", self._request(
-            "POST", "/step", {self._id_key: self._id, "action": sent}), "observation", "done")
+        body = {self._id_key: self._id, "action": sent}
+        if self.protocol == "rl_tpu":
+            body["raw"] = True  # the whole reply: the served env parses it (see server.py)
+        reply = self._reply("POST /step", self._request("POST", "/step", body),
+                            "observation", "done")
         if "score" not in reply and "reward" not in reply:
             raise RemoteEnvError(f"POST /step on {self.url} answered {reply!r:.300} with "
                                  "neither 'score' nor 'reward'")
@@ -394,12 +457,14 @@ class RemoteEnv(Env):
         return StepResult(observation=reply["observation"], reward=reward, done=self._done,
                           info=info)
 
+    @_serialised
     def observation(self) -> str:
         """`GET /observation`: the instance's last observation."""
         if self._id is None:
             raise RemoteEnvError(f"no episode on {self.url} yet: call reset first")
         return self._request("GET", f"/observation?{self._id_key}={self._id}")
 
+    @_serialised
     def close(self) -> None:
         """Frees the server-side instance. A dead server is logged, not raised: close runs in
         cleanup paths, where the error that killed the server is already being reported."""
@@ -411,3 +476,132 @@ class RemoteEnv(Env):
             self._id = None
         self._done = True
         self._drop_connection()
+
+
+# -- training against env servers -----------------------------------------------------------
+
+
+def agentgym_name(env: Env) -> Optional[str]:
+    """AgentGym's name for `env`'s tasks (one of AGENTGYM_ENVS), or None if it has none.
+
+    An env may say so itself (a str attribute `agentgym_name`); otherwise it is read off the
+    env's task source: rl_tpu's AgentGym-mode envs number their tasks as AgentGym's servers
+    do, `Task(f"{name}_{i}", {"data_idx": i})`, whatever the env is registered as. Looking at
+    the tasks rather than at env names keeps this right when envs are renamed."""
+    named = getattr(env, "agentgym_name", None)
+    if isinstance(named, str):
+        return named if named in AGENTGYM_ENVS else None
+    try:
+        source = env.tasks()
+    except TypeError:  # an env without built-in tasks
+        return None
+    for split in source.splits:
+        try:
+            task = source.get(split, 0)
+        except (IndexError, ValueError, KeyError):  # an empty split: try the next
+            continue
+        index = (task.data or {}).get("data_idx")
+        prefix, _, tail = task.task_id.rpartition("_")
+        if (isinstance(index, int) and not isinstance(index, bool) and tail == str(index)
+                and prefix in AGENTGYM_ENVS):
+            return prefix
+        return None
+    return None
+
+
+def parse_urls(text: str, key: str = "env.remote_url") -> list[str]:
+    """The URLs of a comma-separated list, each checked (`split_url`); ValueError naming `key`
+    for an empty list or a bad URL."""
+    urls = [u.strip() for u in (text or "").split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"{key}={text!r} names no env server; give http://host:port[,...]")
+    checked = []
+    for url in urls:
+        try:
+            parts = split_url(url)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+        checked.append(f"{parts.scheme}://{parts.netloc}")
+    return checked
+
+
+class RemoteEnvFactory:
+    """`make_env` for training and evaluating against env servers: each call returns a
+    RemoteEnv on the next of `urls` (round robin per env instance, so the episodes of a
+    rollout spread evenly over the servers).
+
+    `local` is the env as defined here (built once by the caller; it is not stepped): its task
+    source (the same data_idx numbering and train/eval splits as training locally), system
+    prompt and conversation start go to every RemoteEnv, since AgentGym's servers have no
+    /info to ask. Its AgentGym name (`agentgym_name`) picks the protocol: "agentgym" (the
+    model's reply parsed here as AgentGym's client parses it; works against AgentGym's own
+    servers and `launch.serve_env`), else "rl_tpu" (the reply sent whole; `launch.serve_env`
+    serving an env of the same name)."""
+
+    def __init__(self, local: Env, urls: Sequence[str], *, env_name: Optional[str] = None,
+                 timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+        if not urls:
+            raise ValueError("RemoteEnvFactory needs at least one env server url")
+        self.urls = [f"{p.scheme}://{p.netloc}" for p in map(split_url, urls)]
+        self.env_name = env_name or getattr(local, "name", None)
+        self.agentgym = agentgym_name(local)
+        self.protocol = "agentgym" if self.agentgym else "rl_tpu"
+        try:
+            self.task_source: Optional[TaskSource] = local.tasks()
+        except TypeError:
+            self.task_source = None  # tasks come from env.dataset_dir (or the server)
+        self.system_prompt = getattr(local, "system_prompt", "") or ""
+        start = getattr(local, "conversation_start", None)
+        self.conversation = start() if callable(start) else None
+        self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff)
+        self._next = itertools.count()
+        self._next_lock = threading.Lock()  # make_env runs in the agent loop's worker threads
+
+    def __call__(self) -> RemoteEnv:
+        with self._next_lock:
+            url = self.urls[next(self._next) % len(self.urls)]
+        return self._env(url)
+
+    def _env(self, url: str) -> RemoteEnv:
+        return RemoteEnv(url, self.agentgym or self.env_name, protocol=self.protocol,
+                         system_prompt=self.system_prompt, conversation=self.conversation,
+                         task_source=self.task_source, **self._kwargs)
+
+    def check_servers(self) -> None:
+        """Asks every server whether it is up and serves this env, before any compute: `GET /`
+        (every AgentGym server answers it) and, where the server has it, `GET /info`. Raises
+        ValueError naming the url and what to do."""
+        for url in self.urls:
+            env = self._env(url)
+            try:
+                env._request("GET", "/")
+                try:
+                    info = env._request("GET", "/info")
+                except RemoteEnvError as e:
+                    if e.status != 404:
+                        raise
+                    info = None  # AgentGym's own servers have no /info
+            except RemoteEnvError as e:
+                raise ValueError(f"env.remote_url: the env server at {url} does not answer "
+                                 f"({e})") from None
+            finally:
+                env.close()
+            self._check_served(url, info)
+
+    def _check_served(self, url: str, info: Optional[dict]) -> None:
+        if info is None:
+            if self.protocol == "rl_tpu":
+                raise ValueError(
+                    f"env.remote_url: {url} has no /info, so it is not rl_tpu's env server; env "
+                    f"{self.env_name!r} has no AgentGym task name, so only `python -m "
+                    f"launch.serve_env --env {self.env_name}` can serve it")
+            return  # an AgentGym server: its name cannot be asked; its replies are checked
+        served = info.get("env") if isinstance(info, dict) else None
+        served_agentgym = info.get("agentgym_name") if isinstance(info, dict) else None
+        same = served == self.env_name or (self.agentgym is not None
+                                           and served_agentgym == self.agentgym)
+        if not same:
+            raise ValueError(
+                f"env.remote_url: the env server at {url} serves {served!r}, but env.name is "
+                f"{self.env_name!r}; serve it with `python -m launch.serve_env --env "
+                f"{self.env_name}`, or set env.name to the served env")

@@ -15,20 +15,25 @@ servers, so `rl_tpu.envs.remote.RemoteEnv` and AgentGym's own clients read both 
 
 `score` is the env's reward, the number AgentGym's clients report (rl_tpu's AgentGym-mode envs
 already report BabyAI's and SciWorld's running score as their reward). A data index without a
-split is an index into the "train" split.
+split is AgentGym's item number for an AgentGym-mode env (one whose tasks are numbered as
+AgentGym's are, `Task(f"{name}_{i}", {"data_idx": i})`: see `remote.agentgym_name`), so
+data_idx i plays the very task it plays on AgentGym's server and on the local env; for any
+other env it is an index into the "train" split.
 
 The `action` of `/step` is what AgentGym's client sends: the action already parsed out of the
-model's reply. rl_tpu's AgentGym-mode envs (`babyai_agentgym`, `textcraft_agentgym`,
-`sciworld_agentgym`) take the whole reply and parse it themselves, so for them the server hands
-the env `"Action: " + action`, which their parsers read back as exactly `action` (a parsed
-action has no `Action:` marker and nothing the filter drops). Other envs get `action` as sent.
+model's reply. rl_tpu's AgentGym-mode BabyAI, TextCraft and SciWorld envs take the whole reply
+and parse it themselves, so for them the server hands the env `"Action: " + action`, which
+their parsers read back as exactly `action` (a parsed action has no `Action:` marker and
+nothing the filter drops). Other envs get `action` as sent, and so does every env when the
+body says `"raw": true` (rl_tpu's protocol, which sends the model's whole reply).
 
 rl_tpu additions: `/create` and `/reset` also take `"task": {"task_id", "data"}` instead of a
-data index (tasks that are not in the env's own task source); `GET /health` (live instances),
-`GET /info` (env name, system prompt, split sizes), `GET /task?split=&index=` (a task's id and
-data).
+data index (tasks that are not in the env's own task source); `GET /health` (live instances;
+instances created and steps taken since start), `GET /info` (env name, its AgentGym name or
+null, system prompt, split sizes), `GET /task?split=&index=` (a task's id and data).
 
-SearchQA's dialect, served for `searchqa_agentgym` (or `make_server(..., dialect="searchqa")`):
+SearchQA's dialect, served for the AgentGym-mode SearchQA env (or `make_server(...,
+dialect="searchqa")`):
 the instance is `env_idx` and `id` is the item, `POST /create {"id": item}` -> env_idx (an
 int), `POST /reset {"env_idx", "id"}` -> the first observation (a string), `POST /step
 {"env_idx", "action"}` -> {"observation", "reward", "done", "info"}, `GET /observation?env_idx=`,
@@ -60,13 +65,15 @@ import urllib.parse
 from typing import Any, Callable, Optional, Union
 
 from rl_tpu.envs.base import Env, Task, make
+from rl_tpu.envs.remote import agentgym_name
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # far above any action; bounds what a broken client can make us read
 
-# Envs that parse AgentGym's whole reply themselves: the server gives them "Action: <action>".
-AGENTGYM_MODE_ENVS = ("babyai_agentgym", "textcraft_agentgym", "sciworld_agentgym")
+# AgentGym names of the envs that parse AgentGym's whole reply themselves: the server gives
+# them "Action: <action>" (SearchQA's client sends the whole reply, so its env gets it as is).
+PARSING_ENVS = ("babyai", "textcraft", "sciworld")
 DIALECTS = ("agentgym", "searchqa")
 
 
@@ -98,24 +105,31 @@ class EnvService:
     """The API's logic, free of HTTP: a table of live env instances keyed by integer id."""
 
     def __init__(self, env_factory: Callable[[], Env], max_instances: int = 256,
-                 env_name: Optional[str] = None, action_prefix: str = "",
-                 dialect: str = "agentgym"):
+                 env_name: Optional[str] = None, action_prefix: Optional[str] = None,
+                 dialect: Optional[str] = None):
         if max_instances < 1:
             raise ValueError(f"max_instances must be >= 1, got {max_instances}")
-        if dialect not in DIALECTS:
+        if dialect not in DIALECTS + (None,):
             raise ValueError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
-        self.searchqa = dialect == "searchqa"
-        self._id_key = "env_idx" if self.searchqa else "id"
         self._factory = env_factory
-        self.action_prefix = action_prefix  # see the module docstring
         self.max_instances = max_instances
         self._instances: dict[int, _Instance] = {}
         self._lock = threading.Lock()
         self._next_id = 0
+        self.created = self.steps = 0  # since start, for /health (tests, monitoring)
         # One env kept aside to answer task-source and metadata queries without touching any
         # instance a client is stepping.
         self._meta_env = env_factory()
         self.env_name = env_name or self._meta_env.name
+        # Told by the env's tasks, not its registered name (see the module docstring).
+        self.agentgym = agentgym_name(self._meta_env)
+        if dialect is None:
+            dialect = "searchqa" if self.agentgym == "searchqa" else "agentgym"
+        if action_prefix is None:
+            action_prefix = "Action: " if self.agentgym in PARSING_ENVS else ""
+        self.searchqa = dialect == "searchqa"
+        self._id_key = "env_idx" if self.searchqa else "id"
+        self.action_prefix = action_prefix  # see the module docstring
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -130,10 +144,13 @@ class EnvService:
                 raise RequestError(400, "'task.data' must be an object")
             return Task(task_id=spec["task_id"], data=data)
         index = body.get("data_idx", 0)
-        split = body.get("split", "train")
+        split = body.get("split")
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise RequestError(400, f"'data_idx' must be a non-negative integer, got {index!r}")
-        return self.get_task(split, index)
+        if split is None and self.agentgym is not None:
+            # AgentGym's item number: the env itself says whether it has item i (at reset).
+            return Task(f"{self.agentgym}_{index}", {"data_idx": index})
+        return self.get_task("train" if split is None else split, index)
 
     def get_task(self, split: Any, index: Any) -> Task:
         try:
@@ -193,6 +210,7 @@ class EnvService:
                                         "--max_instances")
             env_id = self._next_id
             self._next_id += 1
+            self.created += 1
             # Reserve the slot (so the cap counts envs being built) with the instance already
             # locked, so a request racing on this id waits until the env exists.
             instance = _Instance(env=None)
@@ -222,8 +240,12 @@ class EnvService:
         with instance.lock:
             if instance.closed:
                 raise RequestError(404, f"env {env_id} was closed")
+            with self._lock:
+                self.steps += 1
+            # rl_tpu's own protocol sends the model's whole reply ("raw"): never prefixed.
+            prefix = "" if body.get("raw") is True else self.action_prefix
             try:
-                result = instance.env.step(self.action_prefix + action)
+                result = instance.env.step(prefix + action)
                 reward = float(result.reward)
                 if not math.isfinite(reward):
                     raise ValueError(f"non-finite reward {result.reward!r}")
@@ -275,7 +297,9 @@ class EnvService:
     def health(self) -> dict:
         with self._lock:
             live = len(self._instances)
-        return {"env": self.env_name, "instances": live, "max_instances": self.max_instances}
+            created, steps = self.created, self.steps
+        return {"env": self.env_name, "instances": live, "max_instances": self.max_instances,
+                "created": created, "steps": steps}
 
     def info(self) -> dict:
         splits = {}
@@ -284,8 +308,8 @@ class EnvService:
             splits = {split: source.size(split) for split in source.splits}
         except TypeError:
             pass
-        return {"env": self.env_name, "system_prompt": self._meta_env.system_prompt,
-                "splits": splits}
+        return {"env": self.env_name, "agentgym_name": self.agentgym,
+                "system_prompt": self._meta_env.system_prompt, "splits": splits}
 
     def task(self, query: dict) -> dict:
         split = query.get("split", ["train"])[0]
@@ -407,14 +431,10 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
     """A bound (not yet serving) server for `make(env, **env_kwargs)`, or for envs built by
     `env()` when it is a factory; port 0 picks a free port (see `server.server_address`).
     Run it with `serve_forever()` (in a thread, say) and stop it with `shutdown()`.
-    `action_prefix` goes before every `/step` action (default: "Action: " for the
-    AGENTGYM_MODE_ENVS, "" otherwise) and `dialect` is "searchqa" (the default for
-    `searchqa_agentgym`) or "agentgym"; see the module docstring."""
+    `action_prefix` goes before every `/step` action (default: "Action: " for the envs of
+    PARSING_ENVS' AgentGym names, "" otherwise) and `dialect` is "searchqa" (the default for
+    AgentGym's SearchQA) or "agentgym"; see the module docstring."""
     env_kwargs = dict(env_kwargs or {})
-    if action_prefix is None:
-        action_prefix = "Action: " if env in AGENTGYM_MODE_ENVS else ""
-    if dialect is None:
-        dialect = "searchqa" if env == "searchqa_agentgym" else "agentgym"
     if isinstance(env, str):
         service = EnvService(lambda: make(env, **env_kwargs), max_instances, env, action_prefix,
                              dialect)

@@ -99,8 +99,9 @@ def test_remote_matches_in_process(servers):
         # Invalid actions first: they leave the grid as it was, so the bot's route still holds.
         "babyai": lambda env, task: ["nonsense", "\x00", "Action: fly", "x" * 10_240]
         + [f"Action: {a}" for a in expert_actions(task)],
+        # "Action: " + command: both TextCraft modes (rl_tpu's, AgentGym's) read that.
         "textcraft": lambda env, task: ["inventory", "get 1 stick", "x" * 10_240, "é\u200b"]
-        + solve(task),
+        + [f"Action: {a}" for a in solve(task)],
     }
     for name, make_actions in cases.items():
         local = base.make(name)
@@ -168,7 +169,9 @@ def test_bad_requests_get_400(thread_server):
     assert raw("POST", "/create", b"\xff\xfe")[0] == 400
     assert raw("POST", "/create", b"[" * 100_000)[0] == 400
     assert raw("POST", "/create", json.dumps({"data_idx": -1}).encode())[0] == 400
-    assert raw("POST", "/create", json.dumps({"data_idx": 10**9}).encode())[0] == 400
+    # (a data_idx alone is AgentGym's item number for an AgentGym-mode env: the env decides)
+    assert raw("POST", "/create", json.dumps({"data_idx": 10**9, "split": "train"}).encode()
+               )[0] == 400
     assert raw("POST", "/create", json.dumps({"split": "nope"}).encode())[0] == 400
     assert raw("POST", "/create", json.dumps({"task": "x"}).encode())[0] == 400
     status, created = raw("POST", "/create", b"")  # AgentGym's bare create
