@@ -5,6 +5,9 @@
     make("arithmetic")                     # reasoning-gym's basic_arithmetic
     make("reasoning_gym", dataset="maze", config={"min_dist": 3})   # any registered dataset
 
+`arithmetic` also has an imperfect, verbose teacher (`arithmetic_teacher_reply`) for SFT warm
+starts: filler sentences, the worked sum, the answer tag, right with probability `skill`.
+
 An episode is one question and one reply: `reset` returns the question, `step` pulls the last
 <answer>...</answer> out of the reply, scores it with the dataset's scorer (1.0 is right;
 some datasets give partial credit, e.g. countdown's 0.05 for using the right numbers) and ends.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import random
 from typing import Any, Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
@@ -96,7 +100,8 @@ class ReasoningGymEnv(Env):
                  train_seed: int = DEFAULT_TRAIN_SEED, train_size: int = 100_000,
                  eval_seed: int = DEFAULT_EVAL_SEED, eval_size: int = 500,
                  isolate: bool = True, score_timeout_s: float = 10.0,
-                 max_answer_chars: int = 10_000, workers: Optional[IsolatedWorkers] = None):
+                 max_answer_chars: int = 10_000, workers: Optional[IsolatedWorkers] = None,
+                 system_prompt: Optional[str] = None):
         _import_reasoning_gym()  # a clear ImportError before anything else
         from reasoning_gym.factory import DATASETS
 
@@ -118,6 +123,8 @@ class ReasoningGymEnv(Env):
         self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
         self.isolate, self.score_timeout_s = isolate, score_timeout_s
         self.max_answer_chars = max_answer_chars
+        if system_prompt is not None:  # e.g. a short one, for tiny models on a CPU
+            self.system_prompt = system_prompt
         self._workers = workers
         self._tasks = ReasoningGymTasks(self)
         self._task: Optional[Task] = None
@@ -212,9 +219,41 @@ def make_countdown(**kwargs) -> ReasoningGymEnv:
     return env
 
 
+# Sentences the arithmetic teacher pads its replies with: true but useless, so a policy can
+# drop them and lose nothing (the removable verbosity a SIRI compression phase should cut).
+TEACHER_FILLER = ("Let me think about this.", "I will go step by step.",
+                  "First I read the numbers.", "Then I add them up.",
+                  "I check my work again.", "This is a simple sum.")
+
+
+def arithmetic_teacher_reply(task: Task, rng: random.Random, skill: float,
+                             max_filler: int = 3) -> str:
+    """An imperfect, verbose teacher for `arithmetic`: 0..max_filler filler sentences, the
+    expression worked out, then the answer tag. Right with probability `skill`; otherwise off
+    by 1 or 2 (a slip in the sum, kept in the worked line so the reply is self-consistent)."""
+    answer = task.data["answer"]
+    expression = task.data.get("metadata", {}).get("expression")
+    if rng.random() >= skill:
+        try:
+            answer = str(int(answer) + rng.choice((-2, -1, 1, 2)))
+        except ValueError:  # a non-integer answer (division): slip by appending a digit
+            answer = answer + "1"
+    filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
+    worked = [f"{expression} = {answer}."] if expression else []
+    return " ".join(filler + worked + [f"<answer>{answer}</answer>"])
+
+
+class ArithmeticEnv(ReasoningGymEnv):
+    """reasoning-gym's basic_arithmetic with a teacher for SFT demonstrations (an SFT warm
+    start needs `teacher_reply`); scoring is the dataset's own, as every reasoning env."""
+
+    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
+        return arithmetic_teacher_reply(task, rng, skill)
+
+
 @register("arithmetic")
 @functools.partial(_signature_of_the_env, fixed=("dataset",))
 def make_arithmetic(**kwargs) -> ReasoningGymEnv:
-    env = ReasoningGymEnv(dataset="basic_arithmetic", **kwargs)
+    env = ArithmeticEnv(dataset="basic_arithmetic", **kwargs)
     env.name = "arithmetic"
     return env

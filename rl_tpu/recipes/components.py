@@ -214,7 +214,8 @@ def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, ma
     from rl_tpu.evaluation import evaluate
     env = config.env
     return evaluate(engine, make_env, tasks, tokenizer=tokenizer,
-                    max_turns=eval_horizon(config), max_new_tokens=env.max_new_tokens,
+                    max_turns=eval_horizon(config),
+                    max_new_tokens=config.eval.max_new_tokens or env.max_new_tokens,
                     max_context_tokens=env.max_context_tokens, pass_k=config.eval.pass_k,
                     sampling=sampling_params(config, None), seed=seed,
                     step_timeout_s=env.step_timeout_s, reward_reduce=env.reward_reduce)

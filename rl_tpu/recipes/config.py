@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 import ml_collections
 from ml_collections import config_dict
 
+from rl_tpu import schedules
 from rl_tpu.envs import base as envs
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
 
@@ -113,12 +114,22 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.schedules = ml_collections.ConfigDict()
     c.schedules.horizon_turns = ()  # ScalingInter-RL: H = turns[min(step // every, len - 1)]
     c.schedules.horizon_every = 100
+    # SIRI (rl_tpu/schedules.py, docs/siri.md): the per-turn generation budget oscillates
+    # between budget_min (compression) and env.max_new_tokens (expansion; also the eval
+    # budget and Dr.GRPO's static normaliser) with a period of budget_period RL steps.
+    c.schedules.budget = ""  # "" = off (env.max_new_tokens) | stair | cosine | stair_cosine
+    c.schedules.budget_min = 0  # L_min, tokens a turn; >= 1 when a schedule is on
+    c.schedules.budget_period = 100  # P, RL steps a compression + expansion cycle
+    c.schedules.budget_start = "long"  # the cycle starts at the long budget, or "short"
+    c.schedules.budget_stairs = 4  # stair_cosine: flat stairs a period, following the cosine
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # RL steps; eval also runs at step 0 and after the last step
     c.eval.num_tasks = 100
     c.eval.pass_k = 0  # > 0: also sample k replies a task at the rollout temperature (pass@k)
     c.eval.max_turns = 0  # the eval turn limit (0 = the training horizon of that step)
+    # the eval's tokens a turn (0 = env.max_new_tokens: fixed, whatever the budget schedule)
+    c.eval.max_new_tokens = 0
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10
@@ -375,6 +386,16 @@ def check(config: ml_collections.ConfigDict) -> None:
     if group_based and config.train.samples_per_task < 2:
         raise ValueError(f"algo.advantage={config.algo.advantage!r} compares samples of a task: "
                          "set train.samples_per_task >= 2")
+    sch = config.schedules
+    schedules.check_budget(sch.budget, sch.budget_min, config.env.max_new_tokens,
+                           sch.budget_period, sch.budget_start, sch.budget_stairs)
+    if sch.budget and 0 < config.algo.overlong_buffer >= sch.budget_min:
+        raise ValueError(f"algo.overlong_buffer={config.algo.overlong_buffer} must be below "
+                         f"schedules.budget_min={sch.budget_min}, the shortest budget it is "
+                         "measured against")
+    if config.eval.max_new_tokens < 0:
+        raise ValueError(f"eval.max_new_tokens={config.eval.max_new_tokens} must be >= 0 "
+                         "(0 = env.max_new_tokens)")
     if config.env.max_new_tokens + 16 > config.env.max_context_tokens:
         raise ValueError(f"env.max_context_tokens={config.env.max_context_tokens} leaves no "
                          f"room for env.max_new_tokens={config.env.max_new_tokens} and a prompt")

@@ -240,7 +240,13 @@ class Trainer:
             host["loss_mask"] &= ~((versions >= 0) & (
                 step - 1 - versions > self.config.rollout.max_staleness))
         keys = algorithms.batch_keys(trajectories, self.config.algo)
-        return parallel.host_to_global({k: host[k] for k in keys}, self.mesh)
+        arrays = {k: host[k] for k in keys}
+        if self.learner.loss_cfg.aggregation == "fixed_normalizer":
+            # Dr.GRPO's constant normaliser is the step's generation budget (SIRI moves it):
+            # a [B] array in the batch, so one compiled update serves every budget.
+            arrays["length_normalizer"] = np.full(
+                len(host["tokens"]), _budget(self.config, step - 1), np.float32)
+        return parallel.host_to_global(arrays, self.mesh)
 
     def score(self, batch: dict) -> dict:
         """Proximal / reference log-probs and values, then the advantages."""
@@ -332,7 +338,7 @@ class Trainer:
         config, env_cfg = self.config, self.config.env
         return dict(
             tokenizer=self.tokenizer, max_turns=_horizon(config, chunk - 1),
-            group_ids=[p for p, _ in tasks], max_new_tokens_per_turn=env_cfg.max_new_tokens,
+            group_ids=[p for p, _ in tasks], max_new_tokens_per_turn=_budget(config, chunk - 1),
             max_context_tokens=env_cfg.max_context_tokens,
             sampling=components.sampling_params(
                 config, step_seed(config.seed, chunk, 10 + round_index)),
@@ -349,13 +355,13 @@ class Trainer:
         known = dict(tasks) | {ep.group_id: ep.task for ep in resume}
         for traj in ended:
             traj.info["task"] = (traj.group_id, known[traj.group_id])
-        algorithms.shape_overlong(ended, self.config.algo, self.config.env.max_new_tokens)
+        algorithms.shape_overlong(ended, self.config.algo, _budget(self.config, chunk - 1))
         return ended, paused
 
     def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
         """G episodes of each (position, task), sampled for step `chunk`: task-major, each
         group id the task's global stream position (the same whichever host plays it)."""
-        config, env_cfg = self.config, self.config.env
+        config = self.config
         trajectories = run_episodes(self.engine, self.make_env, [t for _, t in tasks],
                                     **self._episode_args(tasks, chunk, round_index))
         g = config.train.samples_per_task
@@ -363,7 +369,7 @@ class Trainer:
             if traj.group_id != tasks[i // g][0]:
                 raise RuntimeError("run_episodes returned trajectories out of task order")
             traj.info["task"] = tasks[i // g]  # for a resumed producer to play it again
-        algorithms.shape_overlong(trajectories, config.algo, env_cfg.max_new_tokens)
+        algorithms.shape_overlong(trajectories, config.algo, _budget(config, chunk - 1))
         return trajectories
 
     def _rollout_metrics(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
@@ -376,7 +382,8 @@ class Trainer:
                 "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
                 "rollout/env_error_frac": stats["env_errors"] / n,
                 "rollout/context_limit_frac": stats["context_limits"] / n,
-                "train/horizon": _horizon(self.config, step - 1)}
+                "train/horizon": _horizon(self.config, step - 1),
+                "train/max_new_tokens": _budget(self.config, step - 1)}
 
     def _row_multiple(self) -> int:
         """Local rows must make a global batch that splits into data-parallel shards x
@@ -432,6 +439,14 @@ class Trainer:
 def _horizon(config, step: int) -> int:
     return schedules.horizon(step, tuple(config.schedules.horizon_turns),
                              config.schedules.horizon_every, config.env.max_turns)
+
+
+def _budget(config, step: int) -> int:
+    """The per-turn generation budget L at 0-based step `step` (SIRI; env.max_new_tokens
+    when schedules.budget is off)."""
+    s = config.schedules
+    return schedules.generation_budget(step, s.budget, s.budget_min, config.env.max_new_tokens,
+                                       s.budget_period, s.budget_start, s.budget_stairs)
 
 
 def _agreed_length(trajectories, buckets) -> int:

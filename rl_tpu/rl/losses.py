@@ -123,7 +123,11 @@ def _fixed_normalizer(per_token: Array, mask: Array, normalizer=None) -> Array:
         raise ValueError(
             "aggregation 'fixed_normalizer' (Dr.GRPO) needs a normalizer: set "
             "fixed_normalizer to the maximum generation length")
-    return masked_sum(per_token, mask) / (per_token.shape[0] * float(normalizer))
+    # Each row's sum over its own normaliser, averaged over rows: with one normaliser L for
+    # all rows this is sum / (B L). `normalizer` may be a traced scalar or [B] array (a
+    # budget schedule changes it every step, SIRI), so it is never a compile-time constant.
+    row_sums = masked_sum(per_token, mask, axis=-1)                                 # [B]
+    return jnp.sum(row_sums / jnp.asarray(normalizer, jnp.float32)) / per_token.shape[0]
 
 
 def aggregate(per_token: Array, mask: Array, mode: str, normalizer: Optional[float] = None
@@ -134,7 +138,8 @@ def aggregate(per_token: Array, mask: Array, mode: str, normalizer: Optional[flo
     seq_mean_token_sum:  mean over sequences of each sequence's masked sum.
     seq_mean_token_mean: mean over sequences of each sequence's masked mean (GRPO, GSPO).
     fixed_normalizer:    masked sum / (B * normalizer), normalizer = max generation length
-                         (Dr.GRPO); a constant, so padding rows count in B.
+                         (Dr.GRPO); a constant, so padding rows count in B. A number, or
+                         a scalar / [B] array (per-row normalisers: mean of row sum / L_b).
     The two seq_mean modes skip sequences with no masked token (e.g. padding rows). An empty
     mask gives 0.
     """
@@ -360,7 +365,8 @@ def _behaviour_weights(old_logprobs, behaviour_logprobs, mask, config, n_tokens)
 def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array,
                 config: PolicyLossConfig, *, behaviour_logprobs: Optional[Array] = None,
                 ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None,
-                batch_stats: Any = None) -> tuple[Array, dict[str, Metric]]:
+                batch_stats: Any = None, normalizer: Optional[Array] = None
+                ) -> tuple[Array, dict[str, Metric]]:
     """Clipped policy-gradient loss (+ kl_coef * KL - entropy_coef * entropy) and metrics.
 
     logprobs [B, T]: current policy (differentiated); old_logprobs [B, T]: trainer log-probs at
@@ -369,7 +375,9 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     ref_logprobs (needed when kl_coef > 0), entropy (per-token entropies, needed when
     entropy_coef != 0). batch_stats: the kind's `batch_statistics` computed on a larger batch
     this call is a part of (micro-batches); None computes them here, from these arrays, and
-    adds their metrics (given, their metrics stay with whoever computed them).
+    adds their metrics (given, their metrics stay with whoever computed them). normalizer:
+    fixed_normalizer's divisor as an array (scalar or [B], a traced value: the step's
+    generation budget under a SIRI schedule), in place of config.fixed_normalizer.
 
     Metrics ({name: Metric}): loss, pg_loss, clip_frac_low, clip_frac_high, approx_kl,
     ratio_mean, ratio_max, ratio_min; dual_clip_frac with a dual clip; is_weight_mean,
@@ -384,7 +392,9 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
         {"old_logprobs": proximal, "behaviour_logprobs": behaviour_logprobs}, config)
     m = _float_mask(mask, logprobs)
     adv = _inside(_per_token(advantages, logprobs), m)
-    agg = lambda x: aggregate(x, m, config.aggregation, config.fixed_normalizer)  # noqa: E731
+    if normalizer is None:
+        normalizer = config.fixed_normalizer
+    agg = lambda x: aggregate(x, m, config.aggregation, normalizer)  # noqa: E731
     n_tokens = masked_count(logprobs, m)
     per_token = lambda x: Metric.of(masked_mean(x, m), "mean", n_tokens)  # noqa: E731
     kind = POLICY_LOSSES.get(config.kind)

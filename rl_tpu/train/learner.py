@@ -135,7 +135,8 @@ class Learner:
         `step` (the RL step) seeds the minibatch permutations."""
         keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs",
                 "advantages"]
-        keys += [k for k in ("behaviour_logprobs", "ref_logprobs") if k in batch]
+        keys += [k for k in ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
+                 if k in batch]
         key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)
         self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys},
                                                    key)

@@ -173,7 +173,8 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
 
     batch: tokens, loss_mask, old_logprobs, advantages ([B, T] or [B]); optionally positions,
     segment_ids, behaviour_logprobs (engine log-probs: truncated IS, and BAPO's pi_rollout
-    weights of Eq. 8), ref_logprobs (KL).
+    weights of Eq. 8), ref_logprobs (KL), length_normalizer ([B] float: fixed_normalizer's
+    divisor per row, e.g. the step's generation budget; an array, so it never recompiles).
     """
     kind = POLICY_LOSSES.get(loss_cfg.kind)
 
@@ -182,7 +183,8 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
         return policy_loss(
             lp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], loss_cfg,
             behaviour_logprobs=micro.get("behaviour_logprobs"),
-            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, batch_stats=batch_stats)
+            ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, batch_stats=batch_stats,
+            normalizer=micro.get("length_normalizer"))  # [B]: a budget schedule's, traced
 
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "old_logprobs", "advantages"], "policy_step")

@@ -1,0 +1,92 @@
+"""SIRI on a laptop CPU: a tiny model compresses a verbose teacher's arithmetic, against a
+fixed-budget twin (same seed, same steps). Run them one after the other:
+
+    nice -n 10 python -m launch.train --config configs/siri_arithmetic.py:siri \\
+        --workdir /tmp/siri_arith_siri
+    nice -n 10 python -m launch.train --config configs/siri_arithmetic.py:fixed \\
+        --workdir /tmp/siri_arith_fixed
+    python -m benchmarks.compare_runs --runs siri=/tmp/siri_arith_siri \\
+        --runs fixed=/tmp/siri_arith_fixed --out docs/figures/siri_arithmetic.png
+
+The task: reasoning-gym's basic_arithmetic, one-digit sums ("Calculate 6 + 9."), scored by the
+dataset's own checker. The SFT warm start imitates a teacher that pads each reply with 0-3
+filler sentences ("Let me think about this.") before the worked sum and the answer tag, and
+gets the sum right half the time (else off by 1 or 2). Its replies take 19-58 tokens.
+Then Dr.GRPO (group-centred advantages, a constant length normaliser) with:
+  siri     the budget in stairs of 10 steps: 32 tokens (compression: only replies with at
+           most one filler sentence fit, a cut reply has no answer and scores 0), then 64
+           (expansion), three cycles in 60 steps; Dr.GRPO's normaliser follows it
+  fixed    64 tokens every step (the twin)
+  cosine   as siri, the cosine form of the same cycle (stair is the headline run)
+Eval: greedy, 200 held-out tasks at 64 tokens whatever the schedule, every 10 steps: at the
+end of each compression and each expansion phase. `smoke` shrinks any of them to 2 steps.
+docs/siri.md has the results.
+"""
+
+from rl_tpu.recipes.config import base_config, set_env
+
+VARIANTS = ("siri", "fixed", "cosine")
+
+# One-digit sums with no signs or brackets: a tiny model learns them from a few thousand
+# demonstrations (there are only 100 distinct questions, so eval texts recur in training;
+# the eval measures the policy's replies, not generalisation to unseen sums).
+ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+              "operators": ("+",), "allow_parentheses": False, "allow_negation": False}
+
+
+# A short system prompt (the reasoning envs' own is ~125 tokens): the rows fit in 128 tokens,
+# which halves every forward pass on a CPU.
+PROMPT = "Give the final answer inside <answer>...</answer>."
+
+
+def get_config(arg: str = ""):
+    parts = [p for p in arg.split(",") if p]
+    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
+                         "with ',smoke' (e.g. 'siri,smoke'); 'smoke' alone is siri's")
+    variant = next((p for p in parts if p in VARIANTS), "siri")
+
+    c = base_config("dr_grpo")
+    c.seed = 0
+    # in-process scoring: basic_arithmetic's checker compares strings, nothing to isolate
+    set_env(c, "arithmetic", config=dict(ARITHMETIC), isolate=False, system_prompt=PROMPT)
+    c.model.tiny_hidden = 64
+    c.model.tiny_layers = 2
+    c.env.max_turns = 1
+    c.env.max_new_tokens = 64  # L_max: fits every teacher reply (at most 58 tokens + eos)
+    c.env.max_context_tokens = 128  # prompt ~35 tokens + 64
+    c.train.length_buckets = (128,)
+    c.train.steps = 60
+    c.train.tasks_per_step = 16
+    c.train.samples_per_task = 8
+    c.optim.lr = 5e-4
+    c.sft.steps = 200
+    c.sft.batch_size = 32
+    c.sft.lr = 3e-3
+    c.sft.num_demos = 4000
+    c.sft.teacher_skill = 0.5
+    c.sft.max_length = 128
+    c.eval.every = 10
+    c.eval.num_tasks = 200
+    c.checkpoint.every = 20
+
+    if variant in ("siri", "cosine"):
+        c.schedules.budget = "stair" if variant == "siri" else "cosine"
+        c.schedules.budget_min = 32  # the worked sum + answer (19) and one filler fit
+        c.schedules.budget_period = 20
+        c.schedules.budget_start = "short"  # compression first: steps 1-10 at 32 tokens
+
+    if "smoke" in parts:
+        c.train.steps = 2
+        c.train.tasks_per_step = 2
+        c.train.samples_per_task = 2
+        c.schedules.budget_period = 2  # steps 1 and 2 at different budgets
+        c.sft.steps = 4
+        c.sft.num_demos = 32
+        c.sft.batch_size = 16
+        c.eval.num_tasks = 4
+        c.eval.every = 2
+        c.checkpoint.every = 1
+        c.log.plot = False
+    return c
