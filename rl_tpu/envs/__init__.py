@@ -15,7 +15,7 @@ ENV_MODULES: dict[str, str] = {
     # AgentGym-compatible modes: AgentGym's actions, observations, rewards and task indexing
     "babyai_agentgym": "babyai_agentgym",
     "textcraft_agentgym": "textcraft",
-    "sciworld_agentgym": "sciworld_agentgym",
+    "sciworld_agentgym": "sciworld",
     "searchqa_agentgym": "search",
     "searchqa": "search",
 }

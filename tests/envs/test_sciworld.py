@@ -1,4 +1,6 @@
-"""ScienceWorld env: needs Java; one JVM for the whole module (it takes seconds to start)."""
+"""ScienceWorld with rl_tpu's options (0..1 progress rewards, the system prompt, round-robin
+tasks over every family, a reply limit instead of the move limit). Needs Java; one JVM for the
+whole module (it takes seconds to start)."""
 
 import random
 import shutil
@@ -13,6 +15,8 @@ from rl_tpu.envs import base
 from rl_tpu.envs import sciworld as sciworld_module
 from rl_tpu.envs.sciworld import SciWorldEnv
 
+RL_TPU = dict(reward="delta", prompt="system", tasks="round_robin", max_steps=100,
+              move_limit=None)
 needs_java = pytest.mark.skipif(
     shutil.which("java") is None,
     reason="ScienceWorld needs a Java runtime on PATH (e.g. apt-get install openjdk-17-jre-headless)")
@@ -23,7 +27,7 @@ def env():
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs a Java runtime on PATH (e.g. apt-get install "
                     "openjdk-17-jre-headless)")
-    e = base.make("sciworld")
+    e = base.make("sciworld", **RL_TPU)
     yield e
     e.close()
 
@@ -77,6 +81,14 @@ def test_reset_and_step(env):
     assert r.info["invalid_action"] and r.observation.startswith("Invalid action:") and not r.done
     r = env.step("inventory")
     assert "inventory" in r.observation.lower()
+    assert env.conversation_start() is None and env.system_prompt.startswith("You are an agent")
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="reward must be one of"):
+        SciWorldEnv(reward="sparse")
+    with pytest.raises(ValueError, match="task_names"):
+        SciWorldEnv(task_names=["boil"])
 
 
 @needs_java
@@ -89,7 +101,7 @@ def test_failing_focus_ends_with_zero_reward(env):
 
 @needs_java
 def test_max_steps_truncates():
-    small = SciWorldEnv(task_names=["find-animal"], max_steps=2)
+    small = SciWorldEnv(**{**RL_TPU, "max_steps": 2}, task_names=["find-animal"])
     try:
         small.reset(small.tasks().get("train", 0))
         assert not small.step("look around").done

@@ -1,4 +1,4 @@
-"""sciworld_agentgym: AgentGym's SciWorld protocol. Needs Java; one JVM for the module.
+"""The sciworld env's default: AgentGym's SciWorld protocol. Needs Java; one JVM for the module.
 
 Expected values come from AgentGym's server as documented (flat list, first observation,
 score as reward, -100 on failure, done past 100 moves) and from what scienceworld 1.2.3's
@@ -14,8 +14,7 @@ pytest.importorskip("scienceworld")
 
 from rl_tpu.envs import base
 from rl_tpu.envs import sciworld as sciworld_module
-from rl_tpu.envs.sciworld_agentgym import (ACK, INSTRUCTION, SciWorldAgentGymEnv,
-                                           flat_task_list)
+from rl_tpu.envs.sciworld import ACK, INSTRUCTION, SciWorldEnv, flat_task_list
 
 NO_JAVA = ("ScienceWorld needs a Java runtime on PATH (e.g. apt-get install "
            "openjdk-17-jre-headless)")
@@ -32,7 +31,7 @@ NO_MATCH = "No known action matches that input."
 def env():
     if shutil.which("java") is None:
         pytest.skip(NO_JAVA)
-    e = base.make("sciworld_agentgym")
+    e = base.make("sciworld_agentgym")  # the old name: an alias of "sciworld"
     yield e
     e.close()
 
@@ -44,7 +43,7 @@ def act(action: str) -> str:
 def test_missing_java_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sciworld_module.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="openjdk"):
-        SciWorldAgentGymEnv()
+        SciWorldEnv()
 
 
 @needs_java
@@ -175,7 +174,7 @@ def test_same_as_the_packages_own_step(env):
 
 def test_conversation_start():
     # No JVM needed: the env is built lazily, so construct it without calling __init__.
-    e = SciWorldAgentGymEnv.__new__(SciWorldAgentGymEnv)
+    e = SciWorldEnv.__new__(SciWorldEnv)
     user, assistant = e.conversation_start()
     assert user == {"role": "user", "content": INSTRUCTION}
     assert assistant == {"role": "assistant",
@@ -186,7 +185,7 @@ def test_conversation_start():
     for template in ("open OBJ", "connect OBJ to OBJ", "pour OBJ in OBJ", "use OBJ on OBJ", "focus on OBJ",
                      "wait1", "inventory", "go to LOC", "look in OBJ"):
         assert f"\n{template}:" in INSTRUCTION, template
-    assert SciWorldAgentGymEnv.system_prompt == ""
+    assert SciWorldEnv.system_prompt == ""
 
 
 @needs_java
