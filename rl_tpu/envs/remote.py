@@ -48,12 +48,7 @@ One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra
 never shared: the agent loop builds one RemoteEnv per episode, and a lock serialises the calls
 on one RemoteEnv (a timed-out step still running in its worker thread and a later close, say).
 
-Training against servers (`env.remote_url`, see docs/env_servers.md): `RemoteEnvFactory`
-builds the local env of the config once and takes from it what AgentGym's servers cannot
-give (they have no /info): the task source, with AgentGym's data_idx numbering and the local
-train/eval splits; the system prompt; the conversation start. Its AgentGym name
-(`agentgym_name`) picks the protocol; each call returns a RemoteEnv on the next server of the
-list (round robin).
+Training against servers (`env.remote_url`, docs/env_servers.md): `RemoteEnvFactory`.
 """
 
 from __future__ import annotations

@@ -135,13 +135,35 @@ def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg
 
 
 def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:
-    """Builds the config's env (with `env.step_latency_s` of waiting per step, if set)."""
+    """Builds the config's env (with `env.step_latency_s` of waiting per step, if set); with
+    `env.remote_url`, a RemoteEnv on one of those servers (`remote_env_factory`)."""
     name, kwargs = config.env.name, config.env.kwargs.to_dict()
     latency = config.env.step_latency_s
-    make_env_by_name(name, **kwargs).close()  # a bad env name or kwarg fails here, by name
+    local = make_env_by_name(name, **kwargs)  # a bad env name or kwarg fails here, by name
+    if config.env.remote_url:
+        make = remote_env_factory(config, local)
+    else:
+        local.close()
+        make = lambda: make_env_by_name(name, **kwargs)  # noqa: E731
     if latency:
-        return lambda: DelayedEnv(make_env_by_name(name, **kwargs), latency)
-    return lambda: make_env_by_name(name, **kwargs)
+        return lambda: DelayedEnv(make(), latency)
+    return make
+
+
+def remote_env_factory(config: ml_collections.ConfigDict, local: Env) -> Callable[[], Env]:
+    """Envs on the servers of `env.remote_url` (round robin), with `local`'s tasks, prompts and
+    conversation start (docs/env_servers.md); each server is asked, before any compute,
+    whether it is up and serves this env."""
+    from rl_tpu.envs.remote import RemoteEnvFactory, parse_urls
+    e = config.env
+    try:
+        factory = RemoteEnvFactory(local, parse_urls(e.remote_url), env_name=e.name,
+                                   timeout=e.remote_timeout_s, retries=e.remote_retries,
+                                   backoff=e.remote_backoff_s)
+    finally:
+        local.close()  # only its definition is needed; its task source outlives it
+    factory.check_servers()
+    return factory
 
 
 def task_source(config: ml_collections.ConfigDict, make_env: Callable[[], Env]) -> TaskSource:

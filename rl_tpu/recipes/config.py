@@ -85,6 +85,12 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.env.max_context_tokens = 512
     c.env.step_timeout_s = 60.0
     c.env.step_latency_s = 0.0  # waiting added to every env step (an env server's round trip)
+    # Env servers (docs/env_servers.md): episodes play on AgentGym's servers or launch.serve_env
+    # at these comma-separated URLs, round robin; "" = in this process.
+    c.env.remote_url = ""
+    c.env.remote_timeout_s = 30.0  # one HTTP request's limit (<= env.step_timeout_s)
+    c.env.remote_retries = 3  # extra tries on a connection error, backoff doubling each time
+    c.env.remote_backoff_s = 0.5  # wait before the first retry
     c.env.reward_reduce = "sum"
 
     c.algo = algo_config(algo)
@@ -351,6 +357,20 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
     envs.check_kwargs(name, kwargs)  # and those it needs
 
 
+def _check_remote_env(env: ml_collections.ConfigDict) -> None:
+    if not env.remote_url:
+        return
+    from rl_tpu.envs.remote import parse_urls
+    parse_urls(env.remote_url)  # each one http(s)://host[:port]
+    if not 0 < env.remote_timeout_s <= env.step_timeout_s:
+        raise ValueError(f"env.remote_timeout_s={env.remote_timeout_s} must be > 0 and <= "
+                         f"env.step_timeout_s={env.step_timeout_s} (the limit on a whole env "
+                         "call, retries included)")
+    if env.remote_retries < 0 or env.remote_backoff_s < 0:
+        raise ValueError(f"env.remote_retries={env.remote_retries} and env.remote_backoff_s="
+                         f"{env.remote_backoff_s} must be >= 0")
+
+
 def check(config: ml_collections.ConfigDict) -> None:
     """Cross-key checks that no single field can make; each error names the keys to change."""
     if config.algo.name not in ALGORITHMS:
@@ -358,6 +378,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     _check_algo_block(config.algo)
     _check_counts(config)
     _check_env(config)
+    _check_remote_env(config.env)
     if config.rollout.engine not in ("jax", "sglang"):
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; choose 'jax' or 'sglang'")
     if config.rollout.engine == "sglang" and not config.rollout.urls:

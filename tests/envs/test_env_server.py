@@ -1,6 +1,7 @@
 """Env server + RemoteEnv: parity with in-process envs, failure modes, limits, concurrency."""
 
 import http.client
+import http.server
 import json
 import os
 import queue
@@ -263,3 +264,168 @@ def test_concurrent_clients():
         thread.join(60)
     server.close()
     assert not errors, errors
+
+
+# --- a server that misbehaves on purpose: retries, backoff, timeouts, one connection per env --
+
+
+class _Faulty:
+    """A loopback HTTP server that plays a tiny AgentGym BabyAI server, except that each route
+    first works through its `plan`: "drop" closes the connection without a reply (a server
+    that died mid-request), "sleep:<s>" waits that long before answering. `seen` counts the
+    requests of each route; `busy_max` is the most requests ever in progress at once."""
+
+    def __init__(self, port: int = 0):
+        self.plan: dict[str, list[str]] = {}
+        self.seen: dict[str, int] = {}
+        self.busy = self.busy_max = 0
+        self.lock = threading.Lock()
+        faulty = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._route()
+
+            def do_POST(self):
+                self._route()
+
+            def _route(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                with faulty.lock:
+                    faulty.seen[path] = faulty.seen.get(path, 0) + 1
+                    todo = faulty.plan.get(path) or []
+                    fault = todo.pop(0) if todo else None
+                    faulty.busy += 1
+                    faulty.busy_max = max(faulty.busy_max, faulty.busy)
+                try:
+                    if fault == "drop":
+                        self.close_connection = True
+                        return
+                    if fault and fault.startswith("sleep:"):
+                        time.sleep(float(fault.split(":")[1]))
+                    replies = {"/": "faulty", "/create": {"id": 0},
+                               "/reset": {"observation": "Your goal: go", "done": False},
+                               "/step": {"observation": "ok", "reward": 0, "score": 0,
+                                         "done": False},
+                               "/close": True}
+                    if path not in replies:
+                        return self._send(404, {"detail": "Not Found"})
+                    self._send(200, replies[path])
+                finally:
+                    with faulty.lock:
+                        faulty.busy -= 1
+
+            def _send(self, status, payload):
+                body = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (the timeout test): nobody to answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = "http://{}:{}".format(*self.server.server_address[:2])
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def faulty():
+    server = _Faulty()
+    yield server
+    server.close()
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_refused_connections_are_retried_with_exponential_backoff():
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens
+    for retries, least in [(0, 0.0), (3, 0.1 + 0.2 + 0.4)]:
+        env = RemoteEnv(url, "babyai", timeout=1, retries=retries, backoff=0.1)
+        start = time.perf_counter()
+        with pytest.raises(RemoteEnvError, match=rf"after {retries + 1} attempt\(s\)"):
+            env.reset(base.Task("babyai_0", {"data_idx": 0}))
+        assert least <= time.perf_counter() - start < least + 2
+
+
+def test_a_server_that_comes_up_late_is_waited_for():
+    port = _free_port()
+    started = []
+    timer = threading.Timer(0.3, lambda: started.append(_Faulty(port)))
+    timer.start()
+    try:
+        env = RemoteEnv(f"http://127.0.0.1:{port}", "babyai", timeout=2, retries=5,
+                        backoff=0.1)  # tries at 0, 0.1, 0.3, 0.7 s...
+        assert env.reset(base.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
+    finally:
+        timer.join()
+        for server in started:
+            server.close()
+
+
+def test_dropped_requests_retried_only_where_safe(faulty):
+    env = RemoteEnv(faulty.url, "babyai", timeout=2, retries=3, backoff=0.05)
+    faulty.plan["/reset"] = ["drop", "drop"]  # /reset is safe to repeat: tried until it works
+    assert env.reset(base.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
+    assert faulty.seen["/reset"] == 3
+    # A dropped /step on a reused keep-alive connection is tried once more (an idle close by
+    # the server looks the same) ...
+    faulty.plan["/step"] = ["drop"]
+    assert env.step("Action: go").observation == "ok"
+    assert faulty.seen["/step"] == 2
+    # ... but never on a fresh connection, where the server may have applied it.
+    env._drop_connection()
+    faulty.plan["/step"] = ["drop"]
+    with pytest.raises(RemoteEnvError, match=r"/step failed after 1 attempt\(s\)"):
+        env.step("Action: go")
+    assert faulty.seen["/step"] == 3
+
+
+def test_a_hung_server_times_out_then_the_env_recovers(faulty):
+    env = RemoteEnv(faulty.url, "babyai", timeout=0.5, retries=3, backoff=0.05)
+    env.reset(base.Task("babyai_0", {"data_idx": 0}))
+    faulty.plan["/step"] = ["sleep:3"]
+    start = time.perf_counter()
+    with pytest.raises(RemoteEnvError, match=r"no reply within 0.5s"):
+        env.step("Action: go")
+    assert time.perf_counter() - start < 2  # not retried: waiting again would not help
+    assert faulty.seen["/step"] == 1
+    assert env.reset(base.Task("babyai_1", {"data_idx": 1})) == "Your goal: go"  # new conn
+
+
+def test_one_env_used_from_two_threads_is_serialised(faulty):
+    env = RemoteEnv(faulty.url, "babyai", timeout=5)
+    env.reset(base.Task("babyai_0", {"data_idx": 0}))
+    faulty.plan["/step"] = ["sleep:0.2"] * 4
+    results, errors = [], []
+
+    def steps():
+        try:
+            results.extend(env.step("Action: go").observation for _ in range(2))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=steps) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not errors and results == ["ok"] * 4
+    assert faulty.busy_max == 1  # one connection, one request on it at a time

@@ -9,6 +9,7 @@ rl_tpu); each records the requests it got, so a test can check what the client s
 
 import http.server
 import json
+import socket
 import threading
 
 import pytest
@@ -16,7 +17,8 @@ import pytest
 from rl_tpu import agent
 from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS, parse_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
-from rl_tpu.envs.remote import ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError
+from rl_tpu.envs.remote import (ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError, RemoteEnvFactory,
+                                agentgym_name, parse_urls)
 from rl_tpu.envs.server import make_server
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
@@ -475,3 +477,114 @@ def test_rl_tpu_server_speaks_searchqa():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --- RemoteEnvFactory: what training against servers builds ------------------------------------
+
+
+class _BabyAIItems(TaskSource):
+    """AgentGym's numbering, as rl_tpu's AgentGym-mode BabyAI has it: train from 4000."""
+
+    def size(self, split):
+        return 100
+
+    def get(self, split, index):
+        i = index if split == "eval" else 4000 + index
+        return Task(f"babyai_{i}", {"data_idx": i})
+
+
+class ToyAgentGymBabyAI(AgentGymStyleEnv):
+    """A local definition with AgentGym's BabyAI numbering and conversation start, under a
+    name of its own (the factory must not care what an env is registered as)."""
+
+    name = "toy_babyai"
+
+    def tasks(self):
+        return _BabyAIItems()
+
+    def conversation_start(self):
+        return [{"role": "user", "content": "Reach the goal."},
+                {"role": "assistant", "content": ACKNOWLEDGEMENT}]
+
+
+def test_agentgym_name_is_read_off_the_task_numbering():
+    assert agentgym_name(ToyAgentGymBabyAI()) == "babyai"
+    assert agentgym_name(AgentGymStyleEnv()) is None  # "toy_<i>": not an AgentGym env
+    assert agentgym_name(ToySearchEnv()) is None
+    assert agentgym_name(_NoTasks()) is None  # no task source at all
+
+
+class _NoTasks(Env):
+    name = "no_tasks"
+
+    def reset(self, task):
+        return ""
+
+    def step(self, action):
+        return StepResult("")
+
+
+def test_factory_spreads_envs_round_robin_with_the_local_definition():
+    served = []
+
+    def factory():
+        served.append(ToyAgentGymBabyAI())
+        return served[-1]
+
+    (s1, url1), (s2, url2) = _serve(factory), _serve(factory)
+    try:
+        local = ToyAgentGymBabyAI()
+        make_env = RemoteEnvFactory(local, [url1, url2 + "/"], timeout=5, retries=1)
+        make_env.check_servers()
+        assert (make_env.protocol, make_env.agentgym) == ("agentgym", "babyai")
+        envs = [make_env() for _ in range(4)]
+        assert [e.url for e in envs] == [url1, url2, url1, url2]
+        task = envs[0].tasks().get("train", 2)  # the local source: no request
+        assert task == Task("babyai_4002", {"data_idx": 4002})
+        for env in envs:
+            assert env.reset(task) == "Item 4002: say 'open door 1'."  # the same item
+            assert env.conversation_start() == local.conversation_start()
+            assert env.system_prompt == ""
+            assert env.step("Thought: go.\nAction: open door 1").done
+            env.close()
+        assert [s.service.health()["created"] for s in (s1, s2)] == [2, 2]
+        assert [s.service.health()["instances"] for s in (s1, s2)] == [0, 0]
+    finally:
+        for server in (s1, s2):
+            server.shutdown()
+            server.server_close()
+
+
+@only("babyai")
+def test_factory_checks_servers_before_any_compute(stand_in):
+    # AgentGym's server has no /info: fine for an env with an AgentGym name ...
+    RemoteEnvFactory(ToyAgentGymBabyAI(), [stand_in.url], timeout=5).check_servers()
+    # ... but an env without one needs rl_tpu's server, which can play its tasks.
+    with pytest.raises(ValueError, match=r"no /info.*launch.serve_env --env toy_agentgym"):
+        RemoteEnvFactory(AgentGymStyleEnv(), [stand_in.url], timeout=5).check_servers()
+    server, url = _serve(ToySearchEnv)  # serves toy_searchqa
+    try:
+        with pytest.raises(ValueError, match=r"serves 'toy_searchqa', but env.name is "
+                                             r"'toy_babyai'"):
+            RemoteEnvFactory(ToyAgentGymBabyAI(), [stand_in.url, url],
+                             timeout=5).check_servers()
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(ValueError, match=rf"{dead} does not answer"):
+        RemoteEnvFactory(ToyAgentGymBabyAI(), [dead], timeout=1, retries=1,
+                         backoff=0.01).check_servers()
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("", "names no env server"), (" , ", "names no env server"),
+    ("ftp://host:1", "http://host:port"), ("http://host:port", "bad port"),
+    ("http://127.0.0.1:1,http://", "http://host:port")])
+def test_bad_server_urls_are_named(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_urls(text)
+    assert parse_urls("127.0.0.1:36001, http://h:2/") == ["http://127.0.0.1:36001",
+                                                          "http://h:2"]
