@@ -34,8 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
 from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
-from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache, unstack_layers
+from rl_tpu.models.transformer import (ModelConfig, Transformer, cache_slots, init_cache,
+                                       unstack_layers)
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
+from rl_tpu.rollout.prefix_cache import PrefixCache, gather_pages
 
 GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
 
@@ -202,22 +204,11 @@ def _emit(model: Transformer, params, hidden, state: DecodeState, step):
     return token, logprob, is_stop
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
-def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
-            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int) -> DecodeState:
-    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
-
-    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
-    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
-    output capacity.
-    """
-    cfg = model.cfg
-    b, p = prompt_ids.shape
-    cache = init_cache(cfg, b, p + max_steps)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
-                                return_hidden=True)
-    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+def _first_token(model: Transformer, params, cache, last, prompt_lens, max_new, min_new,
+                 temperature, top_p, top_k, stop_ids, ban_ids, keys, max_steps: int):
+    """The decode state after a prefill that left `cache` filled and `last` [B, D], the
+    hidden state of each row's last prompt token: token 0 sampled from it."""
+    b = last.shape[0]
     state = DecodeState(
         step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
         tokens=jnp.zeros((b, max_steps), jnp.int32),
@@ -229,6 +220,45 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
                          done=is_stop | (max_new <= 1))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
+            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int) -> DecodeState:
+    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
+
+    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
+    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
+    output capacity.
+    """
+    b, p = prompt_ids.shape
+    cache = init_cache(model.cfg, b, p + max_steps)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
+                                return_hidden=True)
+    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    return _first_token(model, params, cache, last, prompt_lens, max_new, min_new, temperature,
+                        top_p, top_k, stop_ids, ban_ids, keys, max_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def prefill_cached(model: Transformer, params, pool, page_table, suffix_ids, starts,
+                   prompt_lens, max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids,
+                   keys, max_steps: int) -> DecodeState:
+    """`prefill` for rows whose first starts[r] prompt tokens have K/V in the prefix pool
+    (`prefix_cache.gather_pages`: page_table [B, S / PS] with S = P + L): only the suffixes
+    [B, Q] (right-padded) run, at positions starts[r] + 0..Q-1, each row from its own start."""
+    cache = gather_pages(pool, page_table)
+    s = cache_slots(cache)
+    q = suffix_ids.shape[1]
+    # Padding past a row's prompt writes slots >= its length (clamped into the cache), which
+    # decode overwrites before any query can see them.
+    positions = jnp.minimum(starts[:, None] + jnp.arange(q, dtype=jnp.int32), s - 1)
+    hidden, cache = model.apply({"params": params}, suffix_ids, positions, cache=cache,
+                                return_hidden=True)
+    last = jnp.take_along_axis(hidden, (prompt_lens - starts - 1)[:, None, None], axis=1)[:, 0]
+    return _first_token(model, params, cache, last, prompt_lens, max_new, min_new, temperature,
+                        top_p, top_k, stop_ids, ban_ids, keys, max_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk"), donate_argnames=("state",))
@@ -279,12 +309,20 @@ class JaxSampler(RolloutEngine):
     and report both versions (`info['weight_versions']` spans, as SGLang's `retract` does).
     `abort` ends samples between chunks, returning what they generated so far (finish
     'abort'), the basis of partial rollouts; `pause`/`resume` hold decoding between chunks.
+
+    Prefix reuse (`prefix_cache_tokens` > 0, see prefix_cache.py): a prompt that extends an
+    earlier request's prompt + output (the next turn of an episode) gathers that K/V from a
+    bounded LRU pool of pages and prefills only the new suffix; each row then decodes from its
+    own length. `update_weights` drops the cache unless `keep_prefix_cache_on_update`.
+    `stats()` counts prompt tokens computed and reused.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
                  rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
-                 seed: int = 0, version: str = "0", dtype: Optional[str] = None):
+                 seed: int = 0, version: str = "0", dtype: Optional[str] = None,
+                 prefix_cache_tokens: int = 65536, prefix_page_size: int = 16,
+                 keep_prefix_cache_on_update: bool = False):
         # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
         # is then its own buffer, updated in place, where a scan would slice the stacked cache
         # in and out every step. Scanned params are unstacked on the way in.
@@ -319,6 +357,18 @@ class JaxSampler(RolloutEngine):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             default_stops = tuple(dict.fromkeys(default_stops + (tokenizer.eos_token_id,)))
         self.eos_ids = default_stops
+        self._prefix = None
+        if prefix_cache_tokens > 0:
+            if prefix_page_size > min(min_prompt_bucket, min_new_bucket):
+                raise ValueError(
+                    f"prefix_page_size={prefix_page_size} must divide every cache length: make "
+                    f"it at most min_prompt_bucket={min_prompt_bucket} and min_new_bucket="
+                    f"{min_new_bucket} (all powers of two)")
+            self._prefix = PrefixCache(cfg, self.mesh, rules, prefix_cache_tokens,
+                                       prefix_page_size)
+        self.keep_prefix_cache_on_update = keep_prefix_cache_on_update
+        self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
+                            cache_hits=0)
 
     # -- RolloutEngine -------------------------------------------------------------------
 
@@ -335,6 +385,27 @@ class JaxSampler(RolloutEngine):
         params = self._own_copy(params)  # outside the lock: decoding goes on meanwhile
         with self._weights_lock:
             self._params, self._version = params, str(version)
+            if self._prefix is not None and not self.keep_prefix_cache_on_update:
+                self._prefix.clear()  # K/V of the old weights (batches in flight skip saving)
+
+    def flush_cache(self) -> None:
+        """Drops every cached prefix (SGLang's /flush_cache)."""
+        if self._prefix is not None:
+            self._prefix.clear()
+
+    def stats(self) -> dict:
+        """Counters since construction, for the trainer to log: `prompt_tokens` (of every
+        row admitted), `prefill_tokens` (those run through the model), `reused_tokens` (those
+        whose K/V came from the prefix cache), `reuse_fraction`, `cache_rows` / `cache_hits`
+        (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
+        `cache_tokens`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
+        `cache_evictions`, `cache_flushes`."""
+        with self._control_lock:
+            out = dict(self._counts)
+        out["reuse_fraction"] = out["reused_tokens"] / max(out["prompt_tokens"], 1)
+        if self._prefix is not None:
+            out.update(self._prefix.stats())
+        return out
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
@@ -464,11 +535,13 @@ class JaxSampler(RolloutEngine):
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
         aborted = np.zeros((b,), bool)
+        sampling = (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
         with self._device_lock:
             self._resume.wait()
-            params, version = self._weights()
-            state = prefill(self.model, params, ids, lens, max_new, min_new, temperature, top_p,
-                            top_k, stop_ids, ban_ids, keys, max_steps=steps)
+            with self._weights_lock:  # the cache's generation goes with the weights
+                params, version = self._params, self._version
+                generation = self._prefix.generation if self._prefix is not None else 0
+            state, matches = self._prefill(params, n, ids, lens, sampling, steps)
             spans = [(version, 0)]  # (version, first output index decoded with it)
             while True:
                 done = np.asarray(state.done)
@@ -484,10 +557,44 @@ class JaxSampler(RolloutEngine):
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
-        tokens, logprobs, count, stopped = (np.asarray(x) for x in (
-            state.tokens, state.logprobs, state.count, state.stopped))
+            tokens, logprobs, count, stopped = (np.asarray(x) for x in (
+                state.tokens, state.logprobs, state.count, state.stopped))
+            if matches is not None:
+                # Slots 0..len+count-2 hold K/V: the prompt and every output id but the last
+                # (sampled, never fed back). Raw ids: a stop-string cut changes nothing here.
+                seqs = [np.concatenate([ids[i, :lens[i]], tokens[i, :count[i] - 1]])
+                        for i in range(n)]
+                self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation)
         return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
+
+    def _prefill(self, params, n: int, ids, lens, sampling, steps: int):
+        """(`prefill`, or `prefill_cached` when some of the n real rows of ids [B, P] have a
+        cached prefix; the lookups, None without a prefix cache)."""
+        (b, p), matches = ids.shape, None
+        starts = np.zeros((b,), np.int32)
+        if self._prefix is not None:
+            matches = [self._prefix.lookup(ids[i, :lens[i]]) for i in range(n)]
+            starts[:n] = [m.length for m in matches]
+        with self._control_lock:
+            c = self._counts
+            c["prompt_tokens"] += int(lens[:n].sum())
+            c["reused_tokens"] += int(starts.sum())
+            c["prefill_tokens"] += int((lens[:n] - starts[:n]).sum())
+            c["cache_rows"] += n if matches is not None else 0
+            c["cache_hits"] += int((starts > 0).sum())
+        if not starts.any():
+            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps), matches
+        # Q buckets like P: one compile per (B, Q, P, L) and pool size, whatever the starts.
+        q = _next_power_of_two(int((lens - starts).max()), self.min_prompt_bucket)
+        suffix = np.zeros((b, q), np.int32)
+        table = np.zeros((b, (p + steps) // self._prefix.page), np.int32)
+        for i in range(n):
+            suffix[i, :lens[i] - starts[i]] = ids[i, starts[i]:lens[i]]
+            table[i, :len(matches[i].pages)] = matches[i].pages
+        state = prefill_cached(self.model, params, self._prefix.pool, table, suffix, starts,
+                               lens, *sampling, max_steps=steps)
+        return state, matches
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling
