@@ -5,10 +5,10 @@
     python -m launch.train --config configs/agentgym.py:textcraft,fixed ...   # fixed turns
     python -m launch.train --config configs/agentgym.py:sciworld,smoke ...    # tiny, 2 steps
 
-<env> is babyai, textcraft, sciworld (needs Java) or searchqa: the `<env>_agentgym` envs, with
-AgentGym's actions, observations, rewards and task indexing, and the conversation opened as
-AgentGym-RL opens it (the env's instruction as a user turn, a fixed assistant
-acknowledgement). GRPO; AgentGym reports a running score each turn, so the trajectory reward
+<env> is babyai, textcraft, sciworld (needs Java) or searchqa: the envs "babyai", "textcraft",
+"sciworld" and "search" with their defaults, which are AgentGym's actions, observations,
+rewards and task indexing, and the conversation opened as AgentGym-RL opens it (the env's
+instruction as a user turn, a fixed assistant acknowledgement). GRPO; AgentGym reports a running score each turn, so the trajectory reward
 is the last one. Turn limits are AgentGym-RL's (train / eval): BabyAI 20 / 20, TextCraft
 30 / 30, SciWorld 20 / 30, SearchQA 5 / 30. The default grows the horizon in ScalingInter-RL's
 stages, one every 100 steps; `fixed` keeps the training limit throughout. SearchQA searches
@@ -25,6 +25,7 @@ SETTINGS = {
     "sciworld": (20, 30, (10, 20, 30), 256, 120.0),
     "searchqa": (5, 30, (5, 8, 10), 512, 60.0),
 }
+ENV_NAMES = {"searchqa": "search"}  # AgentGym's name -> rl_tpu's, where they differ
 
 
 def get_config(arg: str = "babyai"):
@@ -33,7 +34,7 @@ def get_config(arg: str = "babyai"):
         raise ValueError(f"unknown variant {arg!r}; use '<env>', '<env>,fixed' or "
                          f"'<env>,smoke' with <env> one of {sorted(SETTINGS)}")
     train_turns, eval_turns, stages, new_tokens, timeout = SETTINGS[env]
-    c = multi_turn_agent(base_config("grpo"), f"{env}_agentgym", turns=train_turns,
+    c = multi_turn_agent(base_config("grpo"), ENV_NAMES.get(env, env), turns=train_turns,
                          horizon_stages=stages, max_new_tokens=new_tokens,
                          max_context_tokens=12288 if env != "babyai" else 8192)
     c.eval.max_turns = eval_turns

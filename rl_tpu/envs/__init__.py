@@ -13,7 +13,7 @@ ENV_MODULES: dict[str, str] = {
     "math": "math",
     "largest": "largest",
     # AgentGym-compatible modes: AgentGym's actions, observations, rewards and task indexing
-    "babyai_agentgym": "babyai_agentgym",
+    "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",
     "sciworld_agentgym": "sciworld",
     "searchqa_agentgym": "search",

@@ -1,4 +1,5 @@
-"""BabyAI text env: rendering, action parsing, tasks, the bot's demonstrations, robustness."""
+"""BabyAI's primitive-action mode (`actions="primitive"`): rendering, action parsing, tasks, the
+bot's demonstrations, robustness."""
 
 import random
 
@@ -9,13 +10,16 @@ pytest.importorskip("minigrid")
 from garbage import garbage_actions, one_of, step_through  # noqa: E402
 
 from rl_tpu.envs import base  # noqa: E402
-from rl_tpu.envs.babyai import (ACTIONS, BabyAIEnv, BabyAITasks, demonstrate,  # noqa: E402
-                                expert_actions, parse_action)
+from rl_tpu.envs.babyai import (ACTIONS, PRIMITIVE_LEVELS, BabyAIEnv, BabyAITasks,  # noqa: E402
+                                demonstrate, expert_actions, level_and_seed)
+from rl_tpu.envs.babyai import parse_primitive as parse_action  # noqa: E402
+
+PRIMITIVE = dict(actions="primitive", levels=PRIMITIVE_LEVELS)
 
 
 @pytest.fixture(scope="module")
 def env():
-    env = base.make("babyai")
+    env = base.make("babyai", **PRIMITIVE)
     yield env
     env.close()
 
@@ -50,6 +54,7 @@ def test_reset_and_step_render_the_view(env):
     assert first.startswith("Mission: ")
     assert "You are facing" in first and "carrying nothing" in first
     assert first == env.reset(task)  # same task, same grid
+    assert env.conversation_start() is None and env.system_prompt.startswith("You are an agent")
 
     result = env.step("Action: turn left")
     assert result.observation.startswith("You turned left.")
@@ -72,14 +77,14 @@ def test_objects_are_placed_relative_to_the_agent(env):
 
 
 def test_tasks_are_deterministic_and_splits_disjoint():
-    tasks = BabyAITasks(["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"], train_size=1000,
-                        eval_size=100)
+    tasks = BabyAITasks(train_size=1000, eval_size=100,
+                        levels=["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"])
     assert tasks.get("train", 7) == tasks.get("train", 7)
-    train_seeds = {tasks.get("train", i).data["seed"] for i in range(1000)}
-    eval_seeds = {tasks.get("eval", i).data["seed"] for i in range(100)}
-    assert not train_seeds & eval_seeds
-    assert {tasks.get("eval", i).data["level"] for i in range(2)} == {
-        "BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"}
+    seeds = {s: {level_and_seed(tasks.get(s, i).data["data_idx"]) for i in range(n)}
+             for s, n in (("train", 1000), ("eval", 100))}
+    assert not {seed for _, seed in seeds["train"]} & {seed for _, seed in seeds["eval"]}
+    assert {level for level, _ in seeds["eval"]} == {"BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"}
+    assert BabyAITasks(levels=[5, 19]).get("eval", 3) == tasks.get("eval", 3)  # numbers or ids
     with pytest.raises(IndexError):
         tasks.get("eval", 100)
     with pytest.raises(ValueError):
@@ -89,13 +94,20 @@ def test_tasks_are_deterministic_and_splits_disjoint():
 def test_unknown_level_and_bad_task_are_clear_errors():
     with pytest.raises(ValueError, match="unknown BabyAI level"):
         BabyAIEnv(levels=["BabyAI-NoSuchLevel-v0"])
-    env = BabyAIEnv(levels=["BabyAI-GoToObj-v0"])
-    with pytest.raises(ValueError, match="needs data"):
+    with pytest.raises(ValueError, match="actions must be one of"):
+        BabyAIEnv(actions="macro")
+    env = BabyAIEnv(actions="primitive", levels=["BabyAI-GoToObj-v0"])
+    with pytest.raises(ValueError, match="data_idx"):
         env.reset(base.Task("t", {}))
+    # A task may name its level and seed instead of a data_idx.
+    assert env.reset(base.Task("t", {"level": "BabyAI-GoToObj-v0", "seed": 3})).startswith(
+        "Mission: go to")
+    with pytest.raises(ValueError, match="demonstrate plays primitive actions"):
+        demonstrate(env.tasks().get("eval", 0), BabyAIEnv())
 
 
 def test_bot_solves_eval_tasks():
-    env = BabyAIEnv()
+    env = BabyAIEnv(**PRIMITIVE)
     tasks = env.tasks()
     solved, lengths = 0, []
     for index in range(50):
@@ -126,7 +138,7 @@ def test_demonstration_pairs_observations_with_actions(env):
 
 
 def test_step_outside_an_episode_is_an_observation():
-    env = BabyAIEnv(levels=["BabyAI-GoToObj-v0"])
+    env = BabyAIEnv(actions="primitive", levels=["BabyAI-GoToObj-v0"])
     result = env.step("turn left")  # before any reset
     assert result.done and result.info["episode_over"]
     task = env.tasks().get("eval", 0)
@@ -153,7 +165,7 @@ GARBAGE = [
 
 
 def test_garbage_actions_never_raise_and_env_stays_usable():
-    env = BabyAIEnv()
+    env = BabyAIEnv(**PRIMITIVE)
     tasks = env.tasks()
     step_through(env, garbage_actions(random.Random(0), 1000, GARBAGE),
                  [tasks.get("train", i) for i in range(200)])
@@ -166,7 +178,7 @@ def test_garbage_actions_never_raise_and_env_stays_usable():
 
 
 def test_max_steps_override_truncates():
-    env = BabyAIEnv(levels=["BabyAI-OpenDoor-v0"], max_steps=3)
+    env = BabyAIEnv(actions="primitive", levels=["BabyAI-OpenDoor-v0"], max_steps=3)
     env.reset(env.tasks().get("eval", 0))
     results = [env.step("Action: turn left") for _ in range(3)]
     assert [r.done for r in results] == [False, False, True]

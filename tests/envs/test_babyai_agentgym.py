@@ -1,4 +1,5 @@
-"""BabyAI in AgentGym's mode: levels and seeds by data_idx, observations, macros, rewards, score.
+"""The babyai env's default, AgentGym's BabyAI: levels and seeds by data_idx, observations,
+macros, rewards, score.
 
 Grids used below (minigrid 3.x, `env.pprint_grid()`; x grows east, y grows south):
   data_idx 0  = GoToRedBallGrey seed 0, max_steps 64: agent (6,5) facing west; red ball (2,2),
@@ -21,15 +22,15 @@ pytest.importorskip("minigrid")
 
 from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
-from rl_tpu.envs.babyai_agentgym import (ACK, COMPLETED, LEVELS, MAX_TURNS,  # noqa: E402
-                                         NO_CHANGE, NOT_RECOGNIZED, AgentGymBabyAITasks,
-                                         data_idx_of, level_and_seed)
+from rl_tpu.envs.babyai import (ACK, COMPLETED, LEVELS, MAX_TURNS, NO_CHANGE,  # noqa: E402
+                                NOT_RECOGNIZED, BabyAIEnv, BabyAITasks, data_idx_of,
+                                level_and_seed)
 from rl_tpu.envs.base import Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def env():
-    env = base.make("babyai_agentgym")
+    env = base.make("babyai")
     yield env
     env.close()
 
@@ -78,7 +79,7 @@ def test_data_idx_from_data_or_id():
 
 
 def test_task_source_splits_are_disjoint_and_reproducible():
-    tasks = AgentGymBabyAITasks(train_size=50, eval_size=400)
+    tasks = BabyAITasks(train_size=50, eval_size=400)
     assert tasks.get("eval", 0) == Task("babyai_0") and tasks.get("eval", 0).data == {"data_idx": 0}
     assert tasks.get("train", 0).data == {"data_idx": 4000}
     eval_ids = {tasks.get("eval", i).data["data_idx"] for i in range(400)}
@@ -87,7 +88,7 @@ def test_task_source_splits_are_disjoint_and_reproducible():
     with pytest.raises(IndexError):
         tasks.get("eval", 400)
     with pytest.raises(ValueError, match="eval_size"):
-        AgentGymBabyAITasks(eval_size=5000)
+        BabyAITasks(eval_size=5000)
 
 
 def test_conversation_start_and_turn_limit(env):
@@ -96,7 +97,8 @@ def test_conversation_start_and_turn_limit(env):
     for needed in ("turn left", "move forward", "go to", "pickup", "go through",
                    "toggle and go through", "Thought:\n", "\n\nAction:\n"):
         assert needed in user["content"]
-    assert MAX_TURNS == 20 and env.max_turns == 20
+    assert MAX_TURNS == 20 and env.max_turns == 20 and env.system_prompt == ""
+    assert isinstance(base.make("babyai_agentgym"), BabyAIEnv)  # the old name: an alias
 
 
 # -- observations and rewards ---------------------------------------------------------------

@@ -1,10 +1,7 @@
-"""BabyAI as AgentGym's BabyAI server plays it: AgentGym's actions, observations, rewards and
-task indexing, on minigrid's own levels (env name "babyai_agentgym").
+"""The BabyAI env: minigrid's BabyAI levels as text (env "babyai", alias "babyai_agentgym").
 
-rl_tpu's own BabyAI env (`rl_tpu.envs.babyai`) stays as it is; this module is the mode that
-matches what AgentGym-RL trains and evaluates on, so results can be compared with theirs.
-
-What follows AgentGym (from its server's documented behaviour):
+Default (`actions="agentgym"`): BabyAI as AgentGym's server plays it, so results compare with
+AgentGym-RL's (from its server's documented behaviour):
   - `step(reply)` takes the model's whole reply; `agentgym_parse.parse_action` picks the action
     (two `Action:` markers: TOO_MANY_ACTIONS, reward 0, not done, nothing stepped). The server
     then lowercases and strips it.
@@ -16,52 +13,59 @@ What follows AgentGym (from its server's documented behaviour):
   - Anything containing "check" lists the actions; "" gives `No change in state.`; an unlisted
     action gives a reason, or `The action is not recognized. Please check valid actions.`,
     without moving, and the last reward is kept.
-  - Observations: reset `Your goal: <mission>\\n<description>\\nAvailable actions: [...]`, step
-    `<description or message>\\nAvailable actions: [...]`; objects nearest first, as in
+  - Observations: reset `Your goal: <mission>\n<description>\nAvailable actions: [...]`, step
+    `<description or message>\nAvailable actions: [...]`; objects nearest first, as in
     `There is a red ball 1 right in front of you 1 steps away.`
   - reward = minigrid's `1 - 0.9 * moves / max_steps` on success (moves = primitive steps);
     done = terminated, but False when that reward is <= 0.5 (the text still ends with
-    `\\n The task is completed.`); the REPORTED reward is AgentGym's score, the running sum of
+    `\n The task is completed.`); the REPORTED reward is AgentGym's score, the running sum of
     every step's reward (a kept reward counts again).
-  - data_idx -> level (data_idx mod 40) + 1, seed data_idx div 40. AgentGym-RL uses 20 turns.
+  - The conversation opens with AgentGym's instruction and acknowledgement
+    (`conversation_start`); AgentGym-RL uses 20 turns (MAX_TURNS).
+What AgentGym's notes leave open, and what this env does (so outputs may differ there): the
+level order (levels.py); wording beyond the one example sentence (positions off the line of
+sight read `<a> steps in front of you and <r> steps to your left|right`, doors are named
+`<colour> <open|closed|locked> door`, the description ends with what the agent carries, k
+numbers visible objects of the same name, nearest first); what is listed (`pickup` for
+visible keys, balls and boxes while the hands are empty, `drop` while carrying, `toggle` with a
+door or box right ahead, `go to goal` with a goal in view, in the vocabulary's order); paths
+(searched on the true grid, closed doors and objects block, tie-broken forward, left, right;
+`go through` ends one cell past the door); `check` and "" keep the last reward too.
 
-What AgentGym's notes leave open, and what this module does (so outputs may differ there):
-  - Level order. Only level 1 (GoToRedBallGrey) and level 40 (BossLevelNoUnlock) are known.
-    minigrid registers exactly 40 BabyAI level classes, the first of them GoToRedBallGrey and
-    the last BossLevelNoUnlock, so LEVELS is those classes in minigrid's registration order,
-    each as its first registered id (PutNext as PutNextS4N1, OpenDoorsOrder as
-    OpenDoorsOrderN2, MoveTwoAcross as MoveTwoAcrossS5N2: these classes have no default size).
-  - Wording beyond the one example sentence: positions off the line of sight read
-    `<a> steps in front of you and <r> steps to your left|right` (or only the side part);
-    doors are named `<colour> <open|closed|locked> door`; the description ends with what
-    the agent carries. k numbers visible objects of the same name, nearest first.
-  - What is listed: `pickup` for visible keys, balls and boxes while the hands are empty;
-    `drop` while carrying; `toggle` with a door or box right ahead; `go to goal` with a goal
-    in view. Listed in the order of the vocabulary above.
-  - Paths are searched on the true grid (closed doors and objects block), tie-broken by trying
-    forward, then left, then right; `go through` ends one cell past the door.
-  - `check` and "" keep the last reward like unlisted actions (stated only for the latter).
+Option `actions="primitive"` (rl_tpu's own text BabyAI, primitive.py): the seven primitive
+actions in words, read leniently; a system prompt; the view rendered as sentences with the
+agent's heading; a sentence on what each action did; reward minigrid's success reward on the
+completing step and 0 elsewhere (not a running score); done when minigrid terminates
+(success, or a strict-mode failure with 0) or truncates. `demonstrate` / `expert_actions`
+replay minigrid's BabyAIBot in this mode. `levels=PRIMITIVE_LEVELS` are the 8 levels the bot
+solves in under 20 steps.
+
+Other options: `levels` (AgentGym level numbers 1..40 or minigrid ids; the task source then
+cycles through those only), `max_steps` (overrides each level's step limit; minigrid's success
+reward scales with it), `train_size`, `eval_size`.
+
+Tasks: `Task(f"babyai_{i}", {"data_idx": i})`, data_idx -> level (i mod 40) + 1, seed i div 40
+(levels.py). Eval is data_idx 0.. (seeds 0..99), train from 4000 (seeds from 100), so the
+splits never share a grid. A task may instead give `{"level": <minigrid id>, "seed": s}`.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
+import random
 import re
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from rl_tpu.envs.agentgym_parse import parse_action
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
+from rl_tpu.envs.babyai import primitive
+from rl_tpu.envs.babyai.levels import (BabyAITasks, data_idx_of, level_and_seed, level_numbers,
+                                       silence_minigrid_sampling_prints)
+from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
 
-# minigrid's 40 BabyAI level classes in its registration order (see the module docstring).
-LEVELS: tuple[str, ...] = tuple(f"BabyAI-{name}-v0" for name in (
-    "GoToRedBallGrey", "GoToRedBall", "GoToRedBallNoDists", "GoToObj", "GoToLocal", "GoTo",
-    "GoToImpUnlock", "GoToSeq", "GoToRedBlueBall", "GoToDoor", "GoToObjDoor", "Open",
-    "OpenRedDoor", "OpenDoor", "OpenTwoDoors", "OpenDoorsOrderN2", "Pickup", "UnblockPickup",
-    "PickupLoc", "PickupDist", "PickupAbove", "PutNextLocal", "PutNextS4N1", "Unlock",
-    "UnlockLocal", "KeyInBox", "UnlockPickup", "BlockedUnlockPickup", "UnlockToUnlock",
-    "ActionObjDoor", "FindObjS5", "KeyCorridor", "OneRoomS8", "MoveTwoAcrossS5N2", "Synth",
-    "SynthLoc", "SynthSeq", "MiniBossLevel", "BossLevel", "BossLevelNoUnlock"))
+log = logging.getLogger(__name__)
+ACTION_STYLES = ("agentgym", "primitive")
 
 MAX_TURNS = 20  # AgentGym-RL's BabyAI horizon (train and eval)
 NOT_RECOGNIZED = "The action is not recognized. Please check valid actions."
@@ -97,98 +101,98 @@ _DIR_VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # minigrid agent_dir 0..3 -> (dx,
 _NAMED = re.compile(r"^(go to|pickup|go through|toggle and go through) (.+) (\d+)$")
 
 
-def data_idx_of(task: Task) -> int:
-    """The task's AgentGym data_idx: `data["data_idx"]`, else the int after the last `_` of
-    its id (AgentGym's item ids are `babyai_<n>`)."""
-    data = task.data or {}
-    if "data_idx" in data:
-        return int(data["data_idx"])
-    tail = task.task_id.rsplit("_", 1)[-1]
-    if not tail.isdigit():
-        raise ValueError(f"BabyAI task {task.task_id!r} has no data_idx: give it "
-                         "data={'data_idx': n} or an id like 'babyai_<n>'")
-    return int(tail)
+@register("babyai")
+class BabyAIEnv(Env):
+    """One BabyAI episode at a time, AgentGym's text, actions and scoring by default (see the
+    module docstring for the options)."""
 
-
-def level_and_seed(data_idx: int) -> tuple[str, int]:
-    """AgentGym's indexing: level (data_idx mod 40) + 1 (1-based), seed data_idx div 40."""
-    if data_idx < 0:
-        raise ValueError(f"data_idx must be >= 0, got {data_idx}")
-    return LEVELS[data_idx % len(LEVELS)], data_idx // len(LEVELS)
-
-
-class AgentGymBabyAITasks(TaskSource):
-    """Task j of a split is Task(f"babyai_{i}", {"data_idx": i}) with
-    eval: i = j, for 0 <= j < eval_size (<= TRAIN_START): seeds 0.. of all 40 levels in turn;
-    train: i = TRAIN_START + j: seeds from 100 on, so the splits never share a grid."""
-
-    TRAIN_START = 4000  # = 100 seeds x 40 levels reserved for eval
-
-    def __init__(self, train_size: int = 100_000, eval_size: int = 400):
-        if not 0 < eval_size <= self.TRAIN_START:
-            raise ValueError(f"eval_size must be in 1..{self.TRAIN_START} so eval data_idx "
-                             f"stay below the train range; got {eval_size}")
-        self._sizes = {"train": int(train_size), "eval": int(eval_size)}
-
-    def size(self, split: str) -> Optional[int]:
-        self.check_split(split)
-        return self._sizes[split]
-
-    def get(self, split: str, index: int) -> Task:
-        self.check_split(split)
-        if not 0 <= index < self._sizes[split]:
-            raise IndexError(f"task index {index} out of range for split {split!r} of size "
-                             f"{self._sizes[split]}")
-        i = index if split == "eval" else self.TRAIN_START + index
-        return Task(f"babyai_{i}", {"data_idx": i})
-
-
-@register("babyai_agentgym")
-class AgentGymBabyAIEnv(Env):
-    """One BabyAI episode at a time, with AgentGym's text, actions and scoring."""
-
-    name = "babyai_agentgym"
+    name = "babyai"
+    replayable = True  # reset(task) and the same actions reach the same state
     system_prompt = ""  # AgentGym-RL keeps Qwen's default system message
     max_turns = MAX_TURNS
 
-    def __init__(self, train_size: int = 100_000, eval_size: int = 400):
+    def __init__(self, actions: str = "agentgym", levels: Sequence[Union[int, str]] = (),
+                 max_steps: Optional[int] = None, train_size: int = 100_000,
+                 eval_size: int = 400):
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI-* ids with gymnasium)
-        from rl_tpu.envs.babyai import _silence_minigrid_sampling_prints
 
-        _silence_minigrid_sampling_prints()
+        if actions not in ACTION_STYLES:
+            raise ValueError(f"babyai: actions must be one of {ACTION_STYLES} ('agentgym': "
+                             "AgentGym's listed macro actions; 'primitive': the seven "
+                             f"minigrid actions), got {actions!r}")
+        silence_minigrid_sampling_prints()
         self._gym = gymnasium
-        self._tasks = AgentGymBabyAITasks(train_size, eval_size)
+        self.actions = actions
+        if actions == "primitive":
+            self.system_prompt = primitive.SYSTEM_PROMPT
+        self._tasks = BabyAITasks(train_size, eval_size, levels)
+        self._max_steps = max_steps
+        self._teacher = None  # the scripted teacher of the current episode (teacher_reply)
         self._levels: dict[str, object] = {}  # level id -> unwrapped env, reused across resets
-        self._env = None
+        self._env = None     # the unwrapped minigrid env of the current episode
         self._done = True
         self._reward = 0.0   # the last step's reward, kept by steps that do not move
         self._score = 0.0    # AgentGym's score: the sum of every step's reward
+        self.last_observation = ""
+
+    @property
+    def agentgym_name(self) -> str:
+        """"babyai" while the env plays AgentGym's protocol, else "" (the env server reads it)."""
+        return "babyai" if self.actions == "agentgym" else ""
 
     def tasks(self) -> TaskSource:
         return self._tasks
 
-    def conversation_start(self) -> list[dict]:
-        """AgentGym-RL's opening: the instruction as the user, a fixed acknowledgement."""
+    def conversation_start(self) -> Optional[list[dict]]:
+        """AgentGym-RL's opening: the instruction as the user, a fixed acknowledgement (None
+        in the primitive mode, whose system prompt states the actions)."""
+        if self.actions == "primitive":
+            return None
         return [{"role": "user", "content": INSTRUCTION},
                 {"role": "assistant", "content": ACK}]
 
     # -- episode --------------------------------------------------------------------------
 
     def reset(self, task: Task) -> str:
-        level, seed = level_and_seed(data_idx_of(task))
+        level, seed = self._level_and_seed(task)
         if level not in self._levels:
-            self._levels[level] = self._gym.make(level).unwrapped
+            # We step the unwrapped env: the gymnasium wrappers only re-check what minigrid
+            # already guarantees, and cost a few microseconds a step.
+            env = self._gym.make(level).unwrapped
+            if self._max_steps is not None:
+                # RoomGridLevel recomputes max_steps from the layout on every reset unless
+                # told the limit is fixed.
+                env.fixed_max_steps = True
+                env.max_steps = int(self._max_steps)
+            self._levels[level] = env
         self._env = self._levels[level]
-        self._env.reset(seed=seed)
+        obs, _ = self._env.reset(seed=seed)
         self._done, self._reward, self._score = False, 0.0, 0.0
-        return f"Your goal: {self._env.mission}\n{self._describe()}\n{self._listing()}"
+        self._teacher = None
+        if self.actions == "primitive":
+            self.last_observation = primitive.render(self._env, obs)
+        else:
+            self.last_observation = (f"Your goal: {self._env.mission}\n{self._describe()}\n"
+                                     f"{self._listing()}")
+        return self.last_observation
+
+    def _level_and_seed(self, task: Task) -> tuple[str, int]:
+        data = task.data or {}
+        if "level" in data and "seed" in data:
+            level_numbers(data["level"])  # a known level, or a clear error
+            return str(data["level"]), int(data["seed"])
+        if "data_idx" not in data and "split" in data and "index" in data:
+            task = self._tasks.get(data["split"], int(data["index"]))
+        return level_and_seed(data_idx_of(task))
 
     def step(self, reply: str) -> StepResult:
         if self._env is None or self._done:
             # AgentGym's server answers {"error"} here and AgentGym-RL then scores the episode 0.
             return StepResult("The episode is over; reset to start a new one.", 0.0, True,
                               {"invalid_action": True, "episode_over": True})
+        if self.actions == "primitive":
+            return self._step_primitive(reply)
         action, error = parse_action(reply if isinstance(reply, str) else "")
         if error is not None:  # not sent to the server at all: no move, no score change
             return StepResult(error, 0.0, False, {"invalid_action": True})
@@ -210,6 +214,40 @@ class AgentGymBabyAIEnv(Env):
         info = {"success": bool(terminated and reward > 0), "step_reward": reward,
                 "moves": int(self._env.step_count), "action": action}
         return StepResult(text, self._score, self._done, info)
+
+    def _step_primitive(self, reply: str) -> StepResult:
+        name = primitive.parse_primitive(reply)
+        if name is None:
+            return invalid_action(
+                f"could not read an action from your reply. End it with a line "
+                f"'Action: <action>' where <action> is one of: {', '.join(primitive.ACTIONS)}.\n"
+                + self.last_observation)
+        env = self._env
+        before = primitive.snapshot(env)
+        obs, reward, terminated, truncated, _ = env.step(primitive.ACTIONS.index(name))
+        success = bool(terminated and reward > 0)
+        self._done = bool(terminated or truncated)
+        feedback = primitive.feedback(env, name, before)
+        if success:
+            feedback += " Mission accomplished!"
+        elif terminated:
+            feedback += " The mission failed; the episode is over."
+        elif truncated:
+            feedback += " You ran out of steps; the episode is over."
+        self.last_observation = f"{feedback}\n{primitive.render(env, obs)}"
+        info = {"success": success, "truncated": bool(truncated and not terminated),
+                "action": name, "steps": int(env.step_count)}
+        return StepResult(self.last_observation, float(reward) if success else 0.0,
+                          self._done, info)
+
+    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
+        """The imperfect scripted teacher's reply in the current state (babyai_teacher.py);
+        its carelessness is drawn from `rng` on the episode's first call."""
+        from rl_tpu.envs.babyai_teacher import BabyAITeacher
+
+        if self._teacher is None:
+            self._teacher = BabyAITeacher(rng, skill)
+        return self._teacher.reply(self)
 
     def _no_move(self, message: str, invalid: bool) -> StepResult:
         self._score += self._reward  # AgentGym adds the kept reward to the score again
@@ -402,3 +440,48 @@ def _where(ahead: int, right: int) -> str:
     if ahead == 0:
         return side
     return f"{ahead} steps in front of you and {side}"
+
+
+register("babyai_agentgym")(BabyAIEnv)
+
+
+def demonstrate(task: Task, env: Optional[BabyAIEnv] = None,
+                max_steps: int = 200) -> list[tuple[str, str]]:
+    """Plays `task` with minigrid's BabyAIBot; returns the (observation, action) pairs.
+
+    Each observation is the text the agent saw before acting; each action is one of
+    `primitive.ACTIONS`. Uses `env` if given (a primitive-mode env; it is reset to the task),
+    else a private one. The bot plans
+    over the true grid, so the pairs are an expert's, not a partially-observing agent's.
+    """
+    from minigrid.utils.baby_ai_bot import BabyAIBot
+
+    own = env is None
+    if not own and env.actions != "primitive":
+        raise ValueError("demonstrate plays primitive actions: give it an env made with "
+                         "actions='primitive' (or none)")
+    env = env or BabyAIEnv(actions="primitive")
+    try:
+        observation = env.reset(task)
+        bot = BabyAIBot(env._env)
+        pairs = []
+        for _ in range(max_steps):
+            try:
+                action = primitive.ACTIONS[int(bot.replan())]
+            except Exception as e:  # the bot gives up on a few layouts (e.g. opened boxes)
+                log.warning("BabyAIBot failed on %s: %s", task.task_id, e)
+                break
+            pairs.append((observation, action))
+            result = env.step(f"Action: {action}")
+            observation = result.observation
+            if result.done:
+                break
+        return pairs
+    finally:
+        if own:
+            env.close()
+
+
+def expert_actions(task: Task, env: Optional[BabyAIEnv] = None) -> list[str]:
+    """The bot's action words for `task` (see `demonstrate`)."""
+    return [action for _, action in demonstrate(task, env)]
