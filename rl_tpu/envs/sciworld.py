@@ -348,6 +348,11 @@ class SciWorldEnv(Env):
     def tasks(self) -> TaskSource:
         return self._tasks
 
+    @property
+    def agentgym_name(self) -> str:
+        """"sciworld" while the env plays AgentGym's protocol, else "" (the env server reads it)."""
+        return "sciworld" if self.prompt == "agentgym" else ""
+
     def conversation_start(self) -> Optional[list[dict]]:
         """AgentGym's opening turns (the instruction, then the fixed acknowledgement); None
         with `prompt="system"` (the system prompt states the commands)."""

@@ -292,6 +292,11 @@ class SearchEnv(Env):
     def tasks(self) -> SearchTasks:
         return self._tasks
 
+    @property
+    def agentgym_name(self) -> str:
+        """"searchqa" while the env plays AgentGym's protocol, else "" (the env server reads it)."""
+        return "searchqa" if self.actions == "tags" else ""
+
     def conversation_start(self) -> Optional[list[dict]]:
         """AgentGym's opening turns (the instruction, then "Ok."); None in the brackets style,
         whose system prompt states the commands."""

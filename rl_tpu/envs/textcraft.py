@@ -481,6 +481,11 @@ class TextCraftEnv(Env):
     def tasks(self) -> TaskSource:
         return self._tasks
 
+    @property
+    def agentgym_name(self) -> str:
+        """"textcraft" while the env plays AgentGym's protocol, else "" (the env server reads it)."""
+        return "textcraft" if self.prompt == "agentgym" else ""
+
     def conversation_start(self) -> Optional[list[dict]]:
         if self.prompt == "system":
             return None  # rl_tpu's default: the system prompt

@@ -55,6 +55,7 @@ def test_reset_and_step_render_the_view(env):
     assert "You are facing" in first and "carrying nothing" in first
     assert first == env.reset(task)  # same task, same grid
     assert env.conversation_start() is None and env.system_prompt.startswith("You are an agent")
+    assert env.agentgym_name == ""
 
     result = env.step("Action: turn left")
     assert result.observation.startswith("You turned left.")

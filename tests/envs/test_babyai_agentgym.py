@@ -99,6 +99,7 @@ def test_conversation_start_and_turn_limit(env):
         assert needed in user["content"]
     assert MAX_TURNS == 20 and env.max_turns == 20 and env.system_prompt == ""
     assert isinstance(base.make("babyai_agentgym"), BabyAIEnv)  # the old name: an alias
+    assert env.agentgym_name == "babyai"  # what the env server reads
 
 
 # -- observations and rewards ---------------------------------------------------------------

@@ -82,6 +82,7 @@ def test_reset_and_step(env):
     r = env.step("inventory")
     assert "inventory" in r.observation.lower()
     assert env.conversation_start() is None and env.system_prompt.startswith("You are an agent")
+    assert env.agentgym_name == ""
 
 
 def test_options_are_checked():

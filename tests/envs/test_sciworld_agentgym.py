@@ -185,7 +185,7 @@ def test_conversation_start():
     for template in ("open OBJ", "connect OBJ to OBJ", "pour OBJ in OBJ", "use OBJ on OBJ", "focus on OBJ",
                      "wait1", "inventory", "go to LOC", "look in OBJ"):
         assert f"\n{template}:" in INSTRUCTION, template
-    assert SciWorldEnv.system_prompt == ""
+    assert SciWorldEnv.system_prompt == "" and e.agentgym_name == "sciworld"
 
 
 @needs_java

@@ -57,7 +57,7 @@ def test_search_then_answer(env):
     q = env.question(task)
     obs = env.reset(task)
     assert obs == f"Question: {q['question']}" and env.conversation_start() is None
-    assert env.system_prompt.startswith("You answer questions")
+    assert env.system_prompt.startswith("You answer questions") and env.agentgym_name == ""
     first = q["hops"][0]
     r = env.step(f"Thought: look it up.\nsearch[{first['query']}]")
     assert not r.done and r.reward == 0.0

@@ -152,6 +152,7 @@ def test_conversation_start(env):
     assert assistant == {"role": "assistant", "content": "Ok."} and ACK == "Ok."
     assert "<search>...</search>" in INSTRUCTION and "<information>" in INSTRUCTION
     assert SearchEnv.system_prompt == "" and env.system_prompt == ""
+    assert env.agentgym_name == "searchqa"  # what the env server reads
 
 
 def test_shipped_corpus():

@@ -56,6 +56,7 @@ def test_reset_lists_commands_and_goal(env):
     assert obs == env.reset(task)                       # same seed, same listing
     assert obs != env.reset(_goal_task("wooden_pickaxe", seed=4))  # other distractors/order
     assert env.conversation_start() is None and "Action: <command>" in env.system_prompt
+    assert env.agentgym_name == ""  # the env server sends it replies as they are
 
 
 def test_commands(env):

@@ -203,6 +203,7 @@ def test_tasks_and_conversation_start(env):
                    "Thought:\n", "\n\nAction:\n"):
         assert phrase in user["content"]
     assert AGENTGYM_RL_TURNS == 30 and env.system_prompt == ""
+    assert env.agentgym_name == "textcraft"  # what the env server reads
     assert isinstance(base.make("textcraft_agentgym"), TextCraftEnv)  # the old name: an alias
 
 
