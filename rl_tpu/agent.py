@@ -109,6 +109,11 @@ class _Episode:
         self.turn_start: Optional[int] = None
         self.turn_left = 0
         self.parts = 0
+        # What the env said, for a branching rollout to restore this state in a fresh env by
+        # replaying (rl_tpu/branching.py): reset's observation, then (action, observation,
+        # reward, done) of every step the env took (unparseable actions never reach it).
+        self.first_observation: Optional[str] = None
+        self.env_trace: list[tuple[str, str, float, bool]] = []
 
     @property
     def turn(self) -> int:
@@ -169,6 +174,7 @@ def _play_groups(
     token_budget: Optional[int] = None,
     resume: Sequence["_Episode"] = (),
     paused: Optional[list] = None,
+    forker=None,
 ) -> Iterator[tuple[int, list[Trajectory]]]:
     """Plays `samples_per_task` episodes of every task, all at once; yields (task index, its
     trajectories) for each task as soon as all its episodes have ended.
@@ -199,6 +205,8 @@ def _play_groups(
         e.g. those a resumed producer plays again); overrides group_id_offset.
       token_budget, resume, paused: partial rollouts (see `play_partial`); with a budget every
         episode is yielded on its own, as its group may end in another call.
+      forker: branching rollouts (rl_tpu/branching.py): one episode a task is played, and the
+        forker adds its other samples_per_task - 1 episodes to its group as copies of it.
 
     Yields:
       (task index, list[Trajectory] of samples_per_task), every task once.
@@ -238,25 +246,31 @@ def _play_groups(
         raise ValueError(f"{len(group_ids)} group_ids for {len(tasks)} tasks")
     if token_budget is not None and (token_budget < 1 or paused is None):
         raise ValueError(f"token_budget={token_budget} must be >= 1, with a `paused` list")
-    fresh = [_Episode(ti * samples_per_task + s, task, int(group_ids[ti]), s)
-             for ti, task in enumerate(tasks) for s in range(samples_per_task)]
+    if forker is not None and (token_budget is not None or resume):
+        raise ValueError("branching rollouts do not combine with partial rollouts")
+    played = 1 if forker is not None else samples_per_task  # the forker makes the others
+    fresh = [_Episode(ti * played + s, task, int(group_ids[ti]), s)
+             for ti, task in enumerate(tasks) for s in range(played)]
     episodes = fresh + list(resume)
     if num_threads is None:
-        num_threads = min(64, max(1, len(episodes)))
+        num_threads = min(64, max(1, len(tasks) * samples_per_task + len(resume)))
     workers = WorkerPool(num_threads, step_timeout_s)
     if token_budget is None:
-        groups = [episodes[ti * samples_per_task:(ti + 1) * samples_per_task]
-                  for ti in range(len(tasks))]
+        groups = [episodes[ti * played:(ti + 1) * played] for ti in range(len(tasks))]
+        size = samples_per_task
     else:
-        groups = [[ep] for ep in episodes]
+        groups, size = [[ep] for ep in episodes], 1
     handed_on: set[int] = set()
     try:
         _start(fresh, make_env, tokenizer, workers, max_context_tokens)
+        if forker is not None:
+            forker.bind(groups, make_env, tokenizer, workers, max_turns, max_context_tokens)
         for _ in _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
                        max_context_tokens, sampling, parse_action, stop_ids, token_budget,
-                       paused):
+                       paused, forker):
             for ti, group in enumerate(groups):
-                if ti not in handed_on and all(ep.finish is not None for ep in group):
+                if (ti not in handed_on and len(group) == size
+                        and all(ep.finish is not None for ep in group)):
                     handed_on.add(ti)
                     _close_envs(group, workers)
                     yield ti, [_finalize(ep, reward_reduce) for ep in group]
@@ -371,6 +385,7 @@ def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
             ep.end("env_error", f"reset returned {type(first).__name__}, not the first "
                                 "observation (str)")
             continue
+        ep.first_observation = first
         ep.messages = start_messages + [{"role": "user", "content": first}]
         ep.extend(tokenizer.apply_chat_template(ep.messages, add_generation_prompt=True),
                   generated=False, turn=-1)
@@ -391,17 +406,21 @@ def _failed(ep: _Episode, outcome: Outcome, what: str) -> bool:
 
 
 def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context, sampling,
-          parse_action, stop_ids, token_budget=None, paused=None):
+          parse_action, stop_ids, token_budget=None, paused=None, fork=None):
     """The turn loop: one batched generate, then one parallel env step, per round; yields
     after each round (and once before the first) so the caller can hand on finished groups.
 
     With `token_budget` (partial rollouts), the round's generations share what is left of it
     (at least one token each); a turn cut by the budget stays unfinished, its ids kept, and
     goes on in the next round. Once the budget is spent, the live episodes are moved to
-    `paused` (a list) as they are, envs open, for a later call to resume."""
+    `paused` (a list) as they are, envs open, for a later call to resume.
+
+    `fork(episodes)` (branching rollouts), called before each round, may append episodes."""
     spent = 0
     while True:
         yield
+        if fork is not None:
+            fork(episodes)
         live = [ep for ep in episodes if ep.finish is None]
         if not live:
             return
@@ -535,6 +554,9 @@ def _add_observation(ep: _Episode, outcome: Outcome, turn: int, tokenizer: ChatT
                             "observation")
         return
     ep.rewards[-1] = float(result.reward)
+    if ep.pending_invalid is None:
+        ep.env_trace.append((ep.pending_action, result.observation, float(result.reward),
+                             bool(result.done)))
     ep.step_infos.append(dict(result.info))
     if "success" in result.info:
         ep.success = bool(result.info["success"])
@@ -557,6 +579,9 @@ def _add_observation(ep: _Episode, outcome: Outcome, turn: int, tokenizer: ChatT
 def _finalize(ep: _Episode, reward_reduce) -> Trajectory:
     ep.info["step_infos"] = ep.step_infos
     reward = float(reward_reduce(ep.rewards))
+    if "branch_turn" in ep.info:  # a branch's own reward: its turns from the fork on
+        own = ep.rewards[ep.info["branch_turn"]:]
+        ep.info["branch_reward"] = float(reward_reduce(own)) if own else 0.0
     if ep.success is not None:  # the env's own verdict wins
         success = ep.success
     else:

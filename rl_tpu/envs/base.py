@@ -60,6 +60,10 @@ class Env(abc.ABC):
 
     name: str = "env"
     system_prompt: str = ""  # states the action format the env parses
+    # True: reset(task) followed by the same actions always reaches the same state (the same
+    # observations, rewards, done), so a branching rollout may restore a state by replaying
+    # the actions in a fresh env (rl_tpu/branching.py). Declare it only when that holds.
+    replayable: bool = False
 
     @abc.abstractmethod
     def reset(self, task: Task) -> str:
@@ -197,6 +201,7 @@ class DelayedEnv(Env):
         self.env, self.latency_s = env, float(latency_s)
         self.name = getattr(env, "name", type(env).__name__)
         self.system_prompt = env.system_prompt  # a class attribute of Env: not forwarded
+        self.replayable = getattr(env, "replayable", False)  # likewise
 
     def __getattr__(self, attr):  # system_prompt, teacher_reply, conversation_start...
         return getattr(self.env, attr)

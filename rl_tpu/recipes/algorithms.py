@@ -15,15 +15,22 @@ functions below turn the (possibly overridden) block into the objects the learne
 | rloo         | rloo         | ppo clip, token mean            |                                 |
 | reinforce_pp | reinforce_pp | ppo clip, token mean            | KL to the reference, in reward  |
 | bapo         | grpo         | bapo adaptive bounds (Eq. 8)    | variant=verl: dual clip 3.0     |
+| tl_grpo      | tl_grpo      | ppo clip [0.8, 1.2], seq mean   | branching rollouts, fork turn   |
+
+tl_grpo plays each task once up to a fork turn (`algo.branch_turn`, fixed or drawn per task
+with `algo.branch_sample="uniform"`), forks it into G branches (rl_tpu/branching.py) and
+normalises the branches' rewards in their group; the turns before the fork carry no loss.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import ml_collections
 import numpy as np
 
+from rl_tpu import agent, branching
 from rl_tpu.rl.bapo import BapoConfig
 from rl_tpu.rl.losses import PolicyLossConfig
 from rl_tpu.train import steps
@@ -31,10 +38,12 @@ from rl_tpu.train.learner import UpdateConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.trajectory import Trajectory, groups_of
 
-ALGORITHMS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "bapo")
+ALGORITHMS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "bapo",
+              "tl_grpo")
 
 _ADVANTAGE = {"ppo": "gae", "grpo": "grpo", "dr_grpo": "dr_grpo", "dapo": "grpo",
-              "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "bapo": "grpo"}
+              "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "bapo": "grpo",
+              "tl_grpo": "tl_grpo"}
 _LOSS_KIND = {"gspo": "gspo", "bapo": "bapo"}
 
 
@@ -53,6 +62,7 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.clip_high = {"dapo": 0.28, "gspo": 4e-4}.get(name, 0.2)
     c.dual_clip = 0.0  # 0 = off (bapo.variant="verl" turns on its own 3.0)
     c.aggregation = {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
+                     "tl_grpo": "seq_mean_token_mean",
                      "dr_grpo": "fixed_normalizer"}.get(name, "token_mean")
     c.entropy_coef = 0.0
     c.kl_coef = 0.0  # KL(pi || ref) as a loss term; > 0 keeps a frozen reference policy
@@ -62,6 +72,11 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.behaviour_is_cap = 2.0
     c.dynamic_sampling = name == "dapo"  # drop groups whose rewards are all equal, refill
     c.max_refill_rounds = 3
+    # Branching rollouts (advantage tl_grpo): the turn each task's episode forks into G
+    # branches at (at most H - 1): branch_turn for every task ("fixed"), or drawn per task
+    # from 0..branch_turn ("uniform", so early turns are trained too: docs/architecture.md).
+    c.branch_turn = 2 if name == "tl_grpo" else 0
+    c.branch_sample = "fixed"
     c.overlong_buffer = 0  # DAPO overlong shaping: the last N tokens of the budget are penalised
     c.overlong_penalty = 1.0  # ... linearly up to this much at the full budget (DAPO: set
     # the buffer per experiment, below the generation budget)
@@ -97,6 +112,7 @@ def advantage_options(algo: ml_collections.ConfigDict) -> tuple:
                             "whiten": bool(algo.whiten_advantages)},
                     "reinforce_pp": {"gamma": algo.gamma},
                     "grpo": {"ddof": algo.std_ddof},
+                    "tl_grpo": {"ddof": algo.std_ddof, "carry_forward": True},
                     "rloo": {}, "dr_grpo": {}}
     if algo.advantage not in by_estimator:
         raise ValueError(f"algo.advantage={algo.advantage!r}; choose one of {sorted(by_estimator)}")
@@ -142,7 +158,7 @@ def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int
         generated = np.asarray(traj.loss_mask, bool)
         per_turn = np.bincount(np.asarray(traj.turn_ids)[generated],
                                minlength=traj.num_turns)
-        total = 0.0
+        total = branch_total = 0.0
         for k in range(traj.num_turns):
             over = int(per_turn[k]) - start
             if over > 0:
@@ -150,7 +166,11 @@ def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int
                 if k < len(traj.rewards):  # token-level rewards see it on turn k's tokens
                     traj.rewards[k] -= penalty
                 total += penalty
+                if k >= traj.info.get("branch_turn", traj.num_turns):
+                    branch_total += penalty  # a branch's own turns: its TL-GRPO reward
         traj.reward -= total
+        if "branch_reward" in traj.info:
+            traj.info["branch_reward"] -= branch_total
 
 
 def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
@@ -162,6 +182,25 @@ def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajecto
 # ----------------------------------------------------------------------------- rollout hooks
 # What the loop asks of the algorithm around a rollout, with no branch per algorithm there.
 
+
+def episode_player(algo, seed: int) -> Callable[..., list[Trajectory]]:
+    """How the step's episodes are played: `agent.run_episodes`, or for TL-GRPO
+    `branching.run_branching_episodes` with the algo block's fork turn (same arguments).
+    `seed` (the run's) draws sampled fork turns, per task, the same on a rerun."""
+    if algo.advantage != "tl_grpo":
+        return agent.run_episodes
+    plan = branching.BranchPlan(algo.branch_turn, algo.branch_sample, seed)
+    return functools.partial(branching.run_branching_episodes, plan=plan)
+
+
+def batch_arrays(host: dict, trajectories: Sequence[Trajectory], algo) -> dict:
+    """Host arrays the algorithm adds to (or replaces in) the batch built from
+    `trajectories`: for TL-GRPO the branch groups' turn slots and the loss mask without the
+    shared prefix (`branching.turn_arrays`); nothing for the others."""
+    if algo.advantage != "tl_grpo":
+        return {}
+    return branching.turn_arrays(trajectories, host["loss_mask"], host["group_ids"],
+                                 num_slots=algo.branch_turn + 1)
 
 
 def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, algo,
@@ -199,6 +238,9 @@ def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, 
     else:
         chosen = played
     metrics["rollout/played_tokens"] = float(sum(t.num_generated for t in played))
+    forks = [t.info["branch_turn"] for t in chosen if "branch_turn" in t.info]
+    if forks:
+        metrics["rollout/branch_turn"] = float(np.mean(forks))
     return chosen, metrics
 
 
@@ -210,6 +252,8 @@ def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
     needed but truncated is a clear error; not needed, they are left out."""
     keys = ["tokens", "positions", "segment_ids", "loss_mask", "token_rewards", "rewards",
             "group_ids", "turn_ids"]
+    if algo.advantage == "tl_grpo":
+        keys += ["turn_rewards", "turn_group_ids"]
     truncated = any(t.logprob_convention != "full" for t in trajectories)
     if not truncated:
         return keys + ["behaviour_logprobs"]

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from rl_tpu import schedules
+from rl_tpu import branching, schedules
 from rl_tpu.envs import base as envs
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
 
@@ -403,10 +403,14 @@ def check(config: ml_collections.ConfigDict) -> None:
                          "train.replay.capacity > 0) makes wrong for a ratio against the "
                          "proximal policy: set algo.recompute_proximal=True or "
                          "algo.ratio_against='behaviour'")
-    group_based = config.algo.advantage in ("grpo", "dr_grpo", "rloo")
+    group_based = config.algo.advantage in ("grpo", "dr_grpo", "rloo", "tl_grpo")
     if group_based and config.train.samples_per_task < 2:
         raise ValueError(f"algo.advantage={config.algo.advantage!r} compares samples of a task: "
                          "set train.samples_per_task >= 2")
+    if config.algo.advantage == "tl_grpo" and r.partial_token_budget:
+        raise ValueError("algo.advantage='tl_grpo' plays branching rollouts, which partial "
+                         "rollouts cannot pause: set rollout.partial_token_budget=0")
+    branching.BranchPlan(config.algo.branch_turn, config.algo.branch_sample)  # checks both
     sch = config.schedules
     schedules.check_budget(sch.budget, sch.budget_min, config.env.max_new_tokens,
                            sch.budget_period, sch.budget_start, sch.budget_stairs)

@@ -45,7 +45,7 @@ import numpy as np
 
 from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel, schedules
-from rl_tpu.agent import play_partial, run_episodes
+from rl_tpu.agent import play_partial
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats
@@ -239,6 +239,7 @@ class Trainer:
             versions = host["token_versions"]
             host["loss_mask"] &= ~((versions >= 0) & (
                 step - 1 - versions > self.config.rollout.max_staleness))
+        host.update(algorithms.batch_arrays(host, trajectories, self.config.algo))
         keys = algorithms.batch_keys(trajectories, self.config.algo)
         arrays = {k: host[k] for k in keys}
         if self.learner.loss_cfg.aggregation == "fixed_normalizer":
@@ -362,12 +363,13 @@ class Trainer:
         """G episodes of each (position, task), sampled for step `chunk`: task-major, each
         group id the task's global stream position (the same whichever host plays it)."""
         config = self.config
-        trajectories = run_episodes(self.engine, self.make_env, [t for _, t in tasks],
-                                    **self._episode_args(tasks, chunk, round_index))
+        play = algorithms.episode_player(config.algo, config.seed)  # TL-GRPO: branching
+        trajectories = play(self.engine, self.make_env, [t for _, t in tasks],
+                            **self._episode_args(tasks, chunk, round_index))
         g = config.train.samples_per_task
         for i, traj in enumerate(trajectories):
             if traj.group_id != tasks[i // g][0]:
-                raise RuntimeError("run_episodes returned trajectories out of task order")
+                raise RuntimeError("the agent loop returned trajectories out of task order")
             traj.info["task"] = tasks[i // g]  # for a resumed producer to play it again
         algorithms.shape_overlong(trajectories, config.algo, _budget(config, chunk - 1))
         return trajectories

@@ -255,7 +255,8 @@ def rloo(rewards: Array, group_ids: Array, loss_mask: Array, normalize_std: bool
 @ADVANTAGES.register("tl_grpo")
 def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
                     loss_mask: Array, normalize_std: bool = True,
-                    eps: float = 1e-6, ddof: int = 1) -> tuple[Array, Array]:
+                    eps: float = 1e-6, ddof: int = 1,
+                    carry_forward: bool = False) -> tuple[Array, Array]:
     """TL-GRPO: turn rewards normalised among the samples that acted from the same state.
 
     turn_rewards [B, M] (reward of each turn), turn_group_ids int [B, M] (turns taken from the
@@ -265,6 +266,11 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
       A_(b,k) = (R_(b,k) - mean_g) / (std_g + eps)     (no std division if normalize_std=False)
     std_g with `ddof` as in `grpo` (default 1, unbiased).
     Every masked token of turn k in row b gets A_(b,k). Returns (A, R_(b,k)) per token, [B, T].
+
+    carry_forward=True: a token whose turn's slot is unused (-1, or k >= M) takes the slot of
+    the closest EARLIER used turn of its row instead of 0; tokens before a row's first used
+    slot still get 0. A branching rollout (rl_tpu/branching.py) fills one slot a row, its
+    fork turn f, so every token of turns f, f+1, ... carries the branch's advantage.
     """
     _check_ndim("tl_grpo", turn_rewards=turn_rewards, turn_group_ids=turn_group_ids,
                 turn_ids=turn_ids, loss_mask=loss_mask)
@@ -279,6 +285,11 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
     adv = jnp.where(ids.reshape(-1) >= 0, adv, 0.0).reshape(batch, turns)
 
     tid = jnp.asarray(turn_ids, jnp.int32)
+    if carry_forward:
+        # the latest used slot at or before each slot (-1: none yet), looked up per token
+        latest = jax.lax.cummax(jnp.where(ids >= 0, jnp.arange(turns), -1), axis=1)
+        tid = jnp.where(tid >= 0, jnp.take_along_axis(
+            latest, jnp.clip(tid, 0, turns - 1), axis=1), -1)
     on = (_float_mask(loss_mask, r) != 0) & (tid >= 0) & (tid < turns)
     idx = jnp.clip(tid, 0, turns - 1)
     tok_adv = jnp.where(on, jnp.take_along_axis(adv, idx, axis=1), 0.0)

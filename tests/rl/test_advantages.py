@@ -246,6 +246,34 @@ def test_turn_level_grpo_by_hand():
                  [0, a, a, 0, 0, 0, 0]])
 
 
+def test_turn_level_grpo_carry_forward_by_hand():
+    # Branching rollouts fill one slot a row, the fork turn. B = 3 rows, M = 2 slots.
+    # Rows 0, 1 forked at turn 1 (group 4, rewards 3 and 1); row 2 at turn 0 (a lone group 5).
+    turn_rewards = np.array([[9, 3], [9, 1], [2, 9]], np.float32)
+    turn_groups = np.array([[-1, 4], [-1, 4], [5, -1]], np.int32)
+    turn_ids = np.array([[-1, 0, 0, 1, 1, 2, 3],
+                         [-1, 0, 0, 1, 2, 2, 2],
+                         [-1, 0, 1, 1, 2, -1, -1]], np.int32)
+    mask = np.array([[0, 1, 0, 1, 0, 1, 1],
+                     [0, 1, 0, 1, 1, 1, 0],
+                     [0, 1, 1, 0, 1, 0, 0]], bool)
+    adv, ret = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask, ddof=0,
+                               carry_forward=True)
+    # Group 4: mean 2, population std 1 -> +1 (row 0), -1 (row 1), on turns 1, 2, 3, ...
+    # (turn 2 is an unused slot and turn 3 is past M: both take turn 1's slot). Turn 0 comes
+    # before the rows' first used slot: 0. Group 5 has one member: A = 0 on every turn, and
+    # its return 2 on turns 0, 1, 2.
+    close(adv, [[0, 0, 0, 1, 0, 1, 1],
+                [0, 0, 0, -1, -1, -1, 0],
+                [0, 0, 0, 0, 0, 0, 0]])
+    close(ret, [[0, 0, 0, 3, 0, 3, 3],
+                [0, 0, 0, 1, 1, 1, 0],
+                [0, 2, 2, 0, 2, 0, 0]])
+    # Without carry_forward the same slots give turn 2 and 3 tokens nothing.
+    plain, _ = turn_level_grpo(turn_rewards, turn_groups, turn_ids, mask, ddof=0)
+    close(plain, [[0, 0, 0, 1, 0, 0, 0], [0, 0, 0, -1, 0, 0, 0], [0] * 7])
+
+
 # --------------------------------------------------------------- common properties --
 
 

@@ -1,0 +1,44 @@
+"""TL-GRPO with branching rollouts on AgentGym's BabyAI: `get_config("[fixed|smoke]")`.
+
+    python -m launch.train --config configs/tl_grpo_babyai.py \\
+        --config.model.path=/models/Qwen2.5-3B-Instruct --workdir /tmp/tl_grpo_babyai
+    python -m launch.train --config configs/tl_grpo_babyai.py:fixed ...   # fork at turn 3
+    python -m launch.train --config configs/tl_grpo_babyai.py:smoke --workdir /tmp/tl_smoke
+
+AgentGym-RL's BabyAI setting (env "babyai" in its default AgentGym mode, as in
+configs/agentgym.py:babyai: 20 turns, 256 tokens a turn, the running score as the reward,
+ScalingInter-RL's horizon stages 6 / 13 / 20), trained with TL-GRPO:
+each task is played once up to its fork turn, drawn per task from 0..5 (`uniform`, so the
+early turns are trained too, in the tasks that fork early), then forked into 8 branches that
+share its history, each branch's env restored by replaying the actions (rl_tpu/branching.py;
+BabyAI is deterministic given the task and the actions). The branches' rewards, the score
+of their own turns, are normalised in their group; the turns before the fork carry no loss
+(docs/architecture.md, "Turn-level GRPO and branching rollouts"). `fixed` forks every task at
+turn 3. `smoke`: a tiny random model, 2 steps of 2 tasks x 2 branches, forked at turn 1.
+"""
+
+from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+
+
+def get_config(arg: str = ""):
+    if arg not in ("", "fixed", "smoke"):
+        raise ValueError(f"unknown variant {arg!r}; use '', 'fixed' or 'smoke'")
+    c = multi_turn_agent(base_config("tl_grpo"), "babyai", turns=20, horizon_stages=(6, 13, 20),
+                         max_new_tokens=256, max_context_tokens=8192)
+    c.env.reward_reduce = "last"  # AgentGym's running score: the last one is the episode's
+    c.env.step_timeout_s = 60.0
+    c.eval.max_turns = 20
+    c.algo.branch_turn = 5
+    c.algo.branch_sample = "uniform"
+    if arg == "fixed":
+        c.algo.branch_turn = 3
+        c.algo.branch_sample = "fixed"
+    elif arg == "smoke":
+        shrink_for_smoke(c)
+        c.algo.branch_turn = 1  # forks after one turn: every branch but the trunk replays it
+        c.algo.branch_sample = "fixed"
+        c.eval.max_turns = 2
+        c.env.max_context_tokens = 2048
+        c.train.length_buckets = (1024, 2048)
+        c.model.dtype, c.model.remat = "float32", "none"  # CPU: bf16 is emulated, slower
+    return c
