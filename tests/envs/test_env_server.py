@@ -429,3 +429,12 @@ def test_one_env_used_from_two_threads_is_serialised(faulty):
         thread.join(10)
     assert not errors and results == ["ok"] * 4
     assert faulty.busy_max == 1  # one connection, one request on it at a time
+
+
+def test_serve_env_names_an_unknown_env_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.serve_env", "--env", "no_such_env", "--port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown env 'no_such_env'; known envs:" in lines[0], lines
