@@ -63,7 +63,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
@@ -83,16 +83,14 @@ _ITEM_SUFFIX = re.compile(r"_(\d+)$")
 
 def split_url(url: str) -> urllib.parse.SplitResult:
     """`url` parsed, "http://" assumed when it names no scheme; ValueError unless it is an
-    http(s) URL with a host (and a numeric port, if any)."""
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"env server url must look like http://host:port, got {url!r}")
-    url = url.strip()
+    http(s) URL with a host, a numeric port if any, and no path (requests go to the root)."""
+    url = url.strip() if isinstance(url, str) else ""
     parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError:
         raise ValueError(f"env server url {url!r} has a bad port; want http://host:port")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
         raise ValueError(f"env server url must look like http://host:port, got {url!r}")
     return parts
 

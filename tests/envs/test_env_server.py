@@ -242,26 +242,29 @@ def test_env_exception_is_500_and_drops_the_instance():
 def test_concurrent_clients():
     server = _ThreadServer("babyai", max_instances=16)
     errors = []
+    replies = ["Action: turn left", "Action: move forward", "Action: turn right", "nonsense",
+               "Action: move forward"]
 
     def play(worker):
+        # Each client checks its episodes against a local env of its own.
         env = RemoteEnv(server.url, "babyai", timeout=10, protocol="rl_tpu")
+        local = base.make("babyai")
         try:
             for index in range(worker, 40, 8):
-                task = env.tasks().get("eval", index)
-                env.reset(task)
-                for action in expert_actions(task):
-                    result = env.step(action)
-                assert result.info["success"], task
+                task = local.tasks().get("eval", index)
+                assert _episode(env, task, replies) == _episode(local, task, replies), task
         except Exception as e:  # reported below; a thread's exception is otherwise lost
             errors.append(e)
         finally:
             env.close()
+            local.close()
 
     threads = [threading.Thread(target=play, args=(w,)) for w in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
+    assert server.raw("GET", "/health")[1]["instances"] == 0
     server.close()
     assert not errors, errors
 
@@ -362,7 +365,7 @@ def test_refused_connections_are_retried_with_exponential_backoff():
         start = time.perf_counter()
         with pytest.raises(RemoteEnvError, match=rf"after {retries + 1} attempt\(s\)"):
             env.reset(base.Task("babyai_0", {"data_idx": 0}))
-        assert least <= time.perf_counter() - start < least + 2
+        assert least <= time.perf_counter() - start < least + 5  # slack for a loaded CI
 
 
 def test_a_server_that_comes_up_late_is_waited_for():
@@ -405,7 +408,7 @@ def test_a_hung_server_times_out_then_the_env_recovers(faulty):
     start = time.perf_counter()
     with pytest.raises(RemoteEnvError, match=r"no reply within 0.5s"):
         env.step("Action: go")
-    assert time.perf_counter() - start < 2  # not retried: waiting again would not help
+    assert time.perf_counter() - start < 2.9  # not the 3 s reply; never retried
     assert faulty.seen["/step"] == 1
     assert env.reset(base.Task("babyai_1", {"data_idx": 1})) == "Your goal: go"  # new conn
 

@@ -411,19 +411,36 @@ def test_rl_tpu_server_answers_in_agentgym_shapes():
         server.server_close()
 
 
-def test_rl_tpu_server_with_an_rl_tpu_env():
+def _registered(prefix: str, agentgym: str) -> str:
+    """The registered env named `prefix...` that plays AgentGym's `agentgym` (read at run
+    time: envs get renamed)."""
+    from rl_tpu.envs import ENV_MODULES, base
+    for name in sorted(n for n in ENV_MODULES if n.startswith(prefix)):
+        env = base.make(name)
+        try:
+            if agentgym_name(env) == agentgym:
+                return name
+        finally:
+            env.close()
+    pytest.skip(f"no registered env plays AgentGym's {agentgym}")
+
+
+def test_rl_tpu_server_plays_an_agentgym_env_like_the_local_one():
     pytest.importorskip("minigrid")
     from rl_tpu.envs import base
 
-    server, url = _serve("babyai")
+    name = _registered("babyai", "babyai")
+    server, url = _serve(name)
     try:
-        local, env = base.make("babyai"), RemoteEnv(url, "babyai", timeout=10)
-        task = local.tasks().get("train", 4)
-        assert env.reset(Task("babyai_4", {"data_idx": 4})) == local.reset(task)
-        for reply in ["Thought:\nturning.\n\nAction:\nturn left", "Action: move forward"]:
+        local, env = base.make(name), RemoteEnv(url, "babyai", timeout=10)
+        task = local.tasks().get("train", 4)  # data_idx 4004 or so: AgentGym's item number
+        assert env.reset(task) == local.reset(task)
+        for reply in ["Thought:\nturning.\n\nAction:\nturn left", "Action: move forward",
+                      "Action: turn left\nAction: turn right", "no marker at all"]:
             remote_result, local_result = env.step(reply), local.step(reply)
             assert remote_result.observation == local_result.observation
             assert remote_result.reward == local_result.reward
+            assert remote_result.done == local_result.done
         # The rl_tpu-only extras still work on an rl_tpu server.
         assert env.tasks().get("train", 4) == task
         env.close()
@@ -582,7 +599,7 @@ def test_factory_checks_servers_before_any_compute(stand_in):
 @pytest.mark.parametrize("text,problem", [
     ("", "names no env server"), (" , ", "names no env server"),
     ("ftp://host:1", "http://host:port"), ("http://host:port", "bad port"),
-    ("http://127.0.0.1:1,http://", "http://host:port")])
+    ("http://127.0.0.1:1,http://", "http://host:port"), ("http://h:1/api", "http://host:port")])
 def test_bad_server_urls_are_named(text, problem):
     with pytest.raises(ValueError, match=problem):
         parse_urls(text)
