@@ -477,10 +477,10 @@ class RemoteEnv(Env):
 def agentgym_name(env: Env) -> Optional[str]:
     """AgentGym's name for `env`'s tasks (one of AGENTGYM_ENVS), or None if it has none.
 
-    An env may say so itself (a str attribute `agentgym_name`); otherwise it is read off the
-    env's task source: rl_tpu's AgentGym-mode envs number their tasks as AgentGym's servers
-    do, `Task(f"{name}_{i}", {"data_idx": i})`, whatever the env is registered as. Looking at
-    the tasks rather than at env names keeps this right when envs are renamed."""
+    An env may say so itself (a str attribute `agentgym_name`, "" for none); otherwise it is
+    read off its task source: AgentGym-mode envs number their tasks as AgentGym's servers do,
+    `Task(f"{name}_{i}", {"data_idx": i})`, whatever the env is registered as (so this stays
+    right when envs are renamed)."""
     named = getattr(env, "agentgym_name", None)
     if isinstance(named, str):
         return named if named in AGENTGYM_ENVS else None

@@ -529,6 +529,13 @@ def test_agentgym_name_is_read_off_the_task_numbering():
     assert agentgym_name(AgentGymStyleEnv()) is None  # "toy_<i>": not an AgentGym env
     assert agentgym_name(ToySearchEnv()) is None
     assert agentgym_name(_NoTasks()) is None  # no task source at all
+    # An env's own word wins: "" for a mode that does not speak AgentGym's protocol.
+    primitive = ToyAgentGymBabyAI()
+    primitive.agentgym_name = ""
+    assert agentgym_name(primitive) is None
+    named = _NoTasks()
+    named.agentgym_name = "textcraft"
+    assert agentgym_name(named) == "textcraft"
 
 
 class _NoTasks(Env):
