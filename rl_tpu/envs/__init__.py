@@ -1,4 +1,9 @@
-"""Environments. Each env module registers itself with `rl_tpu.envs.base.register`."""
+"""Environments. Each env module registers itself with `rl_tpu.envs.base.register`.
+
+The agentic domains have one env each, AgentGym's behaviour by default and rl_tpu's own
+variants as keyword options: babyai (a package: env, levels, primitive mode), textcraft,
+sciworld, search (docs/environments.md). The wire format (agentgym_parse), the env server
+(server) and its client (remote) are apart from the domains."""
 
 # Env name -> module under rl_tpu/envs/ that registers it; `base.make` imports it on first use.
 ENV_MODULES: dict[str, str] = {
@@ -12,7 +17,7 @@ ENV_MODULES: dict[str, str] = {
     "reasoning_gym": "reasoning",
     "math": "math",
     "largest": "largest",
-    # AgentGym-compatible modes: AgentGym's actions, observations, rewards and task indexing
+    # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",
     "sciworld_agentgym": "sciworld",
