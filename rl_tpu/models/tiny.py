@@ -8,6 +8,7 @@ tokenizer with `hf.save`, so the directory loads in rl_tpu, transformers and SGL
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -53,13 +54,14 @@ def random_params(cfg: ModelConfig, seed: int = 0, mesh=None, scale: float = 0.5
 
 def write_tiny_model(out_dir: str, arch: str = "qwen2", vocab_size: int = 512, seed: int = 0,
                      dtype: str = "float32", init_scale: float = 0.5, overwrite: bool = False,
-                     **overrides) -> ModelConfig:
+                     corpus: Sequence[str] = (), **overrides) -> ModelConfig:
     """Writes a random tiny model + tokenizer as an HF directory; returns its config. An
-    existing non-empty `out_dir` is replaced only with `overwrite` (else FileExistsError)."""
+    existing non-empty `out_dir` is replaced only with `overwrite` (else FileExistsError).
+    `corpus`: extra text the tokenizer learns merges on (`build_tokenizer`'s extra_texts)."""
     if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty; pick another directory or "
                               "pass overwrite=True to replace it")
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, corpus)
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     cfg = tiny_config(arch, vocab_size, eos_token_ids=(eos,), param_dtype=dtype, dtype=dtype,
                       **overrides)

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import random
+from typing import Sequence
 
 import tokenizers
 import transformers
@@ -135,11 +136,15 @@ def _corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
 # --- builder ------------------------------------------------------------------------------
 
 
-def build_tokenizer(vocab_size: int = 512) -> transformers.PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = 512, extra_texts: Sequence[str] = ()
+                    ) -> transformers.PreTrainedTokenizerFast:
     """Train a byte-level BPE ChatML tokenizer whose full vocabulary is exactly `vocab_size`.
 
     Args:
       vocab_size: number of ids, special tokens included (= the tiny model's embedding rows).
+      extra_texts: more corpus lines, e.g. an env's own observations, so its words get merges
+        the way a real tokenizer's English does (a 1 KB BabyAI observation is ~550 ids with
+        the built-in corpus alone). Deterministic in (vocab_size, extra_texts).
 
     Returns:
       A `transformers` fast tokenizer with eos `<|im_end|>`, pad `<|endoftext|>`, no bos, and a
@@ -168,7 +173,7 @@ def build_tokenizer(vocab_size: int = 512) -> transformers.PreTrainedTokenizerFa
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() + list(extra_texts), trainer=trainer)
 
     # The corpus may run out of pairs worth merging before reaching a large vocab_size. Pad with
     # reserved special tokens (as Llama 3 does) so the id space is still exactly vocab_size.

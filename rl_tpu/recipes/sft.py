@@ -39,36 +39,51 @@ log = logging.getLogger(__name__)
 Example = tuple[list[int], list[bool]]  # (ids, loss mask)
 
 
-def prompt_ids(tokenizer: ChatTokenizer, env: Env, observation: str) -> list[int]:
-    """The first prompt exactly as the agent loop builds it (after `env.reset`)."""
+def teacher_episode(env: Env, task: Task, rng: random.Random, skill: float,
+                    max_turns: int) -> tuple[list[dict], bool]:
+    """Plays the env's teacher (`env.teacher_reply(task, rng, skill)`, its reply in the env's
+    current state) through one episode of up to `max_turns` turns, as the agent loop would:
+    (the chat, conversation start included, ending with the teacher's last reply; success)."""
+    observation = env.reset(task)
     messages = conversation_start(env) + [{"role": "user", "content": observation}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    success = False
+    for turn in range(max_turns):
+        reply = env.teacher_reply(task, rng, skill)
+        messages.append({"role": "assistant", "content": reply})
+        result = env.step(reply)
+        success = bool(result.info.get("success"))
+        if result.done or turn + 1 >= max_turns:
+            break  # the final observation is never followed by a turn: nothing to learn
+        messages.append({"role": "user", "content": result.observation})
+    return messages, success
+
+
+def _teacher_env(make_env: Callable[[], Env]) -> Env:
+    env = make_env()
+    if not hasattr(env, "teacher_reply"):
+        env.close()
+        raise ValueError(f"env {env.name!r} has no teacher (teacher_reply); give demonstrations "
+                         "as a JSONL of chats with sft.data_path")
+    return env
 
 
 def teacher_examples(make_env: Callable[[], Env], tasks: Sequence[Task],
-                     tokenizer: ChatTokenizer, skill: float, seed: int) -> list[Example]:
-    """One demonstration per task from the env's teacher (`env.teacher_reply`)."""
-    env = make_env()
-    if not hasattr(env, "teacher_reply"):
-        raise ValueError(f"env {env.name!r} has no teacher (teacher_reply); give demonstrations "
-                         "as a JSONL of chats with sft.data_path")
-    rng = random.Random(seed)
-    out = []
-    for task in tasks:
-        prompt = prompt_ids(tokenizer, env, env.reset(task))
-        reply = tokenizer.encode(env.teacher_reply(task, rng, skill)) + [tokenizer.eos_token_id]
-        out.append((prompt + reply, [False] * len(prompt) + [True] * len(reply)))
+                     tokenizer: ChatTokenizer, skill: float, seed: int,
+                     max_turns: int = 1) -> list[Example]:
+    """One demonstration episode per task from the env's teacher; every teacher turn carries
+    loss, token-exact with what the agent loop holds had the policy sampled those replies."""
+    env, rng = _teacher_env(make_env), random.Random(seed)
+    out = [_chat_example(teacher_episode(env, task, rng, skill, max_turns)[0], tokenizer,
+                         f"teacher demo of {task.task_id}") for task in tasks]
     env.close()
     return out
 
 
 def teacher_success(make_env: Callable[[], Env], tasks: Sequence[Task], skill: float,
-                    seed: int) -> float:
-    """The teacher's own success rate on `tasks` (its replies stepped through the env)."""
-    env, rng, wins = make_env(), random.Random(seed), 0
-    for task in tasks:
-        env.reset(task)
-        wins += bool(env.step(env.teacher_reply(task, rng, skill)).info.get("success"))
+                    seed: int, max_turns: int = 1) -> float:
+    """The teacher's own success rate on `tasks`, episodes of up to `max_turns` turns."""
+    env, rng = _teacher_env(make_env), random.Random(seed)
+    wins = sum(teacher_episode(env, task, rng, skill, max_turns)[1] for task in tasks)
     env.close()
     return wins / max(len(tasks), 1)
 
@@ -168,7 +183,8 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
     else:
         source = components.task_source(config, make_env)
         tasks = [source.get(config.env.train_split, i) for i in range(s.num_demos)]
-        examples = teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed)
+        examples = teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed,
+                                    max_turns=config.env.max_turns)
     optim = components.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
     state = components.new_state(params, optim)
     started = time.time()
