@@ -207,7 +207,9 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     if config.model.sampler_dtype:
         kwargs["dtype"] = config.model.sampler_dtype
     return JaxSampler(model_cfg, host_local_params(params), mesh=mesh, tokenizer=tokenizer,
-                      max_batch=r.max_batch, seed=config.seed, version=version, **kwargs)
+                      max_batch=r.max_batch, seed=config.seed, version=version,
+                      prefix_cache_tokens=r.prefix_cache_tokens if r.prefix_reuse else 0,
+                      keep_prefix_cache_on_update=r.prefix_cache_keep_on_update, **kwargs)
 
 
 def host_local_params(params):

@@ -62,6 +62,14 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rollout.top_k = -1
     c.rollout.max_batch = 256  # embedded sampler: rows per decode batch
     c.rollout.sampler_devices = 0  # embedded sampler's devices: 0 = all local, n = first n
+    # Embedded sampler prefix reuse (rl_tpu/rollout/prefix_cache.py): a turn prefills only what
+    # its prompt adds to an earlier request's prompt + output. On by default: exact (logprobs
+    # within 1e-4, greedy equal) and cheaper from turn 2 on. The cache holds at most
+    # prefix_cache_tokens tokens of K/V (2 x layers x kv heads x head dim x dtype bytes each,
+    # grown on demand, LRU-evicted) and is dropped on every weight update unless kept.
+    c.rollout.prefix_reuse = True
+    c.rollout.prefix_cache_tokens = 65536
+    c.rollout.prefix_cache_keep_on_update = False  # True: reuse K/V of older weights (inexact)
     # Off-policy: 0 = on-policy (rollouts by the latest weights, synchronous); k >= 1 = an
     # asynchronous producer whose data is at most k versions old (rl_tpu/recipes/producer.py).
     c.rollout.max_staleness = 0

@@ -89,6 +89,7 @@ def _grown(pool: dict, extra: int) -> dict:
 def chain_hashes(tokens: np.ndarray, page: int, known: Sequence[int] = ()) -> list[int]:
     """One hash per full page of `tokens`: h_j = hash(h_{j-1}, ids of page j). `known`: the
     hashes of a prefix of these tokens already computed (extended, not recomputed)."""
+    tokens = np.asarray(tokens, np.int32)  # the bytes hashed: one dtype for every caller
     out = list(known)
     h = out[-1] if out else 0
     for j in range(len(out), len(tokens) // page):
@@ -121,18 +122,38 @@ class Match:
     hashes: list[int]  # the prompt's chain hashes (reused by `insert`)
 
 
+@dataclasses.dataclass
+class Plan:
+    """A batch's prefill with reuse: per row its `matches`, `starts` [B] (tokens reused), and
+    for `prefill` from the pool (None when nothing matched) `suffix` [B, Q] ids and `table`
+    [B, SP] page ids."""
+
+    matches: list[Match]
+    starts: np.ndarray
+    suffix: Optional[np.ndarray] = None
+    table: Optional[np.ndarray] = None
+
+
+def _next_power_of_two(n: int, floor: int) -> int:
+    """The bucket of n: the power of two at or above it, at least `floor` (sampler's too)."""
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
 class PrefixCache:
     """A bounded pool of K/V pages for the sampler's model, with the bookkeeping above.
 
-    `max_tokens` bounds the pool (rounded down to whole pages); K/V of one token take
-    2 x Y x K x H x bytes(dtype) bytes on each device the pool is replicated over (kv heads
-    are sharded as the rules shard them: a tensor axis splits the pool).
+    `max_tokens` bounds the pool (rounded down to whole pages); `min_bucket` is the sampler's
+    smallest prompt / new-token bucket (cache lengths are sums of such powers of two). K/V of
+    one token take 2 x Y x K x H x bytes(dtype) on each device the pool is replicated over
+    (kv heads are sharded as the rules shard them: a tensor axis splits the pool).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, rules, max_tokens: int,
-                 page_size: int = 16):
-        if page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"prefix cache page size must be a power of two, got {page_size}")
+                 page_size: int = 16, min_bucket: int = 16):
+        if page_size < 1 or page_size & (page_size - 1) or page_size > min_bucket:
+            raise ValueError(
+                f"prefix cache page size {page_size}: it must be a power of two that divides "
+                f"every cache length, so at most the smallest length bucket ({min_bucket})")
         self.max_pages = max_tokens // page_size
         if self.max_pages < 1:
             raise ValueError(f"prefix cache of {max_tokens} tokens holds no page of "
@@ -174,11 +195,30 @@ class PrefixCache:
             self._entries.move_to_end(entry.key)
             return Match(length, entry.pages[:-(-length // self.page)], hashes)
 
+    def plan(self, ids: np.ndarray, lens: np.ndarray, n: int, slots: int,
+             min_bucket: int) -> Plan:
+        """Looks up the n real rows of ids [B, P] (lengths lens [B]) for a cache of `slots`
+        S = P + L per row. Q, the suffix length, is bucketed to a power of two >= min_bucket
+        like P: one compile per (B, Q, P, L) and pool size, whatever the starts."""
+        b = ids.shape[0]
+        matches = [self.lookup(ids[i, :lens[i]]) for i in range(n)]
+        starts = np.zeros((b,), np.int32)
+        starts[:n] = [m.length for m in matches]
+        if not starts.any():
+            return Plan(matches, starts)
+        q = _next_power_of_two(int((lens - starts).max()), min_bucket)
+        suffix = np.zeros((b, q), np.int32)
+        table = np.zeros((b, slots // self.page), np.int32)
+        for i, m in enumerate(matches):
+            suffix[i, :lens[i] - starts[i]] = ids[i, starts[i]:lens[i]]
+            table[i, :len(m.pages)] = m.pages
+        return Plan(matches, starts, suffix, table)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             used = self._num_pages - len(self._free)
             return {"cache_entries": len(self._entries),
-                    "cache_tokens": int(sum(len(e.tokens) for e in self._entries.values())),
+                    "cache_tokens_used": used * self.page,  # pages in use (shared once)
                     "cache_pages_used": used, "cache_pages": self._num_pages,
                     "cache_capacity_tokens": self.max_pages * self.page,
                     "cache_evictions": self.evictions, "cache_flushes": self.clears}
@@ -197,10 +237,11 @@ class PrefixCache:
 
     def insert(self, sequences: Sequence[Optional[np.ndarray]], known_hashes: Sequence[list],
                cache: dict, generation: int) -> int:
-        """Saves row r of `cache` (Y-tuples [B, K, S, H]) as an entry of `sequences[r]`
-        (None: skip the row; rows past its end are padding), the ids whose K/V sit in slots 0..E-1. `known_hashes[r]`: chain
-        hashes of a prefix of it (the prompt's, from `lookup`). Nothing is saved when the cache
-        was cleared since `generation` was read. Returns the number of pages written."""
+        """Saves row r of `cache` (Y-tuples [B, K, S, H]) as an entry of `sequences[r]`, the
+        ids whose K/V sit in its slots 0..E-1 (None: skip the row; rows past the list's end
+        are padding). `known_hashes[r]`: chain hashes of a prefix of it (the prompt's, from
+        `lookup`). Nothing is saved when the cache was cleared since `generation` was read.
+        Returns the number of pages written."""
         with self._lock:
             if generation != self.generation:
                 return 0
@@ -289,7 +330,8 @@ class PrefixCache:
                                     for n in ("k", "v")}, out_shardings=self._pool_shardings)
             self._pool = make()
         else:
-            grow = jax.jit(functools.partial(_grown, extra=extra), donate_argnums=0,
+            # (not donated: a larger output cannot reuse the old buffers, which die here)
+            grow = jax.jit(functools.partial(_grown, extra=extra),
                            out_shardings=self._pool_shardings)
             self._pool = grow(self._pool)
         self._free.extend(range(self._num_pages, pages))

@@ -9,7 +9,8 @@ max_new_tokens are per-row *arrays*, not compile-time constants. Prompts are rig
 r's token at position p sits in cache slot p, so rows of different prompt lengths decode side
 by side with no left padding. Decode is a `lax.while_loop` over up to `decode_chunk` tokens
 that ends as soon as every row has stopped; between chunks the host applies aborts, pauses and
-weight updates.
+weight updates. With prefix reuse (prefix_cache.py) a prompt that extends an earlier request's
+prompt + output prefills only its new suffix, each row from its own start position.
 
 Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
 final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax
@@ -37,7 +38,7 @@ from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
 from rl_tpu.models.transformer import (ModelConfig, Transformer, cache_slots, init_cache,
                                        unstack_layers)
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
-from rl_tpu.rollout.prefix_cache import PrefixCache, gather_pages
+from rl_tpu.rollout.prefix_cache import PrefixCache, _next_power_of_two, gather_pages
 
 GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
 
@@ -50,10 +51,6 @@ def _owned_copy(params, num_layers: int, dtype: Optional[str]):
         return jnp.array(x, dtype=dtype if jnp.issubdtype(x.dtype, jnp.floating) else None,
                          copy=True)
     return jax.tree.map(own, unstack_layers(params, num_layers))
-
-
-def _next_power_of_two(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
 def gumbel_from_bits(hi, lo):
@@ -204,11 +201,32 @@ def _emit(model: Transformer, params, hidden, state: DecodeState, step):
     return token, logprob, is_stop
 
 
-def _first_token(model: Transformer, params, cache, last, prompt_lens, max_new, min_new,
-                 temperature, top_p, top_k, stop_ids, ban_ids, keys, max_steps: int):
-    """The decode state after a prefill that left `cache` filled and `last` [B, D], the
-    hidden state of each row's last prompt token: token 0 sampled from it."""
-    b = last.shape[0]
+@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
+            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int, starts=None, pool=None,
+            page_table=None) -> DecodeState:
+    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
+
+    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
+    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
+    output capacity.
+
+    Prefix reuse: with `pool`, the first starts[r] [B] prompt tokens of row r have K/V in the
+    pool's pages page_table [B, S / PS] (S = P + L slots, `prefix_cache.gather_pages`), and
+    prompt_ids [B, Q] hold only the rest, run at positions starts[r] + 0..Q-1.
+    """
+    b, t = prompt_ids.shape
+    if pool is None:
+        cache, starts = init_cache(model.cfg, b, t + max_steps), jnp.zeros((b,), jnp.int32)
+    else:
+        cache = gather_pages(pool, page_table)
+    # Padding past a row's prompt writes slots >= its length (clamped into the cache), which
+    # decode overwrites before any query can see them.
+    positions = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32),
+                            cache_slots(cache) - 1)
+    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
+                                return_hidden=True)
+    last = jnp.take_along_axis(hidden, (prompt_lens - starts - 1)[:, None, None], axis=1)[:, 0]
     state = DecodeState(
         step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
         tokens=jnp.zeros((b, max_steps), jnp.int32),
@@ -220,45 +238,6 @@ def _first_token(model: Transformer, params, cache, last, prompt_lens, max_new, 
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
                          done=is_stop | (max_new <= 1))
-
-
-@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
-def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
-            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int) -> DecodeState:
-    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
-
-    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
-    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
-    output capacity.
-    """
-    b, p = prompt_ids.shape
-    cache = init_cache(model.cfg, b, p + max_steps)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
-                                return_hidden=True)
-    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    return _first_token(model, params, cache, last, prompt_lens, max_new, min_new, temperature,
-                        top_p, top_k, stop_ids, ban_ids, keys, max_steps)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
-def prefill_cached(model: Transformer, params, pool, page_table, suffix_ids, starts,
-                   prompt_lens, max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids,
-                   keys, max_steps: int) -> DecodeState:
-    """`prefill` for rows whose first starts[r] prompt tokens have K/V in the prefix pool
-    (`prefix_cache.gather_pages`: page_table [B, S / PS] with S = P + L): only the suffixes
-    [B, Q] (right-padded) run, at positions starts[r] + 0..Q-1, each row from its own start."""
-    cache = gather_pages(pool, page_table)
-    s = cache_slots(cache)
-    q = suffix_ids.shape[1]
-    # Padding past a row's prompt writes slots >= its length (clamped into the cache), which
-    # decode overwrites before any query can see them.
-    positions = jnp.minimum(starts[:, None] + jnp.arange(q, dtype=jnp.int32), s - 1)
-    hidden, cache = model.apply({"params": params}, suffix_ids, positions, cache=cache,
-                                return_hidden=True)
-    last = jnp.take_along_axis(hidden, (prompt_lens - starts - 1)[:, None, None], axis=1)[:, 0]
-    return _first_token(model, params, cache, last, prompt_lens, max_new, min_new, temperature,
-                        top_p, top_k, stop_ids, ban_ids, keys, max_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "chunk"), donate_argnames=("state",))
@@ -357,15 +336,12 @@ class JaxSampler(RolloutEngine):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             default_stops = tuple(dict.fromkeys(default_stops + (tokenizer.eos_token_id,)))
         self.eos_ids = default_stops
-        self._prefix = None
-        if prefix_cache_tokens > 0:
-            if prefix_page_size > min(min_prompt_bucket, min_new_bucket):
-                raise ValueError(
-                    f"prefix_page_size={prefix_page_size} must divide every cache length: make "
-                    f"it at most min_prompt_bucket={min_prompt_bucket} and min_new_bucket="
-                    f"{min_new_bucket} (all powers of two)")
-            self._prefix = PrefixCache(cfg, self.mesh, rules, prefix_cache_tokens,
-                                       prefix_page_size)
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens={prefix_cache_tokens}: use 0 (no prefix "
+                             "reuse) or a positive token budget")
+        self._prefix = PrefixCache(cfg, self.mesh, rules, prefix_cache_tokens, prefix_page_size,
+                                   min(min_prompt_bucket, min_new_bucket)) if (
+                                       prefix_cache_tokens) else None
         self.keep_prefix_cache_on_update = keep_prefix_cache_on_update
         self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
                             cache_hits=0)
@@ -398,7 +374,7 @@ class JaxSampler(RolloutEngine):
         row admitted), `prefill_tokens` (those run through the model), `reused_tokens` (those
         whose K/V came from the prefix cache), `reuse_fraction`, `cache_rows` / `cache_hits`
         (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
-        `cache_tokens`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
+        `cache_tokens_used`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
         `cache_evictions`, `cache_flushes`."""
         with self._control_lock:
             out = dict(self._counts)
@@ -569,32 +545,24 @@ class JaxSampler(RolloutEngine):
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
 
     def _prefill(self, params, n: int, ids, lens, sampling, steps: int):
-        """(`prefill`, or `prefill_cached` when some of the n real rows of ids [B, P] have a
+        """(`prefill`, from the prefix pool when some of the n real rows of ids [B, P] have a
         cached prefix; the lookups, None without a prefix cache)."""
-        (b, p), matches = ids.shape, None
-        starts = np.zeros((b,), np.int32)
-        if self._prefix is not None:
-            matches = [self._prefix.lookup(ids[i, :lens[i]]) for i in range(n)]
-            starts[:n] = [m.length for m in matches]
+        plan = None if self._prefix is None else self._prefix.plan(
+            ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket)
+        starts = np.zeros((n,), np.int32) if plan is None else plan.starts[:n]
         with self._control_lock:
             c = self._counts
             c["prompt_tokens"] += int(lens[:n].sum())
             c["reused_tokens"] += int(starts.sum())
-            c["prefill_tokens"] += int((lens[:n] - starts[:n]).sum())
-            c["cache_rows"] += n if matches is not None else 0
+            c["prefill_tokens"] += int((lens[:n] - starts).sum())
+            c["cache_rows"] += n if plan is not None else 0
             c["cache_hits"] += int((starts > 0).sum())
-        if not starts.any():
+        matches = None if plan is None else plan.matches
+        if plan is None or plan.suffix is None:
             return prefill(self.model, params, ids, lens, *sampling, max_steps=steps), matches
-        # Q buckets like P: one compile per (B, Q, P, L) and pool size, whatever the starts.
-        q = _next_power_of_two(int((lens - starts).max()), self.min_prompt_bucket)
-        suffix = np.zeros((b, q), np.int32)
-        table = np.zeros((b, (p + steps) // self._prefix.page), np.int32)
-        for i in range(n):
-            suffix[i, :lens[i] - starts[i]] = ids[i, starts[i]:lens[i]]
-            table[i, :len(matches[i].pages)] = matches[i].pages
-        state = prefill_cached(self.model, params, self._prefix.pool, table, suffix, starts,
-                               lens, *sampling, max_steps=steps)
-        return state, matches
+        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
+                       starts=plan.starts, pool=self._prefix.pool,
+                       page_table=plan.table), matches
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling
