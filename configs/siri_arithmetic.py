@@ -5,8 +5,9 @@ fixed-budget twin (same seed, same steps). Run them one after the other:
         --workdir /tmp/siri_arith_siri
     nice -n 10 python -m launch.train --config configs/siri_arithmetic.py:fixed \\
         --workdir /tmp/siri_arith_fixed
-    python -m benchmarks.compare_runs --runs siri=/tmp/siri_arith_siri \\
-        --runs fixed=/tmp/siri_arith_fixed --out docs/figures/siri_arithmetic.png
+    python benchmarks/siri_report.py --runs siri=/tmp/siri_arith_siri \\
+        --runs fixed=/tmp/siri_arith_fixed --period 20 --start short \\
+        --out docs/figures/siri_arithmetic.png
 
 The task: reasoning-gym's basic_arithmetic, one-digit sums ("Calculate 6 + 9."), scored by the
 dataset's own checker. The SFT warm start imitates a teacher that pads each reply with 0-3
