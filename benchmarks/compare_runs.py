@@ -4,7 +4,8 @@
         --runs 'clip s2=/tmp/exp/clip_s2_seed*' --out docs/figures/bapo_offpolicy.png
 
 Each `--runs NAME=GLOB` is one method: the workdirs the glob matches are its seeds. The figure
-has one panel per metric (held-out success, policy entropy, rollout reward, BAPO's bounds),
+has one panel per metric (by default held-out success, policy entropy, rollout reward, BAPO's
+bounds; `--panels eval/success,rollout/turns,train/entropy` picks others),
 each method's seed-mean as a line and its seeds as faint lines. The table (markdown) gives,
 per method, the mean over seeds of the last `--last` evals' success (with the seeds' spread),
 the final entropy and reward (means of the last 5 steps), the seconds per step.
@@ -20,6 +21,9 @@ import statistics
 
 PANELS = (("eval/success", "held-out greedy success"), ("train/entropy", "policy entropy"),
           ("rollout/reward", "rollout reward"), ("train/bapo_c_high", "BAPO c_high (c_low dashed)"))
+TITLES = dict(PANELS) | {"eval/turns": "held-out turns per episode",
+                         "rollout/turns": "training turns per episode",
+                         "train/horizon": "training turn limit"}
 
 
 def read(workdir: str) -> list[dict]:
@@ -46,7 +50,10 @@ def main():
     parser.add_argument("--runs", action="append", required=True, help="NAME=GLOB of workdirs")
     parser.add_argument("--out", default="", help="figure path (.png); none if empty")
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
+    parser.add_argument("--panels", default=",".join(k for k, _ in PANELS),
+                        help="comma-separated metrics, one panel each")
     args = parser.parse_args()
+    panels = [(key, TITLES.get(key, key)) for key in args.panels.split(",") if key]
 
     methods = {}
     for spec in args.runs:
@@ -74,9 +81,10 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for (key, title), ax in zip(PANELS, axes):
+    for (key, title), ax in zip(panels, axes):
         for colour, (name, runs) in zip(colours, methods.items()):
             curves = [series(r, key) for r in runs]
             curves = [c for c in curves if c[0]]

@@ -14,7 +14,7 @@
 Eval: greedy success on 100 held-out tasks at a fixed 4-turn horizon, at step 0 and every 5.
 
 Variants: '' = `fixed` (4 turns throughout), `scaling` (ScalingInter-RL: 2, 3, then 4 turns,
-a stage every 10 steps), `smoke` (2 steps, a tiny budget), and `,seed1`-style suffixes for the
+a stage every 7 steps), `smoke` (2 steps, a tiny budget), and `,seed1`-style suffixes for the
 seed (e.g. `scaling,seed1`). The teacher's success and the warm start's are logged at step 0.
 """
 
@@ -36,7 +36,7 @@ def get_config(arg: str = ""):
         raise ValueError(f"unknown variant {arg!r}; use '', 'fixed', 'scaling' or 'smoke', "
                          "optionally with ',seed<N>'")
     c = multi_turn_agent(base_config("grpo"), "babyai_agentgym", turns=HORIZON,
-                         max_new_tokens=16, max_context_tokens=1792)
+                         max_new_tokens=24, max_context_tokens=1792)
     c.seed = seed
     c.env.kwargs.levels = EASY_LEVELS
     c.env.kwargs.eval_size = 400
@@ -51,18 +51,18 @@ def get_config(arg: str = ""):
     c.model.tiny_layers = 2
     c.model.tiny_vocab = 1024
     c.model.tiny_corpus_tasks = 200
-    c.train.steps = 30
-    c.train.tasks_per_step = 16
+    c.train.steps = 20
+    c.train.tasks_per_step = 8
     c.train.samples_per_task = 8
     c.train.minibatches = 1
     # Dense attention holds [rows, heads, T, T] logits: 16-row micro-batches and 64-row
     # sampler batches keep a 1792-token episode inside a few GB.
-    c.train.micro_batches = 8
+    c.train.micro_batches = 4
     c.rollout.max_batch = 64
     c.train.length_buckets = (512, 1024, 1536, 1792)
     c.optim.lr = 5e-4
     c.optim.grad_clip = 1.0
-    c.sft.steps = 200
+    c.sft.steps = 100
     c.sft.batch_size = 16
     c.sft.lr = 3e-3
     c.sft.num_demos = 1500
@@ -71,7 +71,7 @@ def get_config(arg: str = ""):
     c.checkpoint.every = 10
     if parts == ["scaling"]:
         c.schedules.horizon_turns = STAGES
-        c.schedules.horizon_every = 10
+        c.schedules.horizon_every = 7
     else:
         c.schedules.horizon_turns = ()
     if parts == ["smoke"]:

@@ -9,6 +9,8 @@ objects and the listed actions the agent sees) and answers one action a turn:
   - nothing that matches is in view: explore, turning left three times, then moving forward
     (or turning right when a wall blocks), so a full turn on the spot sees the whole room.
 
+A reply is `Thought: <the mission>.` then `Action: <action>`, AgentGym's format.
+
 Its mistake is systematic, as the quickstart's is: with probability `1 - skill` an episode's
 teacher is *careless* and, whatever the mission names, acts on the NEAREST object in view
 that the mission's verb applies to (goes to it, picks it up, opens it). That is right only
@@ -66,7 +68,10 @@ class BabyAITeacher:
         self._turns_in_place = 0
 
     def reply(self, env) -> str:
-        return f"Action: {self._action(env)}"
+        # The thought restates the goal each turn, so the words an action must copy sit right
+        # before it instead of turns back in the first observation (a tiny model's attention
+        # copies from near far more easily than it finds the mission line).
+        return f"Thought: {env._env.mission}.\nAction: {self._action(env)}"
 
     def _action(self, env) -> str:
         available = env._available()

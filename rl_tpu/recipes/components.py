@@ -81,11 +81,27 @@ def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
         m = config.model
         heads = max(1, m.tiny_hidden // 16)
         tiny.write_tiny_model(out, arch=m.tiny_arch, vocab_size=m.tiny_vocab, seed=config.seed,
+                              corpus=env_text(config, m.tiny_corpus_tasks),
                               init_scale=m.tiny_init_scale, hidden_size=m.tiny_hidden,
                               intermediate_size=2 * m.tiny_hidden, num_layers=m.tiny_layers,
                               num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16)
     parallel.sync_hosts("tiny_model")
     return out
+
+
+def env_text(config: ml_collections.ConfigDict, num_tasks: int) -> list[str]:
+    """The env's own text for a tiny tokenizer's corpus: its conversation start and the first
+    observation of `num_tasks` train tasks (none when 0)."""
+    if num_tasks <= 0:
+        return []
+    make_env = make_env_factory(config)
+    source, env, texts = task_source(config, make_env), make_env(), []
+    from rl_tpu.agent import conversation_start
+    for i in range(num_tasks):
+        texts.append(env.reset(source.get(config.env.train_split, i)))
+        texts += [m["content"] for m in conversation_start(env)]
+    env.close()
+    return texts
 
 
 def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh

@@ -42,6 +42,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.model.tiny_hidden = 64
     c.model.tiny_layers = 2
     c.model.tiny_vocab = 512
+    c.model.tiny_corpus_tasks = 0  # > 0: the tiny tokenizer also learns the env's text (n tasks)
     c.model.tiny_init_scale = 0.04  # ~ a normal training init (std 0.02), not the demo's 0.5
     c.model.dtype = "float32"  # params: float32 | bfloat16 (fp32 master kept for bf16)
     c.model.remat = "none"  # none | full | dots

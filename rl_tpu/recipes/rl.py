@@ -150,7 +150,8 @@ class Trainer:
         if resume_step is None and config.sft.steps > 0:
             if not config.sft.data_path:
                 start_metrics["eval/teacher_success"] = sft.teacher_success(
-                    self.make_env, self.eval_list, config.sft.teacher_skill, config.seed)
+                    self.make_env, self.eval_list, config.sft.teacher_skill, config.seed,
+                    max_turns=components.eval_horizon(config))
             params = sft.warm_start(config, params, model, self.mesh, self.tokenizer,
                                     self.make_env, self.writer, step_offset=-config.sft.steps - 1)
 
