@@ -81,5 +81,9 @@ def get_config(arg: str = ""):
         c.env.max_context_tokens = 2048
         c.train.length_buckets = (1024, 2048)
         c.train.micro_batches = 1
+        c.rollout.max_batch = 16
+        c.sft.steps = 2  # the multi-turn teacher's demos and SFT stay on the smoke's path
+        c.sft.num_demos = 4
+        c.sft.batch_size = 2
         c.sft.max_length = 2048
     return c

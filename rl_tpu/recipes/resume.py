@@ -37,6 +37,17 @@ RESUME_MAY_CHANGE = (
     # Where SGLang servers live (a resumed job may get other hosts); they are sent the
     # trainer's weights at the start of the resumed run. The engine itself may not change.
     "rollout.urls",
+    # Likewise where env servers live and how their calls are retried: an episode's task and
+    # every reply are the same whichever server plays it.
+    "env.remote_url",
+    "env.remote_timeout_s",
+    "env.remote_retries",
+    "env.remote_backoff_s",
+    # Prefix reuse is exact (a turn's log-probs and tokens are the same with or without it),
+    # so turning it on or off, or resizing its cache, changes speed only. Keeping the cache
+    # across weight updates is not exact and is not here.
+    "rollout.prefix_reuse",
+    "rollout.prefix_cache_tokens",
 )
 
 

@@ -222,7 +222,8 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """The trajectories step `step` trains on (fresh, then replayed) and rollout metrics."""
         trajectories, metrics = self.producer.next_batch(step)
-        metrics = dict(metrics, **self._rollout_metrics(trajectories, step))
+        metrics = dict(metrics, **self._rollout_metrics(trajectories, step),
+                       **self._prefill_metrics())
         if self.replay.cfg.capacity:
             groups, replay_metrics = self.replay.mix(groups_of(trajectories), step - 1, step)
             trajectories = [t for g in groups for t in g]
@@ -387,6 +388,18 @@ class Trainer:
                 "rollout/context_limit_frac": stats["context_limits"] / n,
                 "train/horizon": _horizon(self.config, step - 1),
                 "train/max_new_tokens": _budget(self.config, step - 1)}
+
+    def _prefill_metrics(self) -> dict[str, float]:
+        """The embedded sampler's prompt tokens since the last call (eval's included): those
+        run through the model, and those whose K/V came from its prefix cache. Under time/:
+        they measure speed, and a resumed run starts with an empty cache."""
+        stats = getattr(self.engine, "stats", None)
+        if not callable(stats):
+            return {}
+        now, before = stats(), getattr(self, "_engine_counts", {})
+        self._engine_counts = now
+        return {f"time/{key}": float(now[key] - before.get(key, 0))
+                for key in ("prefill_tokens", "reused_tokens") if key in now}
 
     def _row_multiple(self) -> int:
         """Local rows must make a global batch that splits into data-parallel shards x

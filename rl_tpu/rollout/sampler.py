@@ -365,9 +365,11 @@ class JaxSampler(RolloutEngine):
                 self._prefix.clear()  # K/V of the old weights (batches in flight skip saving)
 
     def flush_cache(self) -> None:
-        """Drops every cached prefix (SGLang's /flush_cache)."""
-        if self._prefix is not None:
-            self._prefix.clear()
+        """Drops every cached prefix (SGLang's /flush_cache). Under the weights lock, as a
+        weight update clears it: a batch in flight then sees a new generation and skips saving."""
+        with self._weights_lock:
+            if self._prefix is not None:
+                self._prefix.clear()
 
     def stats(self) -> dict:
         """Counters since construction, for the trainer to log: `prompt_tokens` (of every

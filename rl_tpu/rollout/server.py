@@ -256,7 +256,8 @@ def make_handler(service: RolloutService, api_key: Optional[str]):
                         self._send(200, reply)
                 elif path == "/update_weights_from_disk":
                     self._send(*service.update_weights_from_disk(body))
-                elif path == "/flush_cache":
+                elif path == "/flush_cache":  # the sampler's prefix cache, as SGLang's radix
+                    service.sampler.flush_cache()
                     self._send(200, b"Cache flushed.", "text/plain")
                 elif path == "/abort_request":
                     service.abort(body)
