@@ -83,7 +83,7 @@ def get_config(arg: str = ""):
         c.train.micro_batches = 1
         c.rollout.max_batch = 16
         c.sft.steps = 2  # the multi-turn teacher's demos and SFT stay on the smoke's path
-        c.sft.num_demos = 4
-        c.sft.batch_size = 2
+        c.sft.num_demos = 8
+        c.sft.batch_size = 8  # a multiple of any data-parallel size up to 8 devices
         c.sft.max_length = 2048
     return c
