@@ -16,8 +16,10 @@ or after `--horizon` steps; resets are included in the time. Three rows per env:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -31,12 +33,13 @@ from rl_tpu.envs.remote import RemoteEnv  # noqa: E402
 
 
 def random_actions(env_name: str, observation: str, rng: random.Random):
-    """An endless stream of well-formed actions for the episode that `observation` starts."""
-    if env_name == "babyai":
-        from rl_tpu.envs.babyai import ACTIONS
-
+    """An endless stream of well-formed actions for the episode that `observation` starts;
+    `send(observation)` gives the next one for the env's latest observation."""
+    if env_name == "babyai":  # AgentGym's BabyAI lists the actions each observation allows
         while True:
-            yield "Action: " + rng.choice(ACTIONS)
+            listed = re.search(r"Available actions: (\[.*\])", observation)
+            observation = (yield "Action: " + rng.choice(
+                json.loads(listed.group(1)) if listed else ["turn left"])) or observation
     # TextCraft: the listed crafting commands, "get" for their ingredients, and "inventory".
     crafts = [line for line in observation.splitlines() if line.startswith("craft ")]
     ingredients = sorted({part.split(" ", 1)[1] for line in crafts
@@ -61,10 +64,13 @@ def run_steps(env: base.Env, env_name: str, steps: int, horizon: int, seed: int)
         observation = env.reset(tasks.get("eval", (seed * 7919 + episodes) % size))
         episodes += 1
         stream = random_actions(env_name, observation, rng)
+        action = next(stream)
         for _ in range(min(horizon, steps - taken)):
             taken += 1
-            if env.step(next(stream)).done:
+            result = env.step(action)
+            if result.done:
                 break
+            action = stream.send(result.observation)
     return episodes
 
 

@@ -167,6 +167,9 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.sft.teacher_skill = 0.3
     c.sft.data_path = ""
     c.sft.max_length = 512
+    # > 0: batches of like-length demos, sorted within pools of this many batches (for
+    # multi-turn demos, whose lengths vary several-fold); 0: plain shuffled batches
+    c.sft.group_by_length = 0
     c.lock()
     return c
 

@@ -209,6 +209,7 @@ class Trainer:
             self.producer.load_state(host_state["producer"], self.start)
             self.replay.load_state(host_state.get("replay", []))
 
+        self._engine_counts: dict[str, int] = {}  # the sampler's counters at the last log
         self.last_eval: dict[str, float] = {}
         if self.start == 0:
             self.last_eval = self.evaluate(0) | start_metrics
@@ -396,7 +397,7 @@ class Trainer:
         stats = getattr(self.engine, "stats", None)
         if not callable(stats):
             return {}
-        now, before = stats(), getattr(self, "_engine_counts", {})
+        now, before = stats(), self._engine_counts
         self._engine_counts = now
         return {f"time/{key}": float(now[key] - before.get(key, 0))
                 for key in ("prefill_tokens", "reused_tokens") if key in now}

@@ -127,17 +127,33 @@ def _chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
 
 
 def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
-            seed: int, host: tuple[int, int] = (0, 1)) -> Iterator[dict]:
+            seed: int, host: tuple[int, int] = (0, 1),
+            group_by_length: int = 0) -> Iterator[dict]:
     """This host's rows of global batches of `batch_size` examples, reshuffled each epoch
-    (deterministic by seed, the same order on every host). host = (index, count)."""
+    (deterministic by seed, the same order on every host). host = (index, count).
+
+    group_by_length=k > 0 draws k batches' worth of examples at a time, sorts them by length
+    and cuts them into k batches served in random order: rows of a batch are of like length,
+    so a batch pads to its own bucket instead of to its longest outlier's. Multi-turn episodes
+    range from a few hundred tokens to the context limit, and attention's cost grows with the
+    square of the padded length."""
     index, count = host
     local = batch_size // count
     rng = np.random.RandomState(seed)
     order: list[int] = []
+    ready: list[list[int]] = []
+    pool = max(1, group_by_length) * batch_size
     while True:
-        if len(order) < batch_size:
-            order += list(rng.permutation(len(examples)))
-        rows, order = order[:batch_size], order[batch_size:]
+        if not ready:
+            while len(order) < pool:
+                order += list(rng.permutation(len(examples)))
+            drawn, order = order[:pool], order[pool:]
+            if group_by_length > 0:
+                drawn.sort(key=lambda r: len(examples[r][0]))
+            ready = [drawn[i:i + batch_size] for i in range(0, pool, batch_size)]
+            if group_by_length > 0:
+                ready = [ready[i] for i in rng.permutation(len(ready))]
+        rows = ready.pop(0)
         # every host pads to the bucket of the longest row of the GLOBAL batch
         t = bucket_length(max(len(examples[r][0]) for r in rows), buckets)
         rows = rows[index * local:(index + 1) * local]
@@ -153,7 +169,7 @@ def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int]
 
 
 def train(state: TrainState, model, mesh, examples: Sequence[Example], *, num_steps: int,
-          batch_size: int, buckets: Sequence[int], seed: int,
+          batch_size: int, buckets: Sequence[int], seed: int, group_by_length: int = 0,
           on_step: Optional[Callable[[int, dict], None]] = None) -> TrainState:
     """`num_steps` SFT steps; on_step(step, host metrics) after each."""
     if batch_size % components.data_parallel_size(mesh):
@@ -161,7 +177,8 @@ def train(state: TrainState, model, mesh, examples: Sequence[Example], *, num_st
                          f"{components.data_parallel_size(mesh)}")
     step_fn = steps.compile_step(steps.make_sft_step(model), state, mesh)
     data = batches(examples, batch_size, buckets, seed,
-                   host=(jax.process_index(), jax.process_count()))
+                   host=(jax.process_index(), jax.process_count()),
+                   group_by_length=group_by_length)
     from rl_tpu.metrics import progress
 
     for i in progress(range(num_steps), "SFT steps", enabled=jax.process_index() == 0):
@@ -195,7 +212,8 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
                          | {"time/sft_s": time.time() - started})
 
     state = train(state, model, mesh, examples, num_steps=s.steps, batch_size=s.batch_size,
-                  buckets=_buckets(config, s.max_length), seed=config.seed, on_step=on_step)
+                  buckets=_buckets(config, s.max_length), seed=config.seed,
+                  group_by_length=s.group_by_length, on_step=on_step)
     log.info("SFT warm start: %d steps on %d examples in %.1fs", s.steps, len(examples),
              time.time() - started)
     return state.params
