@@ -20,6 +20,7 @@ from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.envs.babyai import expert_actions  # noqa: E402
 from rl_tpu.envs.remote import RemoteEnv, RemoteEnvError  # noqa: E402
 from rl_tpu.envs.server import make_server  # noqa: E402
+from loopback import serve_in_background, stop  # noqa: E402
 from rl_tpu.envs.textcraft import solve  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,10 +67,7 @@ class _ThreadServer:
 
     def __init__(self, env, **kwargs):
         self.server = make_server(env, **kwargs)
-        self.url = "http://{}:{}".format(*self.server.server_address[:2])
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                       daemon=True)
-        self.thread.start()
+        self.url = serve_in_background(self.server)
 
     def raw(self, method, path, body=b""):
         host, port = self.server.server_address[:2]
@@ -81,8 +79,7 @@ class _ThreadServer:
         return response.status, payload
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
 
 def _episode(env, task, actions):
@@ -336,13 +333,10 @@ class _Faulty:
                     pass  # the client gave up (the timeout test): nobody to answer
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.url = "http://{}:{}".format(*self.server.server_address[:2])
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = serve_in_background(self.server)
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
 
 @pytest.fixture()

@@ -20,6 +20,7 @@ from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
 from rl_tpu.envs.remote import (ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError, RemoteEnvFactory,
                                 agentgym_name, parse_urls)
 from rl_tpu.envs.server import make_server
+from loopback import serve_in_background, stop  # noqa: E402
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.scripted import ScriptedEngine
@@ -79,13 +80,10 @@ class StandIn:
                 self._handle("post")
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = "http://{}:{}".format(*self.server.server_address[:2])
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = serve_in_background(self.server)
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
     def sent(self, path):
         return [body for p, body in self.requests if p == path]
@@ -385,8 +383,7 @@ class AgentGymStyleEnv(Env):
 
 def _serve(env, **kwargs):
     server = make_server(env, **kwargs)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    return server, "http://{}:{}".format(*server.server_address[:2])
+    return server, serve_in_background(server)
 
 
 def test_rl_tpu_server_answers_in_agentgym_shapes():
@@ -407,8 +404,7 @@ def test_rl_tpu_server_answers_in_agentgym_shapes():
                                                                     0.5, True)
         env.close()
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
 
 
 def _registered(prefix: str, agentgym: str) -> str:
@@ -446,8 +442,7 @@ def test_rl_tpu_server_plays_an_agentgym_env_like_the_local_one():
         env.close()
         local.close()
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
 
 
 class ToySearchEnv(Env):
@@ -492,8 +487,7 @@ def test_rl_tpu_server_speaks_searchqa():
         with pytest.raises(RemoteEnvError, match="env_idx"):
             env._request("POST", "/step", {"id": 0, "action": "x"})
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
 
 
 # --- RemoteEnvFactory: what training against servers builds ------------------------------------
@@ -575,8 +569,7 @@ def test_factory_spreads_envs_round_robin_with_the_local_definition():
         assert [s.service.health()["instances"] for s in (s1, s2)] == [0, 0]
     finally:
         for server in (s1, s2):
-            server.shutdown()
-            server.server_close()
+            stop(server)
 
 
 @only("babyai")
@@ -593,8 +586,7 @@ def test_factory_checks_servers_before_any_compute(stand_in):
             RemoteEnvFactory(ToyAgentGymBabyAI(), [stand_in.url, url],
                              timeout=5).check_servers()
     finally:
-        server.shutdown()
-        server.server_close()
+        stop(server)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
