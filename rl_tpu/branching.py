@@ -27,7 +27,8 @@ at turn 0 instead: G - 1 fresh episodes join it as its group.
 
 What the trajectories carry: `info["branch_turn"]` (f), `info["branch_reward"]` (the
 episode's `reward_reduce` over its own turns f.., the reward the branch group is normalised
-on), and on copies `info["replay_steps"]` / `info["replay_s"]`. `turn_arrays` turns them
+on), and on copies `info["replay_steps"]` / `info["replay_s"]` and `info["inherited_tokens"]`
+(the trunk's sampled tokens they start with). `turn_arrays` turns them
 into the learner's TL-GRPO inputs, with the shared-prefix rule of docs/architecture.md
 ("Turn-level GRPO and branching rollouts"): the turns before the fork carry no loss in any
 branch.
@@ -171,6 +172,8 @@ def _copy_episode(trunk, index: int, sample_index: int):
         trunk.env = env
     branch.index, branch.abandoned = index, False
     branch.info["sample_index"] = sample_index
+    # the trunk sampled these once; a throughput count must not count them again per copy
+    branch.info["inherited_tokens"] = int(sum(trunk.mask))
     return branch
 
 

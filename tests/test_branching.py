@@ -134,6 +134,9 @@ def test_fork_shares_the_history_and_replay_restores_the_state(tok):
         np.testing.assert_array_equal(t.behaviour_logprobs[:n], trunk.behaviour_logprobs[:n])
         assert t.messages[:3] == trunk.messages[:3]  # first user, assistant, observation
         assert t.rewards[0] == trunk.rewards[0] == 0.1
+        # the trunk sampled turn 0 once: the copy inherits it, counted apart for throughput
+        assert t.info["inherited_tokens"] == int(trunk.loss_mask[prefix].sum()) > 0
+    assert "inherited_tokens" not in trunk.info
     # Replay restored the state: branch 1's turn-1 action "add 1" gives what the trunk's gave
     # ("The total is 2.", from a total of 1), though its own env only saw the replayed step.
     observations = [[m["content"] for m in t.messages if m["role"] == "user"] for t in trajs]

@@ -212,7 +212,7 @@ def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, 
     must not run collectives passes a local one). Short of informative groups after the last
     round, equal-reward groups fill the batch flagged NO_LOSS: they keep the batch's shape but
     add nothing to a token mean's denominator. Metrics: rollout/played_tokens counts every
-    generated token, refills included."""
+    generated token once, refills included (a branch copy's inherited prefix is the trunk's)."""
     metrics = {}
     if algo.dynamic_sampling:
         groups = informative_groups(played)
@@ -237,7 +237,8 @@ def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, 
         chosen = kept + fillers
     else:
         chosen = played
-    metrics["rollout/played_tokens"] = float(sum(t.num_generated for t in played))
+    metrics["rollout/played_tokens"] = float(sum(
+        t.num_generated - t.info.get("inherited_tokens", 0) for t in played))
     forks = [t.info["branch_turn"] for t in chosen if "branch_turn" in t.info]
     if forks:
         metrics["rollout/branch_turn"] = float(np.mean(forks))
