@@ -59,7 +59,9 @@ def get_config(arg: str = ""):
     # sampler batches keep a 1792-token episode inside a few GB.
     c.train.micro_batches = 4
     c.rollout.max_batch = 64
-    c.train.length_buckets = (512, 1024, 1536, 1792)
+    # Episodes run from ~400 tokens (one turn) to the context limit: fine buckets, and SFT
+    # batches of like-length demos, pad each batch to little more than its own length.
+    c.train.length_buckets = (512, 768, 1024, 1280, 1536, 1792)
     c.optim.lr = 5e-4
     c.optim.grad_clip = 1.0
     c.sft.steps = 100
@@ -68,6 +70,7 @@ def get_config(arg: str = ""):
     c.sft.num_demos = 1500
     c.sft.teacher_skill = 0.3
     c.sft.max_length = 1792
+    c.sft.group_by_length = 8
     c.checkpoint.every = 10
     if parts == ["scaling"]:
         c.schedules.horizon_turns = STAGES
