@@ -44,6 +44,8 @@ def main(model_dir, out_file):
 
 if __name__ == "__main__":
     # Read when the backend starts (first device query), so setting them here is in time.
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    from fake_devices import xla_flags  # this file's folder is on sys.path when it is run
+
+    os.environ["XLA_FLAGS"] = xla_flags(4)
     os.environ["JAX_PLATFORMS"] = "cpu"
     main(*sys.argv[1:3])

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from fake_devices import xla_flags
 
 from rl_tpu.metrics import read_metrics
 from rl_tpu.recipes import rl
@@ -231,7 +232,7 @@ def test_two_processes_train_like_one(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     single = subprocess.run(
         [sys.executable, "-m", "launch.train", *common, "--workdir", str(tmp_path / "one")],
-        cwd=REPO, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        cwd=REPO, env=dict(env, XLA_FLAGS=xla_flags(8)),
         capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
 
@@ -240,7 +241,7 @@ def test_two_processes_train_like_one(tmp_path):
         port = sock.getsockname()[1]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "launch.train", *common, "--workdir", str(tmp_path / "two")],
-        cwd=REPO, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        cwd=REPO, env=dict(env, XLA_FLAGS=xla_flags(4),
                            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                            JAX_PROCESS_ID=str(pid)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in range(2)]

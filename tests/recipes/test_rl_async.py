@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from fake_devices import xla_flags
 from rl_tpu.metrics import read_metrics
 from test_rl import REPO, _final_params, _finite, config, kill_mid_run, resumed_from
 
@@ -28,7 +29,7 @@ STEPS = 12
 
 def _two_device_env(**extra):
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-                XLA_FLAGS="--xla_force_host_platform_device_count=2", **extra)
+                XLA_FLAGS=xla_flags(2), **extra)
 
 
 def _kill_mid_run(command, workdir, log_path, env) -> int:
