@@ -5,7 +5,7 @@
     python -m launch.train --config configs/babyai_cpu.py:scaling --workdir /tmp/babyai_scaling
 
 1. A tiny random Qwen2 whose tokenizer has also learned BabyAI's words (model.tiny_corpus_tasks).
-2. SFT warm start on episodes of an imperfect scripted teacher (rl_tpu/envs/babyai_teacher.py)
+2. SFT warm start (600 steps, batches of like-length demos) on episodes of an imperfect scripted teacher (rl_tpu/envs/babyai_teacher.py)
    over AgentGym's macro actions: an episode's teacher is careless with probability 0.7 and
    then acts on the NEAREST object whatever the mission names, solving about 65% of tasks.
 3. GRPO over whole multi-turn episodes (AgentGym's observations, actions and scores; the
@@ -64,7 +64,7 @@ def get_config(arg: str = ""):
     c.train.length_buckets = (512, 768, 1024, 1280, 1536, 1792)
     c.optim.lr = 5e-4
     c.optim.grad_clip = 1.0
-    c.sft.steps = 100
+    c.sft.steps = 600
     c.sft.batch_size = 16
     c.sft.lr = 3e-3
     c.sft.num_demos = 1500
