@@ -6,6 +6,9 @@ anything. A mistake a user can make there (an unknown key, a value of the wrong 
 `check`, a bad env kwarg, a config file that is not there), and a missing file or package once
 the run has started, ends the process with one line on stderr and exit status 2;
 RL_TPU_DEBUG=1 shows the full traceback instead.
+
+They also turn on JAX's persistent compilation cache (`use_compilation_cache`), so a rerun, a
+resume and every run of a sweep compile each program once per machine.
 """
 
 import importlib.util
@@ -15,6 +18,8 @@ import sys
 from absl import app, flags, logging
 
 DEBUG_ENV = "RL_TPU_DEBUG"
+CACHE_ENV = "RL_TPU_COMPILATION_CACHE"  # "0": no persistent compilation cache
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rl_tpu", "jax_compilation_cache")
 
 # What a command line can get wrong while the flags are parsed and the config finished: absl's
 # flag errors, ml_collections' (an unknown key is an AttributeError, a bad value a TypeError or
@@ -49,6 +54,24 @@ def start(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not any(arg.startswith(("--verbosity", "-v")) for arg in sys.argv):
         logging.set_verbosity(logging.WARNING)
+    use_compilation_cache()
+
+
+def use_compilation_cache() -> None:
+    """JAX's persistent compilation cache: in JAX_COMPILATION_CACHE_DIR if set, else in
+    ~/.cache/rl_tpu/jax_compilation_cache; every program, however quick to compile (a run of
+    tiny shapes compiles hundreds of sub-second programs), unless
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise. RL_TPU_COMPILATION_CACHE=0 turns
+    it off. Must run before the first computation: JAX reads the setting when it first
+    compiles."""
+    if os.environ.get(CACHE_ENV, "1") == "0":
+        return
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(DEFAULT_CACHE_DIR))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def finish_config(flag_values: flags.FlagValues = flags.FLAGS, prepare=None):
