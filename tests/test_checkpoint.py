@@ -268,14 +268,19 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _run_until_killed(script: str, directory) -> None:
+    """Runs `script` (which SIGKILLs itself mid-save) on one CPU device with `directory`."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", script, str(directory)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_kill_mid_save_leaves_previous_checkpoint_readable(tmp_path):
     directory = tmp_path / "ckpt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(directory)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    _run_until_killed(CRASH_SCRIPT, directory)
     names = sorted(p.name for p in directory.iterdir())
     assert "2" not in names and any(n.startswith("2.") for n in names), names  # died mid-save
     ckpt = Checkpointer(str(directory))
@@ -428,11 +433,7 @@ STATIC_CRASH_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_kill_mid_static_save_leaves_nothing_readable(tmp_path):
     directory = tmp_path / "ckpt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", STATIC_CRASH_SCRIPT, str(directory)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    _run_until_killed(STATIC_CRASH_SCRIPT, directory)
     names = sorted(p.name for p in (directory / "static").iterdir())
     assert names and all(n.startswith("reference.") for n in names), names  # died mid-save
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
