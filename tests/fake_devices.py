@@ -1,13 +1,18 @@
-"""XLA_FLAGS for fake CPU devices (a helper module, not a test file; imports no jax).
+"""Fake CPU devices for the tests (a helper module, not a test file; imports no jax).
 
-With N fake devices every collective is a rendezvous of N threads, and XLA:CPU aborts the
-whole process (SIGABRT, no Python exception) when one waits longer than its termination
-timeout (a few tens of seconds). On a 2-core machine running two test workers, an SGLang
-server and a JVM, one device's shard of a step can lag the others by that much: the rendezvous
-timeouts go up to 30 minutes, so a slow step is slow, not a crashed worker.
+With N fake devices a collective is a rendezvous of N threads, run on XLA:CPU's intra-op thread
+pool, which has max(cores, N) threads: on a 2-core machine with 8 devices, 8. Within one
+program, XLA:CPU runs independent thunks concurrently, so one device can enter an all-reduce
+at the top of the program while the others enter the one inside a scan: every pool thread then
+waits in a rendezvous that needs a thread no one can get, and XLA aborts the process (SIGABRT,
+no Python exception) after 40 s. POOL_THREADS sets the pool large enough for several
+collectives in flight at once (PJRT_NPROC, read when the CPU client starts); the rendezvous
+timeouts go up so a slow step on a loaded machine waits, while a real deadlock still ends the
+process within minutes rather than hanging the run.
 """
 
-COLLECTIVE_TIMEOUT_S = 1800
+POOL_THREADS = 32
+COLLECTIVE_TIMEOUT_S = 300
 
 
 def xla_flags(devices: int) -> str:
