@@ -150,9 +150,10 @@ def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int]
             drawn, order = order[:pool], order[pool:]
             if group_by_length > 0:
                 drawn.sort(key=lambda r: len(examples[r][0]))
-            ready = [drawn[i:i + batch_size] for i in range(0, pool, batch_size)]
-            if group_by_length > 0:
-                ready = [ready[i] for i in rng.permutation(len(ready))]
+                cuts = [drawn[i:i + batch_size] for i in range(0, pool, batch_size)]
+                ready = [cuts[i] for i in rng.permutation(len(cuts))]
+            else:
+                ready = [drawn]
         rows = ready.pop(0)
         # every host pads to the bucket of the longest row of the GLOBAL batch
         t = bucket_length(max(len(examples[r][0]) for r in rows), buckets)
