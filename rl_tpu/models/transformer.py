@@ -70,6 +70,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
+    # Query block of causal attention without a cache (training, scoring): block i attends
+    # only to the keys up to its own end, skipping the all-masked rest (0 = one dense block).
+    attention_block: int = 512
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -213,6 +216,26 @@ def grouped_attention(q: Array, key: Array, value: Array, mask: Array) -> Array:
     return out.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int) -> Array:
+    """`grouped_attention` of a causal mask [B, T, T], one query block of `block` rows at a
+    time: block i sees keys [0, end_i) only, since every later key is masked for it.
+
+    The same softmax over the same unmasked keys (a masked logit's exp is exactly 0), so it is
+    exact, but it computes and stores about (n + 1) / 2n of the T x T logits for n blocks. On
+    XLA:CPU those logits and their gradient, not the matmuls, are most of a long sequence's
+    update time (a 1536-token batch's attention backward runs ~1.8x faster at block 512).
+    """
+    t = q.shape[1]
+    if block <= 0 or t <= block:
+        return grouped_attention(q, key, value, mask)
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        outs.append(grouped_attention(q[:, start:end], key[:, :, :end], value[:, :, :end],
+                                      mask[:, start:end, :end]))
+    return jnp.concatenate(outs, axis=1)
+
+
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: normalise in fp32, cast back, then scale."""
 
@@ -276,7 +299,10 @@ class Attention(nn.Module):
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
         else:
             key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
-        out = grouped_attention(q, key, value, mask)
+        if cache is None:  # the mask is causal by array order
+            out = causal_attention(q, key, value, mask, cfg.attention_block)
+        else:
+            out = grouped_attention(q, key, value, mask)
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
