@@ -41,6 +41,9 @@ setup(
         # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (JRE >= 11).
         "envs": ENVS,
         # torch (CPU) is only for parity tests against transformers' own models.
-        "dev": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0"] + ENVS,
+        # libtpu compiles for TPU slices on any machine (launch.compile_check); its version is
+        # the one jax's own `tpu` extra pins.
+        "tpu-aot": ["libtpu==0.0.42.*"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0", "libtpu==0.0.42.*"] + ENVS,
     },
 )

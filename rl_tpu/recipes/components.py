@@ -79,14 +79,20 @@ def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
     out = os.path.join(workdir, "init_model")
     if jax.process_index() == 0 and not os.path.isfile(os.path.join(out, "config.json")):
         m = config.model
-        heads = max(1, m.tiny_hidden // 16)
         tiny.write_tiny_model(out, arch=m.tiny_arch, vocab_size=m.tiny_vocab, seed=config.seed,
                               corpus=env_text(config, m.tiny_corpus_tasks),
-                              init_scale=m.tiny_init_scale, hidden_size=m.tiny_hidden,
-                              intermediate_size=2 * m.tiny_hidden, num_layers=m.tiny_layers,
-                              num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16)
+                              init_scale=m.tiny_init_scale, **tiny_shape(config))
     parallel.sync_hosts("tiny_model")
     return out
+
+
+def tiny_shape(config: ml_collections.ConfigDict) -> dict:
+    """The ModelConfig fields of the tiny random model `model.tiny_*` describe."""
+    m = config.model
+    heads = max(1, m.tiny_hidden // 16)
+    return dict(hidden_size=m.tiny_hidden, intermediate_size=2 * m.tiny_hidden,
+                num_layers=m.tiny_layers, num_heads=heads, num_kv_heads=max(1, heads // 2),
+                head_dim=16)
 
 
 def env_text(config: ml_collections.ConfigDict, num_tasks: int) -> list[str]:

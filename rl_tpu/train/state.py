@@ -129,18 +129,31 @@ def create_state(params, tx: optax.GradientTransformation) -> TrainState:
     `zeros_like` of it, and left alone would replicate every moment on every device.
     """
     create = lambda p: TrainState.create(p, tx)  # noqa: E731
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    some = jax.tree.leaves(param_shardings)[0]
-    if not isinstance(some, NamedSharding):
+    if not isinstance(jax.tree.leaves(params)[0].sharding, NamedSharding):
         return jax.jit(create, donate_argnums=0)(params)
-    replicated = NamedSharding(some.mesh, P())
-    abstract = jax.eval_shape(create, params)
+    return jax.jit(create, out_shardings=state_shardings(params, tx),
+                   donate_argnums=0)(params)
+
+
+def state_shardings(params, tx: optax.GradientTransformation) -> TrainState:
+    """The shardings of the TrainState of `params` (arrays or ShapeDtypeStructs, each with a
+    NamedSharding): every optimizer leaf like its param, counts and the step replicated."""
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, P())
+    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx), params)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
         transform_non_params=lambda _: replicated)
-    out = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                     master=None if abstract.master is None else param_shardings, tx=tx)
-    return jax.jit(create, out_shardings=out, donate_argnums=0)(params)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                      master=None if abstract.master is None else param_shardings, tx=tx)
+
+
+def abstract_state(params, tx: optax.GradientTransformation) -> TrainState:
+    """The TrainState `create_state(params, tx)` would make, as ShapeDtypeStructs with their
+    shardings: what an ahead-of-time compile lowers against, allocating nothing."""
+    shapes = jax.eval_shape(lambda p: TrainState.create(p, tx), params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, state_shardings(params, tx))
 
 
 def shardings_of(tree):

@@ -1,0 +1,297 @@
+"""Ahead-of-time compiles of a config's device programs for a TPU slice, on any machine.
+
+`libtpu` can compile for a TPU topology it is not running on:
+`jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4")`
+gives the slice's abstract devices, a mesh over them lowers the real jitted functions against
+ShapeDtypeStructs (abstract params, optimizer state and batches with their shardings, nothing
+allocated), and `compiled.memory_analysis()` says what each program needs per chip. This is
+how a run is checked before anyone pays for a pod (MaxText does the same).
+
+`check(config, topology)` compiles, at the config's own shapes and with the same builders the
+trainer uses:
+
+  policy_update    the learner's update: epochs x minibatches of the policy step, micro-batched
+  score            old (and reference) log-probs of the whole rollout batch
+  critic_update,   PPO's value step and value pass, when the config has a critic
+  values
+  sampler_prefill  the embedded sampler's prefill of rollout.max_batch prompts of the longest
+  sampler_decode   bucket, and one decode chunk, on one host's chips (the sampler's mesh)
+
+Memory per chip = arguments + outputs - donated (aliased) buffers + temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_tpu import parallel
+from rl_tpu.models import hf
+from rl_tpu.models.presets import preset_config
+from rl_tpu.models.tiny import tiny_config
+from rl_tpu.models.transformer import ModelConfig, Transformer
+from rl_tpu.recipes import algorithms, components
+from rl_tpu.train.learner import Learner
+from rl_tpu.train.state import abstract_state, make_optimizer
+
+GIB = 2 ** 30
+# HBM per chip, GiB, as Google's Cloud TPU pages list it; keyed by the topology name's prefix.
+CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+    """One compiled program's footprint on one chip (bytes) and its compile time (s). When the
+    TPU compiler itself refuses the program (its temporaries exceed the chip's HBM), `refused`
+    holds its message and `temp` the size it names."""
+
+    name: str
+    compile_s: float
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    refused: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass
+class Report:
+    topology: str
+    chips: int
+    hbm: int  # bytes per chip
+    model: str
+    mesh: dict
+    programs: list[ProgramMemory]
+
+    def misfits(self) -> list[ProgramMemory]:
+        return [p for p in self.programs if p.refused or p.total > self.hbm]
+
+    def table(self) -> str:
+        rows = [f"{self.model} on {self.topology} ({self.chips} chips, {self.hbm / GIB:.1f} GiB "
+                f"HBM each), mesh {self.mesh}",
+                f"{'program':<17}{'compile s':>10}{'args GiB':>10}{'temp GiB':>10}"
+                f"{'total GiB':>11}  fits"]
+        for p in self.programs:
+            rows.append(f"{p.name:<17}{p.compile_s:>10.1f}{p.argument / GIB:>10.2f}"
+                        f"{p.temp / GIB:>10.2f}{p.total / GIB:>11.2f}  "
+                        f"{'yes' if p.total <= self.hbm else 'NO'}"
+                        + (f" (XLA: {p.refused})" if p.refused else ""))
+        return "\n".join(rows)
+
+
+def topology_devices(name: str) -> tuple[list, int]:
+    """(abstract devices of the TPU slice `name`, e.g. "v5p:2x2x4", HBM bytes per chip)."""
+    chip = name.split(":")[0].lower()
+    if chip not in CHIP_HBM_GIB or ":" not in name:
+        raise ValueError(f"topology {name!r}: use <chip>:<shape> with chip one of "
+                         f"{sorted(CHIP_HBM_GIB)}, e.g. v5p:4x4x4 or v5e:4x4")
+    try:
+        from jax.experimental import topologies
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as err:  # noqa: BLE001 (libtpu's errors have no common type)
+        raise RuntimeError(
+            f"cannot describe TPU topology {name!r} ({type(err).__name__}: {err}); compiling "
+            "for a TPU needs libtpu: pip install 'libtpu==0.0.42.*' (jax 0.10.2's pin)"
+        ) from err
+    return list(topo.devices), CHIP_HBM_GIB[chip] * GIB
+
+
+def model_config(config: ml_collections.ConfigDict, model: str = "") -> tuple[str, ModelConfig]:
+    """(name, ModelConfig) of the policy a run of `config` trains: the preset `model`, else
+    `model.path`'s config.json, else the config's tiny random model; with the config's
+    numerics (dtype, remat, scanned layers, attention block)."""
+    m = config.model
+    numerics = dict(dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
+                    scan_layers=m.scan_layers, attention_block=m.attention_block)
+    if model:
+        return model, preset_config(model, **numerics)
+    if m.path:
+        return m.path, hf.read_config(m.path, **numerics)
+    return "tiny", tiny_config(m.tiny_arch, m.tiny_vocab, **components.tiny_shape(config),
+                               **numerics)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh, rules=parallel.DEFAULT_RULES, module=None):
+    """The params of `module` (default: the policy Transformer of `cfg`) as ShapeDtypeStructs
+    in their shardings on `mesh`."""
+    module = Transformer(cfg) if module is None else module
+    abstract, names = parallel.logical_axes_of(module, np.zeros((1, 1), np.int32))
+    shardings = parallel.param_shardings(abstract, names, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def _sds(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> dict:
+    """An RL batch of `rows` x `length` as the trainer builds it, sharded on rows."""
+    sharding = NamedSharding(mesh, parallel.batch_spec(1))
+    dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32)
+    return {k: _sds((rows, length), dtypes.get(k, jnp.float32), sharding) for k in keys}
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+# XLA:TPU's refusal, e.g. "the total memory required for HLO temporaries (252.22G) exceeds
+# available HBM (15.75G)"
+_REFUSAL = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM")
+
+
+def _memory(name: str, lowered) -> ProgramMemory:
+    start = time.time()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        found = _REFUSAL.search(str(err))
+        if "RESOURCE_EXHAUSTED" not in str(err) or not found:
+            raise
+        needed = int(float(found.group(1)) * _UNITS[found.group(2)])
+        message = str(err).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
+        return ProgramMemory(name, time.time() - start, 0, 0, 0, needed, refused=message)
+    seconds = time.time() - start
+    m = compiled.memory_analysis()
+    return ProgramMemory(name, seconds, m.argument_size_in_bytes, m.output_size_in_bytes,
+                         m.alias_size_in_bytes, m.temp_size_in_bytes)
+
+
+def _bucket(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory]:
+    """policy_update and score (and critic_update, values) at the config's batch shape."""
+    t, algo = config.train, config.algo
+    rows = t.tasks_per_step * t.samples_per_task
+    length = max(t.length_buckets) if t.length_buckets else config.env.max_context_tokens
+    model = Transformer(cfg, mesh=mesh)
+    params = abstract_params(cfg, mesh)
+    tx = make_optimizer(components.rl_optim_config(config, config.optim.lr))
+    state = abstract_state(params, tx)
+    update_cfg = algorithms.update_config(config)
+    loss_cfg = algorithms.loss_config(algo, config.env.max_new_tokens)
+    critic = value_model = None
+    if algorithms.uses_critic(algo):
+        from rl_tpu.models.value import ValueModel
+        value_model = ValueModel(cfg, mesh=mesh)
+        critic = abstract_state(abstract_params(cfg, mesh, module=value_model), make_optimizer(
+            components.rl_optim_config(config, algo.value_lr)))
+    learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
+                      value_model=value_model,
+                      reference_params=params if update_cfg.use_reference else None)
+    keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
+            "behaviour_logprobs"]
+    if update_cfg.use_reference:
+        keys.append("ref_logprobs")
+    batch = rollout_batch(rows, length, mesh, keys)
+    if loss_cfg.fixed_normalizer is not None:
+        batch["length_normalizer"] = _sds((rows,), jnp.float32, batch["tokens"].sharding)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = _sds(key.shape, key.dtype, NamedSharding(mesh, P()))
+    inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+    out = [_memory("policy_update", learner._policy_update.lower(state, batch, key)),
+           _memory("score", learner._logprobs.lower(params, inputs))]
+    if critic is not None:
+        value_batch = rollout_batch(rows, length, mesh, ["tokens", "positions", "segment_ids",
+                                                         "loss_mask", "values", "returns"])
+        out += [_memory("critic_update", learner._value_update.lower(critic, value_batch, key)),
+                _memory("values", learner._values.lower(critic.params, inputs))]
+    return out
+
+
+def sampler_programs(config, cfg: ModelConfig, devices: list) -> list[ProgramMemory]:
+    """The embedded sampler's prefill and one decode chunk on one host's chips, at
+    rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them)."""
+    from rl_tpu.rollout import sampler as sampling
+
+    r, env = config.rollout, config.env
+    host = [d for d in devices if d.process_index == devices[0].process_index]
+    host = host[:r.sampler_devices] if r.sampler_devices else host
+    mesh = parallel.make_mesh({"fsdp": -1}, devices=host)  # as components.make_engine
+    cfg = cfg.replace(scan_layers=False, remat="none")
+    if config.model.sampler_dtype:
+        dtype = str(jnp.dtype(config.model.sampler_dtype))
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    model = Transformer(cfg, mesh=mesh)
+    params = abstract_params(cfg, mesh)
+    b = _bucket(r.max_batch, 1)
+    new = _bucket(env.max_new_tokens, 16)
+    prompt = _bucket(max(env.max_context_tokens - env.max_new_tokens, 1), 16)
+    rep = NamedSharding(mesh, P())
+    i32, f32 = jnp.int32, jnp.float32
+    keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((b,), jnp.uint32)))
+    args = [_sds((b, prompt), i32, rep)] + [_sds((b,), i32, rep)] * 3 + [
+        _sds((b,), f32, rep)] * 2 + [_sds((b,), i32, rep)] + [_sds((b, 2), i32, rep)] * 2 + [
+        _sds(keys.shape, keys.dtype, rep)]
+    prefill = _memory("sampler_prefill",
+                      sampling.prefill.lower(model, params, *args, max_steps=new))
+    # The decode state's shardings are the compiler's choice for prefill's outputs; they do not
+    # depend on the prompt's length, so a 16-token prefill (cheap, and it always fits) gives
+    # them even when the real one does not fit.
+    short = [_sds((b, 16), i32, rep)] + args[1:]
+    shardings = sampling.prefill.lower(model, params, *short,
+                                       max_steps=new).compile().output_shardings
+    shapes = jax.eval_shape(functools.partial(sampling.prefill, model, max_steps=new),
+                            params, *args)
+    state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), shapes, shardings)
+    decode = _memory("sampler_decode", sampling.decode.lower(model, params, state, chunk=64))
+    return [prefill, decode]
+
+
+def check(config: ml_collections.ConfigDict, topology: str, model: str = "",
+          programs: Optional[set] = None) -> Report:
+    """Compiles the config's programs (all, or the names in `programs`) for `topology`."""
+    devices, hbm = topology_devices(topology)
+    name, cfg = model_config(config, model)
+    mesh = components.make_mesh(config, devices)
+    out = []
+    if programs is None or programs & {"policy_update", "score", "critic_update", "values"}:
+        out += learner_programs(config, cfg, mesh)
+    if config.rollout.engine == "jax" and (
+            programs is None or programs & {"sampler_prefill", "sampler_decode"}):
+        out += sampler_programs(config, cfg, devices)
+    if programs is not None:
+        out = [p for p in out if p.name in programs]
+    n = cfg.num_params()
+    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+    return Report(topology, len(devices), hbm, f"{name} ({size} params)",
+                  dict(mesh.shape), out)
+
+
+def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
+    """For each program that does not fit, the config keys that would shrink it."""
+    lines = []
+    for p in report.misfits():
+        over = f"{p.name} needs {p.total / GIB:.1f} GiB of {report.hbm / GIB:.1f} GiB"
+        keys = []
+        if p.refused:  # the compiler names the temporaries alone
+            over = f"{p.name} needs {p.temp / GIB:.1f} GiB of temporaries ({p.refused})"
+        if p.name.startswith("sampler"):
+            keys += [f"rollout.max_batch={max(1, config.rollout.max_batch // 2)}"]
+            if not config.model.sampler_dtype and config.model.dtype == "float32":
+                keys.append("model.sampler_dtype=bfloat16")
+        else:
+            if p.argument > p.temp and report.mesh.get("fsdp", 1) < report.chips:
+                keys.append(f"mesh.fsdp={report.chips} (shard params and optimizer state)")
+            keys.append(f"train.micro_batches={2 * config.train.micro_batches}")
+            if config.model.remat != "full" and p.name.endswith("update"):  # backward only
+                keys.append("model.remat=" + ("dots" if config.model.remat == "none"
+                                              else "full"))
+            if p.argument <= p.temp and report.mesh.get("fsdp", 1) < report.chips:
+                keys.append(f"mesh.fsdp={report.chips}")
+        lines.append(f"{over}: try " + ", ".join(f"--config.{k}" for k in keys))
+    return lines

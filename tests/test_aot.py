@@ -1,0 +1,98 @@
+"""Ahead-of-time compiles for TPU slices (rl_tpu/aot.py, launch.compile_check): the sizes and
+advice checked by hand here; the compiles (libtpu, no TPU) in subprocesses, marked slow."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl_tpu import aot
+from rl_tpu.models.presets import PRESETS, preset_config
+from rl_tpu.recipes.config import base_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = aot.GIB
+
+
+def test_presets_have_the_published_parameter_counts():
+    # Qwen2.5-7B: 28 layers of D=3584, F=18944, 28/4 heads of 128, qkv bias, untied V=152064.
+    d, f, v, layers = 3584, 18944, 152064, 28
+    attn = d * (28 + 2 * 4) * 128 + 28 * 128 * d + (28 + 2 * 4) * 128
+    expected = layers * (attn + 3 * d * f + 2 * d) + 2 * v * d + d
+    assert preset_config("qwen2.5-7b").num_params() == expected  # 7,615,616,512
+    assert round(preset_config("Qwen2.5-1.5B").num_params() / 1e9, 2) == 1.54  # tied head
+    assert preset_config("llama-3.1-8b").rope_scaling.rope_type == "llama3"
+    assert preset_config("qwen3-8b").qk_norm
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-5'.*qwen2.5-7b"):
+        preset_config("gpt-5")
+    assert len(PRESETS) == 6
+
+
+def test_unknown_topology_names_the_chips():
+    with pytest.raises(ValueError, match="v7x:2x2.*v5e.*v5p"):
+        aot.topology_devices("v7x:2x2")
+    with pytest.raises(ValueError, match="<chip>:<shape>"):
+        aot.topology_devices("v5p")
+
+
+def _report(*programs, fsdp=1, chips=16):
+    return aot.Report("v5p:2x2x4", chips, 95 * GIB, "m", {"data": chips // fsdp, "fsdp": fsdp,
+                                                         "tensor": 1}, list(programs))
+
+
+def test_a_program_fits_when_its_whole_footprint_does():
+    # arguments + outputs - donated + temporaries: a donated state is counted once
+    update = aot.ProgramMemory("policy_update", 1.0, argument=60 * GIB, output=60 * GIB,
+                               alias=60 * GIB, temp=30 * GIB)
+    assert update.total == 90 * GIB
+    assert not _report(update).misfits()
+    bigger = aot.ProgramMemory("policy_update", 1.0, 60 * GIB, 60 * GIB, 60 * GIB, 36 * GIB)
+    assert _report(bigger).misfits() == [bigger]
+
+
+def test_advice_names_the_keys_that_shrink_a_program():
+    config = base_config("grpo")
+    config.train.micro_batches = 2
+    state_bound = aot.ProgramMemory("policy_update", 1.0, 120 * GIB, 120 * GIB, 120 * GIB,
+                                    10 * GIB)
+    (line,) = aot.advice(_report(state_bound), config)
+    assert line.startswith("policy_update needs 130.0 GiB of 95.0 GiB: try ")
+    # the state is what does not fit: shard it first
+    assert line.index("--config.mesh.fsdp=16") < line.index("--config.train.micro_batches=4")
+    activation_bound = aot.ProgramMemory("score", 1.0, 10 * GIB, 0, 0, 100 * GIB)
+    (line,) = aot.advice(_report(activation_bound, fsdp=16), config)
+    assert "micro_batches=4" in line and "remat" not in line and "fsdp" not in line
+    config.rollout.max_batch = 64
+    sampler = aot.ProgramMemory("sampler_prefill", 1.0, 1 * GIB, 1 * GIB, 0, 100 * GIB)
+    (line,) = aot.advice(_report(sampler), config)
+    assert "--config.rollout.max_batch=32" in line
+
+
+def _compile_check(*args, timeout=900):
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    return subprocess.run([sys.executable, "-m", "launch.compile_check", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_compile_check_fits_the_babyai_smoke_on_a_v5e_slice():
+    out = _compile_check("--config", "configs/babyai_cpu.py:smoke", "--topology", "v5e:2x2")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any("on v5e:2x2 (4 chips, 16.0 GiB HBM each)" in line for line in lines)
+    for program in ("policy_update", "score", "sampler_prefill", "sampler_decode"):
+        (row,) = [line for line in lines if line.startswith(program + " ")]
+        assert row.endswith("yes")
+
+
+@pytest.mark.slow
+def test_compile_check_names_what_does_not_fit_and_exits_1():
+    # 8192 episodes of 2048 tokens, 2048 rows a chip: even the last 512-query attention block
+    # of the score pass holds [2048 rows, 4 heads, 512, 2048] fp32 logits (32 GiB), twice a
+    # v5e chip's HBM.
+    out = _compile_check("--config", "configs/babyai_cpu.py:smoke", "--topology", "v5e:2x2",
+                         "--programs", "score", "--config.train.tasks_per_step=4096")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("does not fit: score needs")]
+    assert "--config.train.micro_batches=2" in line
