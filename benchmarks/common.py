@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import jax
 
+from rl_tpu.models.presets import PRESETS, preset_config
 from rl_tpu.models.transformer import ModelConfig
 
-# Named shapes with random weights (no checkpoint needed). Real families' dimensions.
+# Named CPU-sized shapes with random weights; real models' names (qwen2.5-0.5b, llama-3.1-8b,
+# ...) are rl_tpu/models/presets.py's.
 SHAPES = {
     "tiny": dict(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),
     "small": dict(arch="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=1024,
                   num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
-    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896,
-                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                         head_dim=64, qkv_bias=True, tie_word_embeddings=True,
-                         rope_theta=1000000.0),
-    "qwen3-1.7b": dict(arch="qwen3", vocab_size=151936, hidden_size=2048,
-                       intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8,
-                       head_dim=128, qk_norm=True, tie_word_embeddings=True,
-                       rope_theta=1000000.0),
-    "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096,
-                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128, rope_theta=500000.0),
 }
 
 # Dense bf16 peak FLOP/s per chip, by substrings of jax's device_kind.
@@ -33,9 +24,12 @@ PEAK_BF16_FLOPS = {
 
 
 def model_config(shape: str, **overrides) -> ModelConfig:
-    if shape not in SHAPES:
-        raise SystemExit(f"unknown --shape {shape!r}; choose one of {sorted(SHAPES)}")
-    return ModelConfig(**{**SHAPES[shape], **overrides})
+    if shape in SHAPES:
+        return ModelConfig(**{**SHAPES[shape], **overrides})
+    if shape.lower() in PRESETS:
+        return preset_config(shape, **overrides)
+    raise SystemExit(f"unknown --shape {shape!r}; choose one of {sorted(SHAPES)} or a model "
+                     f"preset {sorted(PRESETS)}")
 
 
 def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:

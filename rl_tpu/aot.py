@@ -142,7 +142,8 @@ def _sds(shape, dtype, sharding):
 def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> dict:
     """An RL batch of `rows` x `length` as the trainer builds it, sharded on rows."""
     sharding = NamedSharding(mesh, parallel.batch_spec(1))
-    dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32)
+    dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32,
+                  loss_mask=jnp.bool_)  # as rollout_batch.trajectories_to_batch makes them
     return {k: _sds((rows, length), dtypes.get(k, jnp.float32), sharding) for k in keys}
 
 

@@ -26,7 +26,7 @@ def test_presets_have_the_published_parameter_counts():
     assert preset_config("qwen3-8b").qk_norm
     with pytest.raises(ValueError, match="unknown model preset 'gpt-5'.*qwen2.5-7b"):
         preset_config("gpt-5")
-    assert len(PRESETS) == 6
+    assert len(PRESETS) == 7
 
 
 def test_unknown_topology_names_the_chips():
