@@ -291,3 +291,47 @@ def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool =
     if isinstance(iterable_or_total, (int, np.integer)):
         return tqdm(total=int(iterable_or_total), desc=desc, disable=disable, dynamic_ncols=True)
     return tqdm(iterable_or_total, desc=desc, disable=disable, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiles
+# ---------------------------------------------------------------------------------------------
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # a build, compiled or loaded
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # ... loaded from the persistent cache
+
+
+class CompileCounter:
+    """XLA programs built in this process since the last `take()`, from jax.monitoring's
+    events: `time/compiles` (compiled), `time/cache_loads` (taken from the persistent
+    compilation cache instead) and `time/compile_s` (the seconds both took). A run whose
+    shapes are all known at start compiles in its first steps and never again: a compile in
+    step 200 is a new shape (a length bucket, a batch size) worth finding."""
+
+    _counts = {"builds": 0, "hits": 0, "seconds": 0.0}
+    _installed = False
+
+    def __init__(self):
+        if not CompileCounter._installed:
+            jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_duration)
+            jax.monitoring.register_event_listener(CompileCounter._on_event)
+            CompileCounter._installed = True
+        self._last = dict(self._counts)
+
+    @staticmethod
+    def _on_duration(event: str, duration: float, **_):
+        if event == _BACKEND_COMPILE:
+            CompileCounter._counts["builds"] += 1
+            CompileCounter._counts["seconds"] += duration
+
+    @staticmethod
+    def _on_event(event: str, **_):
+        if event == _CACHE_HIT:
+            CompileCounter._counts["hits"] += 1
+
+    def take(self) -> dict[str, float]:
+        now = dict(self._counts)
+        delta = {k: now[k] - self._last[k] for k in now}
+        self._last = now
+        return {"time/compiles": float(delta["builds"] - delta["hits"]),
+                "time/cache_loads": float(delta["hits"]), "time/compile_s": delta["seconds"]}

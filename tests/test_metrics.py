@@ -181,3 +181,25 @@ def test_json_lines_are_strict_json(tmp_path):
         writer.write(1, {"x": float("inf")})
     for line in (tmp_path / METRICS_FILE).read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_compile_counter_counts_compiles_and_persistent_cache_loads():
+    import jax
+
+    from rl_tpu.metrics import CompileCounter
+
+    counter = CompileCounter()
+    f = jax.jit(lambda x: x * 3.0 + 0.25)  # a program no other test builds (numpy inputs:
+    # a jnp constructor would be a program of its own)
+    f(np.ones((3, 7), np.float32))
+    first = counter.take()
+    assert first["time/compiles"] + first["time/cache_loads"] == 1
+    f(np.ones((3, 7), np.float32))  # the same shape: jit's own cache, no build
+    assert counter.take() == {"time/compiles": 0.0, "time/cache_loads": 0.0,
+                              "time/compile_s": 0.0}
+    f(np.ones((4, 7), np.float32))  # a new shape compiles
+    assert counter.take()["time/compiles"] == 1
+    jax.clear_caches()  # in-memory caches gone: the persistent cache (conftest) serves it
+    f(np.ones((4, 7), np.float32))
+    loaded = counter.take()
+    assert (loaded["time/compiles"], loaded["time/cache_loads"]) == (0.0, 1.0)

@@ -74,6 +74,7 @@ def step_seed(seed: int, step: int, what: int = 0) -> int:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Trains with RL per `config`; returns the final eval metrics."""
+    compiles = metrics_lib.CompileCounter()  # counts from here: the setup's compiles too
     trainer = Trainer(config, workdir)
     try:
         trainer.start_producer()
@@ -99,6 +100,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                           rollout_metrics.get("rollout/played_tokens", 0.0) / max(t_rollout, 1e-9)}
             if step % config.eval.every == 0 or step == config.train.steps:   # eval
                 record.update(trainer.evaluate(step))
+            record.update(compiles.take())
                 if trainer.is_chief:
                     print(f"step {step}: eval success {record['eval/success']:.3f}, "
                           f"rollout reward {record['rollout/reward']:.3f}", flush=True)
