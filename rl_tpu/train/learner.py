@@ -165,12 +165,19 @@ class Learner:
         epochs, n = self.cfg.epochs, self.cfg.minibatches
         shuffle = self.cfg.shuffle and epochs * n > 1
 
+        batch_sharding = self._batch_sharding
+
         def update(state, batch, key):
             def one_epoch(state, epoch_key):
                 rows = batch
                 if shuffle:  # PPO's per-epoch reshuffle: other rows share a minibatch each time
                     perm = jax.random.permutation(epoch_key, batch["tokens"].shape[0])
-                    rows = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), batch)
+                    # A gather by a traced permutation has no sharding XLA can infer: left
+                    # alone it replicates the permuted batch, and with it every step's
+                    # activations, on every device (a 7B update at 8192 tokens then needs
+                    # 2 TB a chip, not 142 GB). Re-shard the rows (a cheap all-to-all of ids).
+                    rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+                        jnp.take(x, perm, axis=0), batch_sharding), batch)
                 return jax.lax.scan(step_fn, state, _split_minibatches(rows, n))
 
             state, metrics = jax.lax.scan(one_epoch, state, jax.random.split(key, epochs))

@@ -179,3 +179,33 @@ def test_across_hosts_on_one_process():
     np.testing.assert_array_equal(parallel.across_hosts(np.array([1.0, 2.0]), "sum"), [1, 2])
     with pytest.raises(ValueError, match="reduce"):
         parallel.across_hosts(1, "mean")
+
+
+def test_reshuffled_minibatches_stay_sharded_over_the_devices():
+    """The permuted rows are re-sharded: each minibatch's step computes on its own rows per
+    device, not on a copy of the whole batch everywhere (what an unconstrained gather gives)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rl_tpu.rl.masked import Metric
+    from rl_tpu.train.learner import Learner, UpdateConfig
+    from rl_tpu.train.state import OptimConfig, TrainState, make_optimizer
+
+    mesh = parallel.make_mesh({"data": 8}, devices=jax.devices()[:8])
+    state = TrainState.create({"w": jnp.zeros(())}, make_optimizer(OptimConfig()))
+    learner = Learner.__new__(Learner)
+    learner.cfg = UpdateConfig(epochs=2, minibatches=2)
+    learner.mesh = mesh
+    learner._batch_sharding = NamedSharding(mesh, parallel.batch_spec(1))
+    learner._replicated = NamedSharding(mesh, P())
+    seen = []
+
+    def step(state, minibatch):
+        jax.debug.inspect_array_sharding(minibatch["tokens"], callback=seen.append)
+        return state, {"n": Metric.of(jnp.sum(minibatch["tokens"]), "last")}
+
+    update = learner._compile_update(step, jax.device_put(state, learner._replicated))
+    batch = jax.device_put({"tokens": jnp.arange(32, dtype=jnp.int32)[:, None]},
+                           learner._batch_sharding)
+    update(jax.device_put(state, learner._replicated), batch, jax.random.key(0))
+    assert seen and all(not s.is_fully_replicated for s in seen)
+    assert all(s.shard_shape((16, 1)) == (2, 1) for s in seen)  # 16 rows over 8 devices
