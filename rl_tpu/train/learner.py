@@ -173,9 +173,9 @@ class Learner:
                 if shuffle:  # PPO's per-epoch reshuffle: other rows share a minibatch each time
                     perm = jax.random.permutation(epoch_key, batch["tokens"].shape[0])
                     # A gather by a traced permutation has no sharding XLA can infer: left
-                    # alone it replicates the permuted batch, and with it every step's
-                    # activations, on every device (a 7B update at 8192 tokens then needs
-                    # 2 TB a chip, not 142 GB). Re-shard the rows (a cheap all-to-all of ids).
+                    # alone it replicated the permuted batch, and every minibatch step then
+                    # ran on all rows on every device. Re-shard the rows (an all-to-all of
+                    # the batch, small next to the step's activations).
                     rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                         jnp.take(x, perm, axis=0), batch_sharding), batch)
                 return jax.lax.scan(step_fn, state, _split_minibatches(rows, n))
