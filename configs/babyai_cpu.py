@@ -5,8 +5,9 @@
     python -m launch.train --config configs/babyai_cpu.py:scaling --workdir /tmp/babyai_scaling
 
 1. A tiny random Qwen2 whose tokenizer has also learned BabyAI's words (model.tiny_corpus_tasks).
-2. SFT warm start (600 steps, batches of like-length demos) on episodes of an imperfect
-   scripted teacher (rl_tpu/envs/babyai_teacher.py) over AgentGym's macro actions: an episode's
+2. SFT warm start (600 steps, batches of like-length demos, 6,000 demos so that each is seen
+   about 1.6 times: with 1,500 it memorised them and misquoted the goal in 44 of 100
+   held-out episodes' thoughts) on episodes of an imperfect scripted teacher (rl_tpu/envs/babyai_teacher.py) over AgentGym's macro actions: an episode's
    teacher is careless with probability 0.7 and then acts on the NEAREST object whatever the
    mission names, solving about 56% of held-out tasks at 4 turns.
 3. GRPO over whole multi-turn episodes (AgentGym's observations, actions and scores; the
@@ -68,7 +69,7 @@ def get_config(arg: str = ""):
     c.sft.steps = 600
     c.sft.batch_size = 16
     c.sft.lr = 3e-3
-    c.sft.num_demos = 1500
+    c.sft.num_demos = 6000
     c.sft.teacher_skill = 0.3
     c.sft.max_length = 1792
     c.sft.group_by_length = 8

@@ -167,6 +167,9 @@ class Learner:
 
         batch_sharding = self._batch_sharding
 
+        def sharded_step(state, minibatch):  # the scan's slice keeps the rows' sharding
+            return step_fn(state, jax.lax.with_sharding_constraint(minibatch, batch_sharding))
+
         def update(state, batch, key):
             def one_epoch(state, epoch_key):
                 rows = batch
@@ -178,7 +181,7 @@ class Learner:
                     # the batch, small next to the step's activations).
                     rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
                         jnp.take(x, perm, axis=0), batch_sharding), batch)
-                return jax.lax.scan(step_fn, state, _split_minibatches(rows, n))
+                return jax.lax.scan(sharded_step, state, _split_minibatches(rows, n))
 
             state, metrics = jax.lax.scan(one_epoch, state, jax.random.split(key, epochs))
             return state, jax.tree.map(lambda m: m.reshape(-1), metrics)  # [E*N]
