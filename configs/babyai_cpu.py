@@ -16,7 +16,7 @@
 Eval: greedy success on 100 held-out tasks at a fixed 4-turn horizon, at step 0 and every 5.
 
 Variants: '' = `fixed` (4 turns throughout), `scaling` (ScalingInter-RL: 2, 3, then 4 turns,
-a stage every 7 steps), `smoke` (2 steps, a tiny budget), and `,seed1`-style suffixes for the
+a stage every 14 of the 40 steps), `smoke` (2 steps, a tiny budget), and `,seed1`-style suffixes for the
 seed (e.g. `scaling,seed1`). The teacher's success and the warm start's are logged at step 0.
 """
 
@@ -53,7 +53,7 @@ def get_config(arg: str = ""):
     c.model.tiny_layers = 2
     c.model.tiny_vocab = 1024
     c.model.tiny_corpus_tasks = 200
-    c.train.steps = 20
+    c.train.steps = 40
     c.train.tasks_per_step = 8
     c.train.samples_per_task = 8
     c.train.minibatches = 1
@@ -76,7 +76,7 @@ def get_config(arg: str = ""):
     c.checkpoint.every = 10
     if parts == ["scaling"]:
         c.schedules.horizon_turns = STAGES
-        c.schedules.horizon_every = 7
+        c.schedules.horizon_every = 14
     else:
         c.schedules.horizon_turns = ()
     if parts == ["smoke"]:
