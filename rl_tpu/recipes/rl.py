@@ -100,10 +100,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                           rollout_metrics.get("rollout/played_tokens", 0.0) / max(t_rollout, 1e-9)}
             if step % config.eval.every == 0 or step == config.train.steps:   # eval
                 record.update(trainer.evaluate(step))
-            record.update(compiles.take())
                 if trainer.is_chief:
                     print(f"step {step}: eval success {record['eval/success']:.3f}, "
                           f"rollout reward {record['rollout/reward']:.3f}", flush=True)
+            record.update(compiles.take())
             trainer.log(step, record)                                          # log
             if step % config.checkpoint.every == 0 or step == config.train.steps:
                 trainer.save(step)                                             # checkpoint
