@@ -125,6 +125,7 @@ def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
     algo, t = config.algo, config.train
     return UpdateConfig(
         epochs=t.epochs, minibatches=t.minibatches,
+        score_micro_batches=t.score_micro_batches or t.minibatches * t.micro_batches,
         step=steps.StepConfig(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk,
                               temperature=config.rollout.temperature),
         advantage=algo.advantage, advantage_options=advantage_options(algo),

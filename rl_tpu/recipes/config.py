@@ -119,6 +119,9 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.train.epochs = 1
     c.train.minibatches = 1
     c.train.micro_batches = 1
+    # The score pass (proximal and reference log-probs) over the whole batch, in this many
+    # micro-batches; 0 = minibatches x micro_batches, the update's own micro-batch size.
+    c.train.score_micro_batches = 0
     c.train.length_buckets = (128, 256, 512, 1024, 2048)
     c.train.logprob_chunk = 128
     # Sample replay (rl_tpu/train/replay.py): past groups mixed into each update.
@@ -328,7 +331,7 @@ _NAME_DEPENDENT = tuple(k for k in algo_config(ALGORITHMS[0]) if k != "name"
 # Counts below which a run makes no sense (train.steps = 0 is an SFT-only run; see check).
 _AT_LEAST = {"train.steps": 0, "train.tasks_per_step": 1, "train.samples_per_task": 1,
              "train.epochs": 1, "train.minibatches": 1, "train.micro_batches": 1,
-             "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1,
+             "train.score_micro_batches": 0, "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1,
              "checkpoint.keep": 1, "sft.steps": 0}
 
 

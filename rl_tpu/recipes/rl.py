@@ -406,10 +406,10 @@ class Trainer:
 
     def _row_multiple(self) -> int:
         """Local rows must make a global batch that splits into data-parallel shards x
-        minibatches x micro-batches."""
+        minibatches x micro-batches (and into the score pass's micro-batches)."""
         t = self.config.train
-        global_multiple = (components.data_parallel_size(self.mesh) * t.minibatches
-                           * t.micro_batches)
+        split = math.lcm(t.minibatches * t.micro_batches, self.learner.cfg.score_micro_batches)
+        global_multiple = components.data_parallel_size(self.mesh) * split
         return global_multiple // math.gcd(global_multiple, jax.process_count())
 
     # -- checkpoint pieces --------------------------------------------------------------

@@ -45,6 +45,7 @@ from rl_tpu.train.state import TrainState, shardings_of
 class UpdateConfig:
     epochs: int = 1
     minibatches: int = 1
+    score_micro_batches: int = 1  # the score pass's micro-batches over the whole batch
     step: steps.StepConfig = steps.StepConfig()
     advantage: str = "grpo"
     advantage_options: tuple = ()  # (name, value) pairs for compute_advantages
@@ -87,7 +88,10 @@ class Learner:
         self.reference_params = reference_params
         self._batch_sharding = NamedSharding(mesh, parallel.batch_spec(1))
         self._replicated = NamedSharding(mesh, P())
-        logprob_fn = steps.make_logprob_fn(model, cfg.step, with_entropy=False)
+        # Scored in micro-batches of its own: the whole batch at once would hold minibatches
+        # times the activations of one update micro-batch.
+        score_step = dataclasses.replace(cfg.step, micro_batches=cfg.score_micro_batches)
+        logprob_fn = steps.make_logprob_fn(model, score_step, with_entropy=False)
         self._logprobs = steps.compile_logprob_fn(logprob_fn, policy.params, mesh)
         self._ref_logprobs = (steps.compile_logprob_fn(logprob_fn, reference_params, mesh)
                               if reference_params is not None else None)
