@@ -49,6 +49,8 @@ def get_config(arg: str = ""):
     # A tiny model: bf16 and remat are for real sizes, float32 is exact and fast on a CPU.
     c.model.dtype = "float32"
     c.model.remat = "none"
+    c.model.scan_layers = False
+    c.mesh.data, c.mesh.fsdp = -1, 1
     c.model.tiny_hidden = 64
     c.model.tiny_layers = 2
     c.model.tiny_vocab = 1024

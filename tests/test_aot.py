@@ -96,3 +96,18 @@ def test_compile_check_names_what_does_not_fit_and_exits_1():
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("does not fit: score needs")]
     assert "--config.train.micro_batches=2" in line
+
+
+@pytest.mark.slow
+def test_qwen25_7b_agentgym_update_and_score_fit_a_v5p_128_slice():
+    """The shipped AgentGym BabyAI settings (256 episodes of up to 8192 tokens, 4 minibatches,
+    fsdp over every chip, scanned layers, full remat) with Qwen2.5-7B on v5p:4x4x4."""
+    out = _compile_check("--config", "configs/agentgym.py:babyai", "--model", "qwen2.5-7b",
+                         "--topology", "v5p:4x4x4", "--programs", "policy_update,score",
+                         timeout=1500)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+            if line.startswith(("policy_update ", "score "))}
+    assert set(rows) == {"policy_update", "score"}
+    for name, row in rows.items():
+        assert row[-1] == "yes" and float(row[4]) <= 95.0, (name, row)

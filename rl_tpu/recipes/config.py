@@ -226,8 +226,14 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     c.train.samples_per_task = 8
     c.train.minibatches = 4
     c.optim.lr = 1e-6
+    # Real sizes (launch.compile_check, docs/scaling.md): params and optimizer state sharded
+    # over every chip, scanned layers (one layer's program, whatever the depth) and full remat.
+    # Qwen2.5-7B's update at 8192 tokens then needs 78 GiB of a v5p chip's 95; with remat
+    # "dots" it needed 1.06 TiB, and replicated params 139 GiB.
+    c.mesh.data, c.mesh.fsdp = 1, -1
     c.model.dtype = "bfloat16"
-    c.model.remat = "dots"
+    c.model.scan_layers = True
+    c.model.remat = "full"
     c.eval.every = 25
     c.eval.num_tasks = 100
     return c
