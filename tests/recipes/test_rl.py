@@ -74,6 +74,34 @@ def _finite(record):
     return {k: v for k, v in record.items() if not k.startswith("time/")}
 
 
+def _config_arg(name, variant="smoke"):
+    """The --config argument of `config(name, variant)`."""
+    name, _, arg = name.partition(":")
+    return f"configs/{name}.py:{arg + ',' if arg else ''}{variant}"
+
+
+# XLA:CPU's in-process collectives (the 8 fake devices) now and then deadlock: some devices
+# never reach an all-reduce the others wait in, with every pool thread idle, and the rendezvous
+# timeout aborts the process (seen on the largest smoke, agentgym:sciworld, after other runs in
+# the same process; never on a real accelerator, whose collectives do not go through it). A run
+# in a process of its own keeps such an abort from taking a test worker down, and a rerun of
+# that one fault (not of a failed assertion) tells it apart from a real failure.
+_XLA_CPU_DEADLOCK = "This thread has been waiting for `all reduce"
+
+
+def _train_smoke(name, workdir):
+    env = dict(os.environ, PYTHONPATH=REPO)  # the suite's 8 fake devices and compile cache
+    command = [sys.executable, "-m", "launch.train", "--config", _config_arg(name),
+               "--workdir", str(workdir)]
+    for attempt in range(2):
+        out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=1200)
+        if out.returncode == 0 or _XLA_CPU_DEADLOCK not in out.stderr or attempt:
+            return out
+        print(f"{name}: XLA:CPU collective deadlock (rendezvous abort); running it again")
+        subprocess.run(["rm", "-rf", str(workdir)])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_smoke_variant_trains_end_to_end(tmp_path, name):
@@ -84,11 +112,13 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         except Exception as e:  # noqa: BLE001
             pytest.skip(f"ScienceWorld needs Java: {e}")
     c = config(name)
-    result = rl.run(c, str(tmp_path))
+    out = _train_smoke(name, tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     records = read_metrics(str(tmp_path))
     steps = [r["step"] for r in records if "rollout/reward" in r]
     assert steps == [1, 2]
-    assert "eval/success" in result
+    final_eval = [r for r in records if "eval/success" in r][-1]
+    assert final_eval["step"] == 2
     last = [r for r in records if r["step"] == 2 and "train/loss" in r][0]
     assert last["train/skipped"] == 0
     # step 2 sampled with step 1's weights; k versions behind with a lock-step producer
@@ -103,8 +133,8 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         from_ckpt = evaluate.run(c, workdir=str(tmp_path))
         from_hf = evaluate.run(c, model_path=str(tmp_path / "final_hf"))
         assert from_ckpt["checkpoint_step"] == 2
-        assert from_ckpt["success"] == from_hf["success"] == result["eval/success"]
-        assert from_ckpt["tokens"] == from_hf["tokens"] == result["eval/tokens"]
+        assert from_ckpt["success"] == from_hf["success"] == final_eval["eval/success"]
+        assert from_ckpt["tokens"] == from_hf["tokens"] == final_eval["eval/tokens"]
 
 
 # Enough steps that a kill within two step-times of the second checkpoint lands long before
