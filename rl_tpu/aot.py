@@ -214,14 +214,34 @@ def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory
     return out
 
 
-def sampler_programs(config, cfg: ModelConfig, devices: list) -> list[ProgramMemory]:
-    """The embedded sampler's prefill and one decode chunk on one host's chips, at
+# One host's chips as a slice of its own, by chip count: libtpu cannot compile a program for a
+# subset of a multi-host topology's devices (its replica groups must number the chips 0..n-1).
+_HOST_SHAPES = {"2d": {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4"},
+                "3d": {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"}}
+
+
+def host_devices(topology: str, devices: list, count: int = 0) -> list:
+    """The abstract chips an embedded sampler runs on: one host's (the first `count` of them,
+    if given) of `topology`, as a one-host slice of the same chip when the topology spans
+    several hosts."""
+    host = [d for d in devices if d.process_index == devices[0].process_index]
+    host = host[:count] if count else host
+    if len(host) == len(devices):
+        return host
+    chip, shape = topology.lower().split(":")
+    shapes = _HOST_SHAPES["3d" if shape.count("x") == 2 else "2d"]
+    if len(host) not in shapes:
+        raise ValueError(f"no one-host slice of {len(host)} {chip} chips to compile the "
+                         f"sampler for; set rollout.sampler_devices to one of {sorted(shapes)}")
+    return topology_devices(f"{chip}:{shapes[len(host)]}")[0]
+
+
+def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory]:
+    """The embedded sampler's prefill and one decode chunk on one host's chips (`host`), at
     rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them)."""
     from rl_tpu.rollout import sampler as sampling
 
     r, env = config.rollout, config.env
-    host = [d for d in devices if d.process_index == devices[0].process_index]
-    host = host[:r.sampler_devices] if r.sampler_devices else host
     mesh = parallel.make_mesh({"fsdp": -1}, devices=host)  # as components.make_engine
     cfg = cfg.replace(scan_layers=False, remat="none")
     if config.model.sampler_dtype:
@@ -264,7 +284,8 @@ def check(config: ml_collections.ConfigDict, topology: str, model: str = "",
         out += learner_programs(config, cfg, mesh)
     if config.rollout.engine == "jax" and (
             programs is None or programs & {"sampler_prefill", "sampler_decode"}):
-        out += sampler_programs(config, cfg, devices)
+        out += sampler_programs(config, cfg, host_devices(
+            topology, devices, config.rollout.sampler_devices))
     if programs is not None:
         out = [p for p in out if p.name in programs]
     n = cfg.num_params()

@@ -166,14 +166,24 @@ def test_flipped_bit_is_caught_by_checksum_and_falls_back(tmp_path, mesh, caplog
     ckpt.save(1, state_of(1), {})
     ckpt.save(2, state_of(2), {})
     biggest = max(data_files(tmp_path / "ckpt" / "2"), key=lambda f: f.stat().st_size)
-    raw = bytearray(biggest.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    biggest.write_bytes(bytes(raw))
-    # Without checksums the damage is read back silently (tensorstore checks only its index).
-    _, silent, _ = Checkpointer(str(tmp_path / "ckpt"), checksums=False).restore(
-        abstract_of(state_of(2)), step=2)
-    assert not np.array_equal(np.asarray(silent["w"]), np.asarray(state_of(2)["w"])), \
-        "orbax now detects flipped data bits itself; this test needs a new corruption"
+    clean = biggest.read_bytes()
+    # Without checksums most flipped data bits are read back silently: tensorstore checks its
+    # index, and the zstd framing catches a flip only where it lands on a block header. Take
+    # the first of a few offsets whose flip reads back silently.
+    for fraction in (0.5, 0.37, 0.61, 0.23, 0.77, 0.9):
+        raw = bytearray(clean)
+        raw[int(len(raw) * fraction)] ^= 0x10
+        biggest.write_bytes(bytes(raw))
+        try:
+            _, silent, _ = Checkpointer(str(tmp_path / "ckpt"), checksums=False).restore(
+                abstract_of(state_of(2)), step=2)
+        except RuntimeError:  # caught by the storage layer: not the case checksums exist for
+            continue
+        if not np.array_equal(np.asarray(silent["w"]), np.asarray(state_of(2)["w"])):
+            break
+    else:
+        pytest.fail("orbax now detects flipped data bits itself; this test needs a new "
+                    "corruption")
     with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
         step, restored, _ = ckpt.restore(abstract_of(state_of(2)))
     assert step == 1

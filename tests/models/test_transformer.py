@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_tpu.models import hf
-from rl_tpu.models.transformer import Transformer
+from rl_tpu.models.transformer import Transformer, init_cache
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
@@ -121,6 +121,27 @@ def test_blocked_causal_attention_matches_transformers_and_dense(family):
                       .std())(family["params"]) for m in (blocked, dense)]
     for g_blocked, g_dense in zip(*(jax.tree.leaves(g) for g in grads)):
         np.testing.assert_allclose(g_blocked, g_dense, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_in_query_blocks_matches_transformers_and_writes_the_same_cache(family):
+    """A 37-token prefill into a 48-slot cache in query blocks of 8 (rows starting at slots 0
+    and 5, as prefix reuse starts them): the logits match HF's on each row's tokens, and the
+    logits and the cache written match one dense block's."""
+    rng = np.random.RandomState(8)
+    ids = rng.randint(0, V, (2, 37)).astype(np.int32)
+    positions = np.stack([np.arange(37), np.arange(5, 42)]).astype(np.int32)
+    outs = []
+    for block in (8, 0):
+        model = Transformer(family["cfg"].replace(attention_block=block))
+        cache = init_cache(family["cfg"], 2, 48)
+        outs.append(model.apply({"params": family["params"]}, ids, positions, cache=cache))
+    (blocked, blocked_cache), (dense, dense_cache) = outs
+    # row 0 starts at slot 0 of an empty cache: a plain forward of its tokens
+    np.testing.assert_allclose(np.asarray(blocked)[0], torch_logits(family["torch"], ids[:1])[0],
+                               atol=TOL, rtol=0)
+    np.testing.assert_allclose(blocked, dense, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(blocked_cache), jax.tree.leaves(dense_cache)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_save_reload_in_transformers(family, tmp_path):
