@@ -217,14 +217,22 @@ def grouped_attention(q: Array, key: Array, value: Array, mask: Array) -> Array:
     return out.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int) -> Array:
-    """`grouped_attention` of a causal mask [B, T, T], one query block of `block` rows at a
-    time: block i sees keys [0, end_i) only, since every later key is masked for it.
+def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int,
+                     causal: bool = True) -> Array:
+    """`grouped_attention`, one query block of `block` rows at a time.
 
-    The same softmax over the same unmasked keys (a masked logit's exp is exactly 0), so it is
-    exact, but it computes and stores about (n + 1) / 2n of the T x T logits for n blocks. On
-    XLA:CPU those logits and their gradient, not the matmuls, are most of a long sequence's
-    update time (16 x 1536 tokens: 1.6x faster at block 512, benchmarks/attention.py).
+    causal (no cache: training, scoring; the mask is causal by array order): block i sees
+    keys [0, end_i) only, since every later key is masked for it. The same softmax over the
+    same unmasked keys (a masked logit's exp is exactly 0), so it is exact, but it computes
+    and stores about (n + 1) / 2n of the T x T logits for n blocks. On XLA:CPU those logits
+    and their gradient, not the matmuls, are most of a long sequence's update time (16 x 1536
+    tokens: 1.6x faster at block 512, benchmarks/attention.py).
+
+    not causal (a cache's S slots: the sampler's prefill): every block sees all S slots, as
+    positions are per row (prefix reuse starts rows at different slots), so nothing is
+    skipped, but a prefill of T tokens holds [B, K, G*block, S] logits at a time, not
+    [B, K, G*T, S] (Qwen2.5-1.5B's prefill of 16 rows x 8192 tokens on a v5e host: 60.7 ->
+    16.2 GiB a chip, launch.compile_check). Decode (T = 1) is one block.
     """
     t = q.shape[1]
     if block <= 0 or t <= block:
@@ -232,26 +240,10 @@ def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int
     outs = []
     for start in range(0, t, block):
         end = min(start + block, t)
-        outs.append(grouped_attention(q[:, start:end], key[:, :, :end], value[:, :, :end],
-                                      mask[:, start:end, :end]))
+        keys = end if causal else key.shape[2]
+        outs.append(grouped_attention(q[:, start:end], key[:, :, :keys], value[:, :, :keys],
+                                      mask[:, start:end, :keys]))
     return jnp.concatenate(outs, axis=1)
-
-
-def cached_attention(q: Array, key: Array, value: Array, mask: Array, block: int) -> Array:
-    """`grouped_attention` over a cache's S slots, one query block of `block` rows at a time.
-
-    A prefill of T tokens then holds [B, K, G*block, S] logits at once, not [B, K, G*T, S]:
-    at T = 8192 with a 512 block, 16x less (Qwen2.5-1.5B's prefill of 16 rows on a v5e host,
-    60.7 -> 5.6 GiB, launch.compile_check). Every block attends to all S slots: positions
-    are per row (prefix reuse starts rows at different slots), so no key range is skipped.
-    Decode (T = 1) is one block.
-    """
-    t = q.shape[1]
-    if block <= 0 or t <= block:
-        return grouped_attention(q, key, value, mask)
-    return jnp.concatenate([grouped_attention(q[:, start:start + block], key, value,
-                                              mask[:, start:start + block])
-                            for start in range(0, t, block)], axis=1)
 
 
 class RMSNorm(nn.Module):
@@ -317,10 +309,8 @@ class Attention(nn.Module):
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
         else:
             key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
-        if cache is None:  # the mask is causal by array order
-            out = causal_attention(q, key, value, mask, cfg.attention_block)
-        else:
-            out = cached_attention(q, key, value, mask, cfg.attention_block)
+        out = causal_attention(q, key, value, mask, cfg.attention_block,
+                               causal=cache is None)
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
