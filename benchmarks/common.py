@@ -14,6 +14,9 @@ SHAPES = {
                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),
     "small": dict(arch="qwen2", vocab_size=8192, hidden_size=256, intermediate_size=1024,
                   num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
+    # 3.74M params: 2 x (3584 x 256) embedding + head, 2 layers of 0.95M (benchmarks/rl_step.py)
+    "rl_step": dict(arch="qwen2", vocab_size=3584, hidden_size=256, intermediate_size=1024,
+                    num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
 }
 
 # Dense bf16 peak FLOP/s per chip, by substrings of jax's device_kind.

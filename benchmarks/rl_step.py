@@ -17,24 +17,26 @@ markdown table rows.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import jax
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl_tpu import parallel
-from rl_tpu.models import tiny
-from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.rl.losses import PolicyLossConfig
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
-from rl_tpu.rollout.sampler import JaxSampler
-from rl_tpu.train.learner import Learner, UpdateConfig
-from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-# 3.74M params: 2 x (3584 x 256) embedding + head, 2 layers of 0.95M.
-RL_STEP_SHAPE = dict(arch="qwen2", vocab_size=3584, hidden_size=256, intermediate_size=1024,
-                     num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True)
+from benchmarks.common import SHAPES  # noqa: E402
+from rl_tpu import parallel  # noqa: E402
+from rl_tpu.models import tiny  # noqa: E402
+from rl_tpu.models.transformer import ModelConfig, Transformer  # noqa: E402
+from rl_tpu.rl.losses import PolicyLossConfig  # noqa: E402
+from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
+from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
+from rl_tpu.train.learner import Learner, UpdateConfig  # noqa: E402
+from rl_tpu.train.state import OptimConfig, create_state, make_optimizer  # noqa: E402
+
 PHASES = ("sample", "batch", "score", "advantages", "update", "sync")
 
 
@@ -158,7 +160,7 @@ def main():
         trainer_rows(args)
         return
 
-    cfg = ModelConfig(**RL_STEP_SHAPE)
+    cfg = ModelConfig(**SHAPES["rl_step"])
     mesh = parallel.make_mesh({"data": -1})
     params = tiny.random_params(cfg, mesh=mesh, scale=0.04)
     n_params = sum(x.size for x in jax.tree.leaves(params))

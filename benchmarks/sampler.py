@@ -30,7 +30,7 @@ from rl_tpu.models import hf, tiny  # noqa: E402
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
 
-flags.DEFINE_enum("shape", "small", ["tiny", "small"], "Model shape (CPU-sized ones).")
+flags.DEFINE_enum("shape", "small", ["tiny", "small", "rl_step"], "Model shape (CPU-sized ones).")
 flags.DEFINE_string("batches", "1,8,32", "Batch sizes.")
 flags.DEFINE_string("new_tokens", "64,128", "New tokens per row.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per row.")

@@ -4,11 +4,18 @@
   python benchmarks/train_step.py --shape qwen2.5-0.5b --batch 16 --seq_len 1024 \
       --dtype bfloat16 --remat dots --micro_batches 2        # on an accelerator
   python benchmarks/train_step.py --loss bapo --micro_batches 2  # + BAPO's scoring pass
+  python benchmarks/train_step.py --shape rl_step --batch 32 --seq_len 96 --torch  # vs PyTorch
 
 Random weights at the named shape (benchmarks/common.py), a policy loss (--loss) over a random
 batch with a realistic loss mask, the step compiled once and timed over --steps calls. With
 --loss bapo and --micro_batches > 1 the step also runs one forward-only scoring pass for the
 whole-batch clip bounds, which the table's s/step includes.
+
+--torch also times PyTorch's equivalent update on the same weights and batch, in the same
+process (transformers' model of the shape, fp32, every CPU thread): the forward, the log-softmax
+gather of the taken tokens, the entropy, the clipped token-mean loss, the backward, the
+gradient clip and AdamW. Its row gives the ratio rl_tpu / torch in tokens/s, and both steps'
+losses, which agree when the two models are the same.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ flags.DEFINE_bool("scan_layers", True, "Scan over layers (one compiled layer).")
 flags.DEFINE_integer("logprob_chunk", 256, "Positions per logits chunk.")
 flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axes, e.g. 'fsdp=4,tensor=2'.")
 flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (auto on GPU/TPU).")
+flags.DEFINE_bool("torch", False, "Also time PyTorch's equivalent update (transformers).")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -53,6 +61,49 @@ def _loss_config(kind: str) -> PolicyLossConfig:
     if kind == "gspo":
         return PolicyLossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4)
     return PolicyLossConfig(kind=kind, clip_high=0.28)
+
+
+def time_torch(cfg, params, batch: dict, loss_cfg: PolicyLossConfig, steps_timed: int):
+    """(seconds per step, first step's loss) of PyTorch's PPO update of `params` on `batch`."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_tpu.models import hf
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as path:
+        hf.save(path, cfg, jax.device_get(params))
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    tokens = torch.from_numpy(batch["tokens"]).long()
+    mask = torch.from_numpy(batch["loss_mask"][:, 1:]).float()  # token t+1 from position t
+    old = torch.from_numpy(batch["old_logprobs"][:, 1:])
+    adv = torch.from_numpy(batch["advantages"])[:, None]
+    low, high = 1 - loss_cfg.clip_low, 1 + loss_cfg.clip_high
+
+    def step():
+        logits = model(tokens).logits[:, :-1].float()  # [B, T-1, V]
+        logp = torch.log_softmax(logits, -1)
+        taken = logp.gather(-1, tokens[:, 1:, None])[..., 0]
+        with torch.no_grad():  # a metric, as the JAX step reports it
+            entropy = -(logp.exp() * logp).sum(-1)
+            (entropy * mask).sum() / mask.sum()
+        ratio = torch.exp(taken - old)
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        loss = (per_token * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    first_loss = step()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps_timed):
+        step()
+    return (time.perf_counter() - start) / steps_timed, first_loss
 
 
 def main(argv):
@@ -74,16 +125,21 @@ def main(argv):
     b, t = f.batch, f.seq_len
     mask = np.zeros((b, t), bool)
     mask[:, t // 4:] = True  # a quarter prompt, the rest response
-    batch = parallel.host_to_global(dict(
+    host_batch = dict(
         tokens=rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32), loss_mask=mask,
         old_logprobs=np.full((b, t), -2.0, np.float32),
         behaviour_logprobs=np.full((b, t), -2.0, np.float32),
-        advantages=rng.randn(b).astype(np.float32)), mesh)
+        advantages=rng.randn(b).astype(np.float32))
+    batch = parallel.host_to_global(host_batch, mesh)
+    torch_result = None
+    if f.torch:  # before the JAX step, which donates (and so deletes) these params
+        torch_result = time_torch(cfg, state.params, host_batch, _loss_config(f.loss), f.steps)
 
     start = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
+    first_loss = float(metrics["loss"])
     start = time.perf_counter()
     for _ in range(f.steps):
         state, metrics = step(state, batch)
@@ -101,6 +157,13 @@ def main(argv):
                   f"{b} x {t}", f.loss, f.micro_batches, f.remat, f"{compile_s:.1f}",
                   f"{step_s:.3f}",
                   f"{tokens_per_s:,.0f}", f"{flops / 1e12:.3f}", mfu]])
+    if torch_result is not None:
+        torch_s, torch_loss = torch_result
+        print_table(["update", "s/step", "tokens/s", "first loss", "rl_tpu / torch"],
+                    [["rl_tpu (JAX)", f"{step_s:.3f}", f"{tokens_per_s:,.0f}",
+                      f"{first_loss:.6f}", f"{torch_s / step_s:.2f}x"],
+                     ["PyTorch (transformers)", f"{torch_s:.3f}", f"{b * t / torch_s:,.0f}",
+                      f"{torch_loss:.6f}", ""]])
 
 
 if __name__ == "__main__":

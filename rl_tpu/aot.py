@@ -62,6 +62,7 @@ class ProgramMemory:
     alias: int
     temp: int
     refused: str = ""
+    shape: str = ""  # rows x tokens (/ micro-batches) it was compiled for
 
     @property
     def total(self) -> int:
@@ -83,10 +84,10 @@ class Report:
     def table(self) -> str:
         rows = [f"{self.model} on {self.topology} ({self.chips} chips, {self.hbm / GIB:.1f} GiB "
                 f"HBM each), mesh {self.mesh}",
-                f"{'program':<17}{'compile s':>10}{'args GiB':>10}{'temp GiB':>10}"
-                f"{'total GiB':>11}  fits"]
+                f"{'program':<17}{'shape':>16}{'compile s':>10}{'args GiB':>10}"
+                f"{'temp GiB':>10}{'total GiB':>11}  fits"]
         for p in self.programs:
-            rows.append(f"{p.name:<17}{p.compile_s:>10.1f}{p.argument / GIB:>10.2f}"
+            rows.append(f"{p.name:<17}{p.shape:>16}{p.compile_s:>10.1f}{p.argument / GIB:>10.2f}"
                         f"{p.temp / GIB:>10.2f}{p.total / GIB:>11.2f}  "
                         f"{'yes' if p.total <= self.hbm else 'NO'}"
                         + (f" (XLA: {p.refused})" if p.refused else ""))
@@ -177,7 +178,8 @@ def _bucket(n: int, floor: int) -> int:
 def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory]:
     """policy_update and score (and critic_update, values) at the config's batch shape."""
     t, algo = config.train, config.algo
-    rows = t.tasks_per_step * t.samples_per_task
+    multiple = components.global_row_multiple(config, mesh)  # the trainer pads to it
+    rows = -(-t.tasks_per_step * t.samples_per_task // multiple) * multiple
     length = max(t.length_buckets) if t.length_buckets else config.env.max_context_tokens
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
@@ -204,13 +206,19 @@ def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = _sds(key.shape, key.dtype, NamedSharding(mesh, P()))
     inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
-    out = [_memory("policy_update", learner._policy_update.lower(state, batch, key)),
-           _memory("score", learner._logprobs.lower(params, inputs))]
+    program = functools.partial(learner.program, rows=rows, length=length)
+    out = [_memory("policy_update", program("policy_update").lower(state, batch, key)),
+           _memory("score", program("logprobs").lower(params, inputs))]
     if critic is not None:
         value_batch = rollout_batch(rows, length, mesh, ["tokens", "positions", "segment_ids",
                                                          "loss_mask", "values", "returns"])
-        out += [_memory("critic_update", learner._value_update.lower(critic, value_batch, key)),
-                _memory("values", learner._values.lower(critic.params, inputs))]
+        out += [_memory("critic_update", program("value_update").lower(critic, value_batch, key)),
+                _memory("values", program("values").lower(critic.params, inputs))]
+    micro = {"policy_update": learner.update_micro_batches(rows, length),
+             "score": learner.score_micro_batches(rows, length)}
+    micro.update(critic_update=micro["policy_update"], values=micro["score"])
+    for p in out:
+        p.shape = f"{rows}x{length}/{micro[p.name]}"
     return out
 
 
@@ -249,9 +257,12 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
-    b = _bucket(r.max_batch, 1)
     new = _bucket(env.max_new_tokens, 16)
     prompt = _bucket(max(env.max_context_tokens - env.max_new_tokens, 1), 16)
+    b = _bucket(r.max_batch, 1)
+    while r.kv_tokens_per_device and b > 1 and b * (prompt + new) > (
+            r.kv_tokens_per_device * len(host)):  # as JaxSampler._batches splits them
+        b //= 2
     rep = NamedSharding(mesh, P())
     i32, f32 = jnp.int32, jnp.float32
     keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((b,), jnp.uint32)))
@@ -270,6 +281,8 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
                             params, *args)
     state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), shapes, shardings)
     decode = _memory("sampler_decode", sampling.decode.lower(model, params, state, chunk=64))
+    prefill.shape = f"{b}x{prompt}"
+    decode.shape = f"{b}x{prompt + new}"
     return [prefill, decode]
 
 
@@ -303,13 +316,20 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
         if p.refused:  # the compiler names the temporaries alone
             over = f"{p.name} needs {p.temp / GIB:.1f} GiB of temporaries ({p.refused})"
         if p.name.startswith("sampler"):
-            keys += [f"rollout.max_batch={max(1, config.rollout.max_batch // 2)}"]
+            kv = config.rollout.kv_tokens_per_device
+            keys += [f"rollout.kv_tokens_per_device={kv // 2}" if kv else
+                     f"rollout.max_batch={max(1, config.rollout.max_batch // 2)}"]
             if not config.model.sampler_dtype and config.model.dtype == "float32":
                 keys.append("model.sampler_dtype=bfloat16")
         else:
             if p.argument > p.temp and report.mesh.get("fsdp", 1) < report.chips:
                 keys.append(f"mesh.fsdp={report.chips} (shard params and optimizer state)")
-            keys.append(f"train.micro_batches={2 * config.train.micro_batches}")
+            t = config.train
+            budget = (t.tokens_per_device if p.name.endswith("update") else
+                      t.score_tokens_per_device or t.tokens_per_device)
+            keys.append(f"train.{'' if p.name.endswith('update') else 'score_'}"
+                        f"tokens_per_device={budget // 2}" if budget else
+                        f"train.micro_batches={2 * t.micro_batches}")
             if config.model.remat != "full" and p.name.endswith("update"):  # backward only
                 keys.append("model.remat=" + ("dots" if config.model.remat == "none"
                                               else "full"))

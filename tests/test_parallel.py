@@ -1,6 +1,7 @@
 """Mesh, rules and sharded execution on 8 fake CPU devices (and two processes)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -76,6 +77,23 @@ def test_sharded_forward_equals_single_device(model_dir):
         params, parallel.host_to_global(ids, mesh))
     assert logits.sharding.spec[0] == ("data", "fsdp") or logits.sharding.spec[0] == "fsdp"
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_built_with_a_mesh_alone_keeps_each_devices_rows():
+    """Transformer(cfg, mesh=mesh) with no rules: its activations still follow DEFAULT_RULES.
+    Before, flax's with_logical_constraint did nothing without rules, and XLA ran the fsdp MLP
+    as partial sums over every row of the batch on every device (a full-batch [B, T, F])."""
+    cfg = tiny.tiny_config("qwen2", vocab_size=256, hidden_size=64, intermediate_size=192,
+                           num_layers=1, head_dim=16)
+    mesh = parallel.make_mesh({"fsdp": -1})
+    model = Transformer(cfg, mesh=mesh)
+    params = tiny.random_params(cfg, seed=0, mesh=mesh)
+    tokens = parallel.host_to_global(np.zeros((8, 16), np.int32), mesh)
+    loss = lambda p, x: model.apply({"params": p}, x, return_hidden=True).sum()  # noqa: E731
+    hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    mlp_shapes = set(re.findall(r"f32\[\d+,16,192\]", hlo))
+    assert mlp_shapes == {"f32[1,16,192]"}  # one row a device, forward and backward
+    assert parallel.constrain(tokens, ("act_batch", "act_len"), None) is tokens  # no mesh
 
 
 def test_init_params_is_sharded():

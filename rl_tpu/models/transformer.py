@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_tpu import parallel
+
 Array = jax.Array
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -218,7 +220,7 @@ def grouped_attention(q: Array, key: Array, value: Array, mask: Array) -> Array:
 
 
 def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int,
-                     causal: bool = True) -> Array:
+                     causal: bool = True, remat: bool = False) -> Array:
     """`grouped_attention`, one query block of `block` rows at a time.
 
     causal (no cache: training, scoring; the mask is causal by array order): block i sees
@@ -233,16 +235,22 @@ def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int
     skipped, but a prefill of T tokens holds [B, K, G*block, S] logits at a time, not
     [B, K, G*T, S] (Qwen2.5-1.5B's prefill of 16 rows x 8192 tokens on a v5e host: 60.7 ->
     16.2 GiB a chip, launch.compile_check). Decode (T = 1) is one block.
+
+    remat (the model's remat is on): each block is rematerialised, so the backward pass holds
+    one block's softmax at a time, not every block's (the residuals of a T x T softmax), for
+    one more logits matmul. Qwen2.5-1.5B's update of one 8192-token row a v5e chip, in one
+    layer's program: 5.0 -> 3.0 GiB of temporaries (launch.compile_check).
     """
     t = q.shape[1]
+    attend = jax.checkpoint(grouped_attention) if remat else grouped_attention
     if block <= 0 or t <= block:
-        return grouped_attention(q, key, value, mask)
+        return attend(q, key, value, mask)
     outs = []
     for start in range(0, t, block):
         end = min(start + block, t)
         keys = end if causal else key.shape[2]
-        outs.append(grouped_attention(q[:, start:end], key[:, :, :keys], value[:, :, :keys],
-                                      mask[:, start:end, :keys]))
+        outs.append(attend(q[:, start:end], key[:, :, :keys], value[:, :, :keys],
+                           mask[:, start:end, :keys]))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -298,8 +306,8 @@ class Attention(nn.Module):
             q, key = norm("q_norm")(q), norm("k_norm")(key)
         inv_freq = rope_inverse_frequencies(cfg)
         q, key = apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq)
-        q = nn.with_logical_constraint(q, ("act_batch", "act_len", "act_heads", None),
-                                       rules=self.rules, mesh=self.mesh)
+        q = parallel.constrain(q, ("act_batch", "act_len", "act_heads", None), self.mesh,
+                               self.rules)
 
         new_cache = None
         if cache is not None:
@@ -310,7 +318,7 @@ class Attention(nn.Module):
         else:
             key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
         out = causal_attention(q, key, value, mask, cfg.attention_block,
-                               causal=cache is None)
+                               causal=cache is None, remat=cfg.remat != "none")
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
@@ -328,8 +336,8 @@ class MLP(nn.Module):
         f = cfg.intermediate_size
         gate = _dense(f, -1, ("embed", "mlp"), cfg, "gate_proj")(x)
         up = _dense(f, -1, ("embed", "mlp"), cfg, "up_proj")(x)
-        hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("act_batch", "act_len", "act_mlp"),
-                                            rules=self.rules, mesh=self.mesh)
+        hidden = parallel.constrain(nn.silu(gate) * up, ("act_batch", "act_len", "act_mlp"),
+                                    self.mesh, self.rules)
         return _dense(cfg.hidden_size, -1, ("mlp", "embed"), cfg, "down_proj")(hidden)
 
 
@@ -348,8 +356,7 @@ class Block(nn.Module):
             norm("input_norm")(x), positions, mask, cache)
         x = x + attn_out
         x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x))
-        x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
-                                       rules=self.rules, mesh=self.mesh)
+        x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         return x, new_cache
 
 
@@ -410,8 +417,7 @@ class Transformer(nn.Module):
             mask = cache_attention_mask(positions, cache_slots(cache))
 
         x = self.embed(tokens)
-        x = nn.with_logical_constraint(x, ("act_batch", "act_len", "act_embed"),
-                                       rules=self.rules, mesh=self.mesh)
+        x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         if cfg.scan_layers:
             x, new_cache = self.layers(x, positions, mask, cache)
         else:
@@ -433,8 +439,8 @@ class Transformer(nn.Module):
             logits = self.embed.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        logits = nn.with_logical_constraint(logits, ("act_batch", "act_len", "act_vocab"),
-                                            rules=self.rules, mesh=self.mesh)
+        logits = parallel.constrain(logits, ("act_batch", "act_len", "act_vocab"), self.mesh,
+                                    self.rules)
         return logits.astype(jnp.float32)
 
 

@@ -126,6 +126,7 @@ def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
     return UpdateConfig(
         epochs=t.epochs, minibatches=t.minibatches,
         score_micro_batches=t.score_micro_batches or t.minibatches * t.micro_batches,
+        tokens_per_device=t.tokens_per_device, score_tokens_per_device=t.score_tokens_per_device,
         step=steps.StepConfig(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk,
                               temperature=config.rollout.temperature),
         advantage=algo.advantage, advantage_options=advantage_options(algo),

@@ -63,6 +63,9 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0        # recomputes log-probs with it
     c.rollout.top_k = -1
     c.rollout.max_batch = 256  # embedded sampler: rows per decode batch
+    # ...and at most this many KV-cache tokens (rows x (prompt + new) buckets) per sampler
+    # device (0 = rows alone): long prompts then run in fewer rows at a time.
+    c.rollout.kv_tokens_per_device = 0
     c.rollout.sampler_devices = 0  # embedded sampler's devices: 0 = all local, n = first n
     # Embedded sampler prefix reuse (rl_tpu/rollout/prefix_cache.py): a turn prefills only what
     # its prompt adds to an earlier request's prompt + output. On by default: exact (logprobs
@@ -122,6 +125,10 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     # The score pass (proximal and reference log-probs) over the whole batch, in this many
     # micro-batches; 0 = minibatches x micro_batches, the update's own micro-batch size.
     c.train.score_micro_batches = 0
+    # Or a budget (> 0): each length bucket gets the fewest micro-batches whose rows x tokens
+    # on one device fit it, replacing the counts above (update; score, 0 = the update's).
+    c.train.tokens_per_device = 0
+    c.train.score_tokens_per_device = 0
     c.train.length_buckets = (128, 256, 512, 1024, 2048)
     c.train.logprob_chunk = 128
     # Sample replay (rl_tpu/train/replay.py): past groups mixed into each update.
@@ -234,6 +241,11 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     c.model.dtype = "bfloat16"
     c.model.scan_layers = True
     c.model.remat = "full"
+    # Micro-batches and sampler rows from token budgets, so a short early bucket runs whole
+    # and the 8192-token one a row a chip (Qwen2.5-1.5B on a v5e-16: TODO GiB of 16).
+    c.train.tokens_per_device = 8192
+    c.train.score_tokens_per_device = 16384
+    c.rollout.kv_tokens_per_device = 16384
     c.eval.every = 25
     c.eval.num_tasks = 100
     return c
@@ -337,8 +349,10 @@ _NAME_DEPENDENT = tuple(k for k in algo_config(ALGORITHMS[0]) if k != "name"
 # Counts below which a run makes no sense (train.steps = 0 is an SFT-only run; see check).
 _AT_LEAST = {"train.steps": 0, "train.tasks_per_step": 1, "train.samples_per_task": 1,
              "train.epochs": 1, "train.minibatches": 1, "train.micro_batches": 1,
-             "train.score_micro_batches": 0, "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1,
-             "checkpoint.keep": 1, "sft.steps": 0}
+             "train.score_micro_batches": 0, "train.tokens_per_device": 0,
+             "train.score_tokens_per_device": 0, "rollout.kv_tokens_per_device": 0,
+             "rollout.max_batch": 1, "eval.num_tasks": 1, "eval.every": 1,
+             "checkpoint.every": 1, "checkpoint.keep": 1, "sft.steps": 0}
 
 
 def _check_counts(config: ml_collections.ConfigDict) -> None:

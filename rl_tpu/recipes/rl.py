@@ -405,11 +405,8 @@ class Trainer:
                 for key in ("prefill_tokens", "reused_tokens") if key in now}
 
     def _row_multiple(self) -> int:
-        """Local rows must make a global batch that splits into data-parallel shards x
-        minibatches x micro-batches (and into the score pass's micro-batches)."""
-        t = self.config.train
-        split = math.lcm(t.minibatches * t.micro_batches, self.learner.cfg.score_micro_batches)
-        global_multiple = components.data_parallel_size(self.mesh) * split
+        """This host's share of components.global_row_multiple."""
+        global_multiple = components.global_row_multiple(self.config, self.mesh)
         return global_multiple // math.gcd(global_multiple, jax.process_count())
 
     # -- checkpoint pieces --------------------------------------------------------------

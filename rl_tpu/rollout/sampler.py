@@ -294,10 +294,15 @@ class JaxSampler(RolloutEngine):
     bounded LRU pool of pages and prefills only the new suffix; each row then decodes from its
     own length. `update_weights` drops the cache unless `keep_prefix_cache_on_update`.
     `stats()` counts prompt tokens computed and reused.
+
+    Batches: requests run `max_batch` rows at a time, and with `kv_tokens` > 0 in runs whose
+    padded cache (rows x (prompt + output buckets) slots) holds at most that many tokens, so a
+    turn deep into a long episode runs in fewer rows than the first turn, in the same memory.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
                  rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
+                 kv_tokens: int = 0,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
                  seed: int = 0, version: str = "0", dtype: Optional[str] = None,
                  prefix_cache_tokens: int = 65536, prefix_page_size: int = 16,
@@ -318,7 +323,10 @@ class JaxSampler(RolloutEngine):
         self._copy_fn = jax.jit(functools.partial(_owned_copy, num_layers=cfg.num_layers,
                                                   dtype=copy_dtype), out_shardings=self._shardings)
         self.tokenizer = tokenizer
-        self.max_batch = max_batch
+        if max_batch < 1 or kv_tokens < 0:
+            raise ValueError(f"max_batch={max_batch} and kv_tokens={kv_tokens}: a batch needs "
+                             "at least one row, and the KV budget is 0 (off) or positive")
+        self.max_batch, self.kv_tokens = max_batch, kv_tokens
         self.min_prompt_bucket, self.min_new_bucket = min_prompt_bucket, min_new_bucket
         self.decode_chunk = decode_chunk
         self._seed = seed
@@ -392,8 +400,8 @@ class JaxSampler(RolloutEngine):
         with self._control_lock:
             epoch = self._abort_epoch
         results: list[GenerateResult] = []
-        for start in range(0, len(rows), self.max_batch):
-            results.extend(self._generate_batch(rows[start:start + self.max_batch], epoch))
+        for batch in self._batches(rows):
+            results.extend(self._generate_batch(batch, epoch))
         with self._control_lock:  # these requests are over: forget their abort marks
             self._aborted_ids.difference_update(req.request_id for req in requests)
         return results
@@ -479,13 +487,32 @@ class JaxSampler(RolloutEngine):
             out[i] = all_aborted or (req.request_id is not None and req.request_id in ids)
         return out
 
+    def _batch_shape(self, n: int, longest: int, max_new: int) -> tuple[int, int, int]:
+        """(rows B, prompt bucket P, output bucket L) a batch of n rows is padded to."""
+        return (_next_power_of_two(n, 1), _next_power_of_two(longest, self.min_prompt_bucket),
+                _next_power_of_two(max(max_new, 1), self.min_new_bucket))
+
+    def _batches(self, rows) -> list[list]:
+        """Consecutive runs of `rows`, each at most max_batch rows and, with a KV budget, at
+        most kv_tokens cache slots as padded (B x (P + L)); a row alone over the budget runs
+        alone. In order: results come back as the rows came in."""
+        out, current, longest, most_new = [], [], 0, 0
+        for row in rows:
+            req = row[0]
+            grown = (max(longest, len(req.prompt_ids)), max(most_new, req.sampling.max_new_tokens))
+            b, p, steps = self._batch_shape(len(current) + 1, *grown)
+            if current and (len(current) == self.max_batch
+                            or (self.kv_tokens and b * (p + steps) > self.kv_tokens)):
+                out.append(current)
+                current, grown = [], (len(req.prompt_ids), req.sampling.max_new_tokens)
+            current.append(row)
+            longest, most_new = grown
+        return out + ([current] if current else [])
+
     def _generate_batch(self, rows, epoch: int) -> list[GenerateResult]:
         n = len(rows)
-        b = _next_power_of_two(n, 1)
-        longest = max(len(req.prompt_ids) for req, _ in rows)
-        p = _next_power_of_two(longest, self.min_prompt_bucket)
-        steps = _next_power_of_two(max(max(req.sampling.max_new_tokens, 1) for req, _ in rows),
-                                   self.min_new_bucket)
+        b, p, steps = self._batch_shape(n, max(len(req.prompt_ids) for req, _ in rows),
+                                        max(req.sampling.max_new_tokens for req, _ in rows))
         ids = np.zeros((b, p), np.int32)
         lens = np.ones((b,), np.int32)
         max_new = np.ones((b,), np.int32)

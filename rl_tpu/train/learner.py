@@ -15,7 +15,10 @@ frozen reference policy when a KL term needs it, and one compiled function per p
                      call (`lax.scan` over minibatches), then the same for the value step.
                      States are donated; the batch is not.
 
-Every function is compiled once per length bucket (jit's shape cache). Each epoch draws a
+Every function is compiled once per length bucket (jit's shape cache). Micro-batches are
+counted by hand (`step.micro_batches`, `score_micro_batches`) or derived per bucket from a
+tokens-per-device budget (`tokens_per_device`, `score_tokens_per_device`): a long bucket then
+takes more, smaller micro-batches than a short one, at the same peak memory. Each epoch draws a
 fresh permutation of the rows (seeded by `shuffle_seed` and the RL step), then minibatch n
 takes rows n, n+N, n+2N... of the permuted batch (strided, like micro-batches). Without
 shuffling (`shuffle=False`, or one minibatch and one epoch) no row moves between devices.
@@ -47,6 +50,12 @@ class UpdateConfig:
     minibatches: int = 1
     score_micro_batches: int = 1  # the score pass's micro-batches over the whole batch
     step: steps.StepConfig = steps.StepConfig()
+    # Micro-batches from a token budget (> 0) instead of the counts above: for each length
+    # bucket, the fewest micro-batches whose rows x T on one device fit it
+    # (steps.micro_batches_for). `tokens_per_device` is the update's (policy and value steps),
+    # `score_tokens_per_device` the forward passes' (proximal, reference, values).
+    tokens_per_device: int = 0
+    score_tokens_per_device: int = 0
     advantage: str = "grpo"
     advantage_options: tuple = ()  # (name, value) pairs for compute_advantages
     value_clip: Optional[float] = 0.2
@@ -60,6 +69,10 @@ class UpdateConfig:
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"train.epochs={self.epochs} and train.minibatches="
                              f"{self.minibatches} must be >= 1")
+        if self.tokens_per_device < 0 or self.score_tokens_per_device < 0:
+            raise ValueError(f"train.tokens_per_device={self.tokens_per_device} and "
+                             f"train.score_tokens_per_device={self.score_tokens_per_device}: "
+                             "use 0 (count micro-batches by hand) or a positive token budget")
 
 
 def reduce_metrics(stacked) -> dict[str, float]:
@@ -88,45 +101,78 @@ class Learner:
         self.reference_params = reference_params
         self._batch_sharding = NamedSharding(mesh, parallel.batch_spec(1))
         self._replicated = NamedSharding(mesh, P())
-        # Scored in micro-batches of its own: the whole batch at once would hold minibatches
-        # times the activations of one update micro-batch.
-        score_step = dataclasses.replace(cfg.step, micro_batches=cfg.score_micro_batches)
-        logprob_fn = steps.make_logprob_fn(model, score_step, with_entropy=False)
-        self._logprobs = steps.compile_logprob_fn(logprob_fn, policy.params, mesh)
-        self._ref_logprobs = (steps.compile_logprob_fn(logprob_fn, reference_params, mesh)
-                              if reference_params is not None else None)
-        self._values = None
-        if critic is not None:
-            self._values = jax.jit(functools.partial(_critic_values, value_model),
-                                   in_shardings=(shardings_of(critic.params),
-                                                 self._batch_sharding),
-                                   out_shardings=self._batch_sharding)
+        self._data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
         self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
-        tagged = dataclasses.replace(cfg.step, tagged_metrics=True)
-        self._policy_update = self._compile_update(
-            steps.make_policy_step(model, loss_cfg, tagged), policy)
-        self._value_update = None
-        if critic is not None:
-            value_step = steps.make_value_step(value_model, cfg.value_clip, "token_mean", tagged)
-            self._value_update = self._compile_update(value_step, critic)
+        self._programs: dict[tuple, Any] = {}  # (phase, micro-batches) -> jitted function
+
+    # -- micro-batches and programs -------------------------------------------------------
+
+    def score_micro_batches(self, rows: int, length: int) -> int:
+        """Micro-batches of the forward passes over a [rows, length] global batch."""
+        budget = self.cfg.score_tokens_per_device or self.cfg.tokens_per_device
+        if not budget:
+            return self.cfg.score_micro_batches
+        return steps.micro_batches_for(rows // self._data_parallel, length, budget)
+
+    def update_micro_batches(self, rows: int, length: int) -> int:
+        """Micro-batches of each minibatch's step over a [rows, length] global batch."""
+        if not self.cfg.tokens_per_device:
+            return self.cfg.step.micro_batches
+        per_device = rows // (self._data_parallel * self.cfg.minibatches)
+        return steps.micro_batches_for(per_device, length, self.cfg.tokens_per_device)
+
+    def program(self, phase: str, rows: int, length: int):
+        """The jitted function of `phase` (logprobs, ref_logprobs, values, policy_update,
+        value_update) for a [rows, length] batch, built once per micro-batch count (scored
+        in micro-batches of their own: the whole batch at once would hold minibatches times
+        the activations of one update micro-batch). jit's cache adds one compile per shape."""
+        forward = phase in ("logprobs", "ref_logprobs", "values")
+        m = (self.score_micro_batches if forward else self.update_micro_batches)(rows, length)
+        key = ("logprobs" if phase == "ref_logprobs" else phase, m)
+        if key not in self._programs:
+            self._programs[key] = self._build(key[0], m)
+        return self._programs[key]
+
+    def _build(self, phase: str, m: int):
+        step_cfg = dataclasses.replace(self.cfg.step, micro_batches=m)
+        if phase == "logprobs":  # the policy's and the reference's (same shardings)
+            fn = steps.make_logprob_fn(self.model, step_cfg, with_entropy=False)
+            return steps.compile_logprob_fn(fn, self.policy.params, self.mesh)
+        if phase == "values":
+            return jax.jit(functools.partial(_critic_values, self.value_model, m),
+                           in_shardings=(shardings_of(self.critic.params),
+                                         self._batch_sharding),
+                           out_shardings=self._batch_sharding)
+        tagged = dataclasses.replace(step_cfg, tagged_metrics=True)
+        if phase == "policy_update":
+            return self._compile_update(
+                steps.make_policy_step(self.model, self.loss_cfg, tagged), self.policy)
+        if phase == "value_update":
+            value_step = steps.make_value_step(self.value_model, self.cfg.value_clip,
+                                               "token_mean", tagged)
+            return self._compile_update(value_step, self.critic)
+        raise ValueError(f"unknown learner phase {phase!r}")
 
     # -- phases ---------------------------------------------------------------------------
 
     def score(self, batch: dict) -> dict:
         """Adds old_logprobs (and ref_logprobs, values) to a global batch."""
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+        shape = batch["tokens"].shape
         out = dict(batch)
         if self.cfg.recompute_proximal:
-            out["old_logprobs"], _ = self._logprobs(self.policy.params, inputs)
+            logprobs = self.program("logprobs", *shape)
+            out["old_logprobs"], _ = logprobs(self.policy.params, inputs)
         elif "behaviour_logprobs" in batch:
             out["old_logprobs"] = batch["behaviour_logprobs"]
         else:
             raise ValueError("recompute_proximal=False needs the engine's behaviour log-probs "
                              "(full-distribution) in the batch")
-        if self._ref_logprobs is not None:
-            out["ref_logprobs"], _ = self._ref_logprobs(self.reference_params, inputs)
-        if self._values is not None:
-            out["values"] = self._values(self.critic.params, inputs)
+        if self.reference_params is not None:
+            out["ref_logprobs"], _ = self.program("ref_logprobs", *shape)(
+                self.reference_params, inputs)
+        if self.critic is not None:
+            out["values"] = self.program("values", *shape)(self.critic.params, inputs)
         return out
 
     def advantages(self, batch: dict) -> dict:
@@ -142,13 +188,16 @@ class Learner:
         keys += [k for k in ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
                  if k in batch]
         key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)
-        self.policy, stacked = self._policy_update(self.policy, {k: batch[k] for k in keys},
-                                                   key)
+        shape = batch["tokens"].shape
+        self.policy, stacked = self.program("policy_update", *shape)(
+            self.policy, {k: batch[k] for k in keys}, key)
         metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()}
-        if self._value_update is not None:
+        metrics["train/micro_batches"] = float(self.update_micro_batches(*shape))
+        if self.critic is not None:
             value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
                                                  "loss_mask", "values", "returns")}
-            self.critic, stacked = self._value_update(self.critic, value_batch, key)
+            self.critic, stacked = self.program("value_update", *shape)(
+                self.critic, value_batch, key)
             metrics.update({f"critic/{k}": v
                             for k, v in reduce_metrics(jax.device_get(stacked)).items()})
         return metrics
@@ -196,9 +245,15 @@ class Learner:
                        out_shardings=(state_shardings, self._replicated), donate_argnums=0)
 
 
-def _critic_values(value_model: ValueModel, params, batch):
-    """values[t]: the critic's estimate for token t from the hidden state at t-1 (the value
-    step's alignment; entry 0 is 0)."""
-    out = value_model.apply({"params": params}, batch["tokens"], batch.get("positions"),
-                            batch.get("segment_ids"))
-    return jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)
+def _critic_values(value_model: ValueModel, micro_batches: int, params, batch):
+    """values[t] [B, T]: the critic's estimate for token t from the hidden state at t-1 (the
+    value step's alignment; entry 0 is 0), in `micro_batches` forward passes."""
+    def values(micro):
+        out = value_model.apply({"params": params}, micro["tokens"], micro.get("positions"),
+                                micro.get("segment_ids"))
+        return jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)
+
+    if micro_batches == 1:
+        return values(batch)
+    out = jax.lax.map(values, steps.split_micro_batches(batch, micro_batches))  # [M, B/M, T]
+    return out.swapaxes(0, 1).reshape(batch["tokens"].shape)

@@ -79,6 +79,23 @@ def split_micro_batches(batch, m: int):
     return jax.tree.map(one, batch)
 
 
+def micro_batches_for(rows: int, length: int, tokens_per_device: int) -> int:
+    """The fewest micro-batches M that split one device's `rows` (of `length` tokens) into
+    micro-batches of at most `tokens_per_device` tokens: the smallest divisor M of rows with
+    rows / M x length <= the budget, or one row a micro-batch when a single row is over it.
+
+    >>> micro_batches_for(16, 8192, 16384)   # 2 rows of 8192 a micro-batch
+    8
+    >>> micro_batches_for(6, 1024, 4096)     # 4 rows would fit, but 4 does not divide 6: 3
+    2
+    """
+    if rows < 1 or length < 1 or tokens_per_device < 1:
+        raise ValueError(f"micro_batches_for(rows={rows}, length={length}, "
+                         f"tokens_per_device={tokens_per_device}): all must be >= 1")
+    return next(m for m in range(1, rows + 1)
+                if rows % m == 0 and (rows // m * length <= tokens_per_device or m == rows))
+
+
 def _tagged(metrics, weight) -> dict[str, Metric]:
     """A loss's metrics as Metrics; a bare array is a mean weighted like the loss."""
     return {k: (m if isinstance(m, Metric) else Metric.of(m, "mean", weight))

@@ -119,6 +119,32 @@ def test_shapes_are_bucketed(setup):
     assert prefill._cache_size() - before[0] <= 3 and decode._cache_size() - before[1] <= 3
 
 
+def test_kv_budget_splits_batches_by_their_padded_cache(setup):
+    # buckets of 16: a prompt of 3 or 5 tokens pads to 16, one of 20 to 32; 12 new tokens to 16
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"],
+                         max_batch=8, kv_tokens=4 * 32, prefix_cache_tokens=0)
+    short, long = PROMPTS[0], PROMPTS[1]
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=12, **GREEDY))
+                for p in [short] * 5 + [long] * 3 + [short]]
+    rows = [(r, 0) for r in requests]
+    # 4 short rows: 4 x (16 + 16) = 128 slots; a 5th would pad the batch to 8 rows (256).
+    # Then the 5th short row and a long one: 2 x (32 + 16) = 96; a third row pads to 4 x 48.
+    # The last two long rows (96), then the last short row.
+    assert [len(b) for b in sampler._batches(rows)] == [4, 2, 2, 1]
+    sampler.kv_tokens = 16  # every row over the budget: each runs alone
+    assert [len(b) for b in sampler._batches(rows)] == [1] * 9
+    sampler.kv_tokens = 0  # the row cap alone
+    assert [len(b) for b in sampler._batches(rows)] == [8, 1]
+    sampler.kv_tokens = 4 * 32
+    split = sampler.generate(requests)
+    whole = gen(setup, [r.prompt_ids for r in requests], max_new_tokens=12, **GREEDY)
+    assert [r.output_ids for r in split] == [r.output_ids for r in whole]  # in order
+    for a, b in zip(split, whole):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_tokens=-1"):
+        JaxSampler(setup["cfg"], setup["params"], kv_tokens=-1)
+
+
 def test_bad_requests_are_clear(setup):
     with pytest.raises(ValueError, match="outside the vocab"):
         gen(setup, [[1, 2, 999]], max_new_tokens=2)

@@ -1,0 +1,117 @@
+"""The learner's micro-batches: counted by hand or picked per length bucket from a token budget,
+with the same numbers either way; the critic's value pass in micro-batches."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from rl_tpu import parallel
+from rl_tpu.models import tiny
+from rl_tpu.models.transformer import Transformer
+from rl_tpu.models.value import ValueModel, value_params_from
+from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.train import steps
+from rl_tpu.train.learner import Learner, UpdateConfig
+from rl_tpu.train.state import create_state
+
+V, ROWS = 64, 32  # 32 rows on the suite's 8 fake devices: 4 a device
+CFG = tiny.tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
+                       num_layers=1, head_dim=8)
+MESH = parallel.make_mesh({"data": -1})
+
+
+@pytest.mark.parametrize("rows, length, budget, expected", [
+    (16, 8192, 16384, 8),  # 2 rows of 8192 a micro-batch
+    (6, 1024, 4096, 2),    # 4 rows would fit, but 4 does not divide 6: 3 rows of 1024
+    (4, 8192, 4096, 4),    # one row is over the budget: one row a micro-batch
+    (8, 32, 1000, 1),      # the whole batch fits
+    (1, 100, 10, 1),
+])
+def test_micro_batches_for_takes_the_fewest_that_fit(rows, length, budget, expected):
+    assert steps.micro_batches_for(rows, length, budget) == expected
+
+
+def test_micro_batches_for_refuses_an_empty_budget():
+    with pytest.raises(ValueError, match="tokens_per_device=0"):
+        steps.micro_batches_for(4, 16, 0)
+
+
+def _learner(critic=False, **cfg):
+    params = tiny.random_params(CFG, seed=0, mesh=MESH, scale=0.2)
+    kwargs = {}
+    if critic:  # (before create_state, which takes the params' buffers)
+        value_params = value_params_from(params, CFG)
+        key = jax.random.key(1)
+        value_params["head"] = jax.tree.map(  # a head that is not zero
+            lambda x: 0.3 * jax.random.normal(key, x.shape, x.dtype), value_params["head"])
+        kwargs = dict(critic=create_state(value_params, optax.sgd(1.0)),
+                      value_model=ValueModel(CFG, mesh=MESH))
+    # SGD with lr 1: params after a step differ by exactly the gradient
+    policy = create_state(params, optax.sgd(1.0))
+    return Learner(Transformer(CFG, mesh=MESH), policy, MESH, PolicyLossConfig(),
+                   UpdateConfig(**cfg), **kwargs)
+
+
+def _batch(length, seed=0):
+    rng = np.random.RandomState(seed)
+    mask = np.zeros((ROWS, length), bool)
+    for row in range(ROWS):
+        mask[row, 2 + row % 3:length - row % 5] = True
+    return parallel.host_to_global(dict(
+        tokens=rng.randint(0, V, (ROWS, length)).astype(np.int32),
+        positions=np.tile(np.arange(length, dtype=np.int32), (ROWS, 1)),
+        segment_ids=np.ones((ROWS, length), np.int32), loss_mask=mask,
+        advantages=rng.randn(ROWS, length).astype(np.float32)), MESH)
+
+
+def test_token_budget_picks_micro_batches_per_length_bucket():
+    # 4 rows a device; a budget of 64 tokens: 4 x 16, 2 x 32, 1 x 64, and 1 x 128 (over it)
+    learner = _learner(tokens_per_device=64)
+    assert [learner.update_micro_batches(ROWS, t) for t in (16, 32, 64, 128)] == [1, 2, 4, 4]
+    assert [learner.score_micro_batches(ROWS, t) for t in (16, 32, 64)] == [1, 2, 4]
+    # two minibatches halve each device's rows: 2 x 32 fits at once
+    assert _learner(tokens_per_device=64, minibatches=2).update_micro_batches(ROWS, 32) == 1
+    # the score pass's own budget
+    assert _learner(tokens_per_device=64, score_tokens_per_device=256).score_micro_batches(
+        ROWS, 64) == 1
+    # without a budget, the counts given
+    counted = _learner(score_micro_batches=8,
+                       step=steps.StepConfig(micro_batches=2))
+    assert counted.update_micro_batches(ROWS, 4096) == 2
+    assert counted.score_micro_batches(ROWS, 4096) == 8
+
+
+def _update(learner, batch):
+    scored = learner.score(batch)  # the batch's own advantages stand in for GRPO's
+    metrics = learner.update(scored)
+    return jax.device_get(learner.policy.params), metrics, scored
+
+
+def test_budget_update_equals_the_counted_and_the_unsplit_update():
+    batch = _batch(32)
+    budget, metrics, scored = _update(_learner(tokens_per_device=64), batch)
+    assert metrics["train/micro_batches"] == 2.0
+    counted, counted_metrics, counted_scored = _update(
+        _learner(step=steps.StepConfig(micro_batches=2), score_micro_batches=2), batch)
+    whole, whole_metrics, whole_scored = _update(_learner(), batch)
+    assert whole_metrics["train/micro_batches"] == 1.0
+    for a, b in zip(jax.tree.leaves(budget), jax.tree.leaves(counted)):
+        np.testing.assert_array_equal(a, b)  # the same program
+    np.testing.assert_array_equal(scored["old_logprobs"], counted_scored["old_logprobs"])
+    for a, b in zip(jax.tree.leaves(budget), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)  # exact accumulation
+    np.testing.assert_allclose(scored["old_logprobs"], whole_scored["old_logprobs"], atol=1e-6)
+    assert metrics["train/loss"] == pytest.approx(whole_metrics["train/loss"], abs=1e-6)
+
+
+def test_value_pass_in_micro_batches_equals_one_pass():
+    batch = _batch(16, seed=1)
+    split = _learner(critic=True, score_micro_batches=4)
+    whole = _learner(critic=True)
+    values_split = np.asarray(split.score(batch)["values"])
+    values_whole = np.asarray(whole.score(batch)["values"])
+    assert np.abs(values_whole).max() > 0.05  # a head that says something
+    assert values_split.shape == (ROWS, 16)
+    np.testing.assert_allclose(values_split, values_whole, atol=5e-6, rtol=0)  # other tilings
+    np.testing.assert_array_equal(values_split[:, 0], 0.0)  # entry 0 is 0, as unsplit
