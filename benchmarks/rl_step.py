@@ -7,6 +7,8 @@ update -> weight sync, on the embedded JAX sampler and the trainer's learner.
         trainer, sync vs async (max_staleness 1) vs async deterministic, with envs that wait
         1.5 s a reset and a step (an env server's round trip) and 4 update epochs
     python benchmarks/rl_step.py --trainer --no_proximal   # recompute_proximal on vs off
+    python benchmarks/rl_step.py --cache_dir /tmp/c; python benchmarks/rl_step.py --cache_dir /tmp/c
+        # the first step cold, then with a warm persistent compilation cache
 
 Completions run to their full length (ignore_eos: no EOS cuts them short), rewards are random
 0/1, so the shapes are exactly the ones named. The first step's time is mostly compilation and
@@ -155,7 +157,13 @@ def main():
                         help="with --trainer: seconds every env reset and step waits")
     parser.add_argument("--epochs", type=int, default=1,
                         help="with --trainer: update epochs (the learner's share of a step)")
+    parser.add_argument("--cache_dir", default="",
+                        help="JAX's persistent compilation cache here (as the launchers keep "
+                             "one): a second run shows the first step with a warm cache")
     args = parser.parse_args()
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if args.trainer:
         trainer_rows(args)
         return

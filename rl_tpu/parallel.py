@@ -226,6 +226,43 @@ def gather_to_host(tree):
     return jax.tree.map(one, tree)
 
 
+def host_copies(tree):
+    """Global arrays -> this host's own full copy of each, on its local devices, with no
+    parameter passing through host memory (for a per-host sampler fed by a pod-wide trainer).
+
+    One process: the arrays themselves. Several: one jitted identity reshards every leaf
+    onto a [hosts, local] view of the same devices, replicated over hosts and split over each
+    host's devices (on the leaf's first dim the local count divides, else replicated): XLA's
+    all-gather across hosts, device to device. Each host then wraps its own shards as an
+    array on a mesh of its local devices (`make_array_from_single_device_arrays`, no copy).
+    A collective: every process calls it with the same tree at the same point.
+    """
+    if jax.process_count() == 1:
+        return tree
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(jax.process_count(), -1)
+    pod = Mesh(grid, ("hosts", "local"))
+    local = Mesh(grid[jax.process_index()], ("local",))
+
+    def split_spec(x) -> P:
+        dims = [None] * x.ndim
+        for d, size in enumerate(x.shape):
+            if size % local.size == 0:
+                dims[d] = "local"
+                break
+        return P(*dims)
+
+    shardings = jax.tree.map(lambda x: NamedSharding(pod, split_spec(x)), tree)
+    moved = jax.jit(lambda t: t, out_shardings=shardings)(tree)
+
+    def as_local(x, sharding):
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local, sharding.spec),
+            [by_device[d] for d in local.devices.flat])
+    return jax.tree.map(as_local, moved, shardings)
+
+
 # ----------------------------------------------------------------------------- across hosts
 # Host-side values every process contributes to: the "one process or many" pattern in one
 # place. Each is a collective when there are several processes, so every process must call it

@@ -1,5 +1,6 @@
 """Mesh, rules and sharded execution on 8 fake CPU devices (and two processes)."""
 
+import json
 import os
 import re
 import socket
@@ -112,12 +113,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_form_one_mesh(model_dir, tmp_path):
-    """Two processes x 4 CPU devices on loopback = one 8-device mesh, as hosts of a TPU pod."""
-    cfg, single = hf.load(model_dir)
-    expected = np.asarray(Transformer(cfg).apply({"params": single}, global_batch()))
-    out = str(tmp_path / "logits.npy")
+def run_two_hosts(script: str, *args: str) -> list[str]:
+    """Runs tests/<script> as 2 processes x 4 CPU devices of one job on loopback; their logs."""
     port = free_port()
     procs = []
     for pid in range(2):
@@ -125,7 +122,7 @@ def test_two_processes_form_one_mesh(model_dir, tmp_path):
                    JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "tests", "multihost_logits.py"), model_dir, out],
+            [sys.executable, os.path.join(REPO, "tests", script), *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     for p in procs:
@@ -136,5 +133,40 @@ def test_two_processes_form_one_mesh(model_dir, tmp_path):
                 q.kill()
             raise
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return logs
+
+
+@pytest.mark.slow
+def test_two_processes_form_one_mesh(model_dir, tmp_path):
+    """Two processes x 4 CPU devices on loopback = one 8-device mesh, as hosts of a TPU pod."""
+    cfg, single = hf.load(model_dir)
+    expected = np.asarray(Transformer(cfg).apply({"params": single}, global_batch()))
+    out = str(tmp_path / "logits.npy")
+    logs = run_two_hosts("multihost_logits.py", model_dir, out)
     print("\n".join(line for log in logs for line in log.splitlines() if "holds" in line))
     np.testing.assert_allclose(np.load(out), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_weight_sync_across_two_hosts_moves_nothing_through_host_memory(model_dir, tmp_path):
+    """A trainer sharded over 2 hosts x 4 devices feeds each host's own sampler by
+    `parallel.host_copies` under a transfer guard that refuses any host <-> device copy; both
+    samplers then sample what one device does."""
+    from multihost_weight_sync import PROMPTS
+    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+    from rl_tpu.rollout.sampler import JaxSampler
+
+    cfg, single = hf.load(model_dir)
+    expected = [r.output_ids for r in JaxSampler(cfg, single).generate([GenerateRequest(
+        p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+        for p in PROMPTS])]
+    prefix = str(tmp_path / "sync")
+    logs = run_two_hosts("multihost_weight_sync.py", model_dir, prefix)
+    print("\n".join(line for log in logs for line in log.splitlines() if "sync" in line))
+    total = sum(x.nbytes for x in jax.tree.leaves(single))
+    for pid in range(2):
+        with open(f"{prefix}.{pid}.json") as f:
+            host = json.load(f)
+        assert host["outputs"] == expected and host["version"] == "v2"
+        assert "Disallowed" in host["caught"], host["caught"]  # the guard was on
+        assert host["bytes_per_device"] < total / 2  # split over the host's 4 devices

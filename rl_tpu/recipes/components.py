@@ -14,7 +14,6 @@ from typing import Callable, Optional
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh
 
 from rl_tpu import parallel
@@ -235,7 +234,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         engine = SGLangEngine(urls, model_config=model_cfg,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
                               tokenizer=tokenizer)
-        engine.update_weights(host_local_params(params), version)
+        engine.update_weights(parallel.host_copies(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
     if devices is None:
@@ -244,21 +243,11 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     kwargs = {}
     if config.model.sampler_dtype:
         kwargs["dtype"] = config.model.sampler_dtype
-    return JaxSampler(model_cfg, host_local_params(params), mesh=mesh, tokenizer=tokenizer,
+    return JaxSampler(model_cfg, parallel.host_copies(params), mesh=mesh, tokenizer=tokenizer,
                       max_batch=r.max_batch, kv_tokens=r.kv_tokens_per_device * len(devices),
                       seed=config.seed, version=version,
                       prefix_cache_tokens=r.prefix_cache_tokens if r.prefix_reuse else 0,
                       keep_prefix_cache_on_update=r.prefix_cache_keep_on_update, **kwargs)
-
-
-def host_local_params(params):
-    """Params an engine on this host's devices can copy: the global arrays themselves on one
-    host; on several, each host gathers the full params (a host round trip, the price of a
-    per-host sampler fed by a pod-wide trainer)."""
-    if jax.process_count() == 1:
-        return params
-    from jax.experimental import multihost_utils
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(params, tiled=True))
 
 
 def eval_horizon(config: ml_collections.ConfigDict) -> int:

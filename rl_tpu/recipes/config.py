@@ -245,7 +245,7 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     # and the 8192-token one a row a chip (Qwen2.5-1.5B on a v5e-16: TODO GiB of 16).
     c.train.tokens_per_device = 8192
     c.train.score_tokens_per_device = 16384
-    c.rollout.kv_tokens_per_device = 16384
+    c.rollout.kv_tokens_per_device = 32768
     c.eval.every = 25
     c.eval.num_tasks = 100
     return c

@@ -327,7 +327,7 @@ class Trainer:
         def select(played, play_more, any_host):
             return algorithms.select_groups(played, per_host, g, algo, play_more, any_host)
 
-        to_engine = components.host_local_params
+        to_engine = parallel.host_copies
         if not self.asynchronous:
             return SyncProducer(self._play, select, self.stream, self.engine, to_engine,
                                 lambda flag: parallel.across_hosts(flag, "any"))
