@@ -117,7 +117,8 @@ def model_config(config: ml_collections.ConfigDict, model: str = "") -> tuple[st
     numerics (dtype, remat, scanned layers, attention block)."""
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
-                    scan_layers=m.scan_layers, attention_block=m.attention_block)
+                    scan_layers=m.scan_layers, attention_block=m.attention_block,
+                    attention_impl=m.attention_impl)
     if model:
         return model, preset_config(model, **numerics)
     if m.path:

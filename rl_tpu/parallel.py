@@ -9,6 +9,7 @@ only the mesh config changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("act_len", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
     # parameters: fsdp shards the model width, tensor the heads / mlp / vocab
@@ -226,6 +228,17 @@ def gather_to_host(tree):
     return jax.tree.map(one, tree)
 
 
+@functools.lru_cache(maxsize=8)
+def _reshard_cached(leaves, treedef):
+    return jax.jit(lambda t: t, out_shardings=jax.tree.unflatten(treedef, leaves))
+
+
+def _reshard(shardings):
+    """A jitted identity into `shardings`, compiled once per tree of shardings."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _reshard_cached(tuple(leaves), treedef)
+
+
 def host_copies(tree):
     """Global arrays -> this host's own full copy of each, on its local devices, with no
     parameter passing through host memory (for a per-host sampler fed by a pod-wide trainer).
@@ -245,15 +258,20 @@ def host_copies(tree):
     local = Mesh(grid[jax.process_index()], ("local",))
 
     def split_spec(x) -> P:
+        # split on the dim the source is sharded on where it can (an all-gather over hosts,
+        # nothing moves within one), else on the first dim the local count divides
+        source = tuple(getattr(x.sharding, "spec", ()))
+        sharded = [d for d, entry in enumerate(source) if entry is not None]
+        order = sharded + [d for d in range(x.ndim) if d not in sharded]
         dims = [None] * x.ndim
-        for d, size in enumerate(x.shape):
-            if size % local.size == 0:
+        for d in order:
+            if x.shape[d] % local.size == 0:
                 dims[d] = "local"
                 break
         return P(*dims)
 
     shardings = jax.tree.map(lambda x: NamedSharding(pod, split_spec(x)), tree)
-    moved = jax.jit(lambda t: t, out_shardings=shardings)(tree)
+    moved = _reshard(shardings)(tree)
 
     def as_local(x, sharding):
         by_device = {shard.device: shard.data for shard in x.addressable_shards}

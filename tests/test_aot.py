@@ -117,13 +117,45 @@ def test_qwen25_7b_agentgym_update_and_score_fit_a_v5p_128_slice():
 def test_qwen25_1_5b_agentgym_fits_a_v5e_16_slice():
     """The shipped AgentGym BabyAI settings with Qwen2.5-1.5B on v5e:4x4 (16 chips of 16 GiB),
     every program: the token budgets pick the update's and the score pass's micro-batches
-    (4 rows of 8192 a chip: 4 and 8 micro-batches) and the sampler's rows (4 of 8448 slots)."""
+    (4 rows of 8192 a chip: 4 and 8 micro-batches) and the sampler's rows (8 of 8448 slots)."""
     out = _compile_check("--config", "configs/agentgym.py:babyai", "--model", "qwen2.5-1.5b",
                          "--topology", "v5e:4x4", timeout=2400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
             if line.startswith(("policy_update ", "score ", "sampler_"))}
     assert rows["policy_update"][1] == "256x8192/4" and rows["score"][1] == "256x8192/8"
-    assert rows["sampler_prefill"][1] == "4x8192"
+    assert rows["sampler_prefill"][1] == "8x8192"
     for name, row in rows.items():
         assert row[-1] == "yes" and float(row[-2]) <= 15.75, (name, row)
+
+
+SPLASH_FOR_TPU = """
+import jax, jax.numpy as jnp, numpy as np
+from rl_tpu import aot, parallel
+from rl_tpu.models import tiny
+from rl_tpu.models.logprobs import token_logprobs
+from rl_tpu.models.transformer import Transformer
+devices, _ = aot.topology_devices("v5e:2x2")
+mesh = parallel.make_mesh({"fsdp": -1}, devices=devices)
+cfg = tiny.tiny_config("qwen2", vocab_size=256, hidden_size=256, intermediate_size=512,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                       attention_impl="splash", remat="full", scan_layers=True)
+params = aot.abstract_params(cfg, mesh)
+model = Transformer(cfg, mesh=mesh)
+batch = aot.rollout_batch(8, 1024, mesh, ["tokens", "segment_ids"])
+loss = lambda p, b: token_logprobs(model, p, b, with_entropy=False)[0].sum()
+hlo = jax.jit(jax.grad(loss)).lower(params, batch).compile().as_text()
+print("mosaic kernels:", hlo.count("tpu_custom_call"))
+"""
+
+
+@pytest.mark.slow
+def test_splash_attention_compiles_for_tpu_forward_and_backward():
+    """A scanned, rematerialised policy's gradient with model.attention_impl=splash, compiled
+    for a v5e slice: the Pallas kernels (Mosaic custom calls) are in the program."""
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", SPLASH_FOR_TPU], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("mosaic kernels:")]
+    assert int(line.split(":")[1]) >= 3  # the forward, and the backward's dq and dkv kernels

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
 
 Array = jax.Array
 
@@ -76,6 +77,9 @@ class ModelConfig:
     # block i attends only to the keys up to its own end, skipping the all-masked rest; with
     # one (a sampler's prefill) each block attends to every slot, holding a block's logits.
     attention_block: int = 512
+    # The full-sequence path's kernel: xla (the blocked einsum above), dot_product (cuDNN flash
+    # attention on GPU) or splash (TPU Pallas); see fused_attention.py. Caches always use xla.
+    attention_impl: str = "xla"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -84,6 +88,9 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r}; choose one of "
+                             f"{ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.rope_scaling.rope_type not in ROPE_TYPES:
@@ -286,6 +293,13 @@ def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=Fa
     )
 
 
+def _platform(mesh) -> str:
+    """The platform a module runs on: its mesh's devices (an AOT compile's TPUs on a CPU host),
+    else JAX's default devices."""
+    devices = mesh.devices.flat if mesh is not None else jax.devices()
+    return next(iter(devices)).platform
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional QKV bias and q/k norm, optional KV cache."""
 
@@ -315,10 +329,17 @@ class Attention(nn.Module):
                           for name, new in (("k", key), ("v", value)))
             new_cache = {"k": key, "v": value}
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
+        impl = "xla" if cache is not None else cfg.attention_impl
+        if impl == "splash" and _platform(self.mesh) != "tpu":
+            impl = "xla"  # a TPU kernel: elsewhere the blocked einsum, the same function
+        if impl != "xla":  # mask: the segment ids [B, T]
+            out = segment_attention(q, key, value, mask, impl, self.mesh, self.rules)
         else:
-            key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
-        out = causal_attention(q, key, value, mask, cfg.attention_block,
-                               causal=cache is None, remat=cfg.remat != "none")
+            if cache is None:  # the segment ids -> the causal, same-segment [B, T, T] mask
+                mask = attention_mask(mask)
+                key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
+            out = causal_attention(q, key, value, mask, cfg.attention_block,
+                                   causal=cache is None, remat=cfg.remat != "none")
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
 
@@ -412,7 +433,7 @@ class Transformer(nn.Module):
         if cache is None:
             if segment_ids is None:
                 segment_ids = jnp.ones((b, t), jnp.int32)
-            mask = attention_mask(segment_ids)
+            mask = segment_ids  # each layer's attention makes its own mask (or kernel) of them
         else:
             mask = cache_attention_mask(positions, cache_slots(cache))
 

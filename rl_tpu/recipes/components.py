@@ -130,7 +130,8 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
     """(model config, model, params in their shardings, chat tokenizer) from an HF dir."""
     m = config.model
     cfg, params = hf.load(path, mesh=mesh, dtype=m.dtype, remat=m.remat,
-                          scan_layers=m.scan_layers, attention_block=m.attention_block)
+                          scan_layers=m.scan_layers, attention_block=m.attention_block,
+                          attention_impl=m.attention_impl)
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
 
 

@@ -82,7 +82,7 @@ def test_learner_update_compiles_once_across_budgets_and_divides_by_each():
         batch = learner.score(parallel.host_to_global(_batch(budget), learner.mesh))
         metrics = learner.update(batch, step=1)
         np.testing.assert_allclose(metrics["train/pg_loss"], expected, rtol=1e-5)
-    assert learner._policy_update._cache_size() == 1  # one compile for three budgets
+    assert learner.program("policy_update", 8, 8)._cache_size() == 1  # one compile, 3 budgets
 
 
 def test_arithmetic_teacher_is_verbose_imperfect_and_self_consistent():
@@ -113,7 +113,8 @@ def test_trainer_logs_the_budget_and_compiles_the_update_once(tmp_path, monkeypa
 
     def counting_update(self, batch, step):
         out = update(self, batch, step)
-        cache_sizes.append(self.learner._policy_update._cache_size())
+        cache_sizes.append(sum(fn._cache_size() for (phase, _), fn in
+                               self.learner._programs.items() if phase == "policy_update"))
         return out
 
     monkeypatch.setattr(rl.Trainer, "update", counting_update)
