@@ -301,7 +301,10 @@ def _platform(mesh) -> str:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, optional QKV bias and q/k norm, optional KV cache."""
+    """Grouped-query attention with RoPE, optional QKV bias and q/k norm, optional KV cache.
+
+    `mask`: without a cache the segment ids [B, T] (each path builds its own mask from them,
+    or hands them to a fused kernel); with one, the cache mask [B, T, S]."""
 
     cfg: ModelConfig
     mesh: Any = None
@@ -335,9 +338,9 @@ class Attention(nn.Module):
         if impl != "xla":  # mask: the segment ids [B, T]
             out = segment_attention(q, key, value, mask, impl, self.mesh, self.rules)
         else:
-            if cache is None:  # the segment ids -> the causal, same-segment [B, T, T] mask
+            if cache is None:  # segment ids -> the causal, same-segment [B, T, T] mask
                 mask = attention_mask(mask)
-                key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, K, S, H]
+                key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B,K,S,H]
             out = causal_attention(q, key, value, mask, cfg.attention_block,
                                    causal=cache is None, remat=cfg.remat != "none")
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
