@@ -88,14 +88,16 @@ def test_compile_check_fits_the_babyai_smoke_on_a_v5e_slice():
 
 @pytest.mark.slow
 def test_compile_check_names_what_does_not_fit_and_exits_1():
-    # 8192 episodes of 2048 tokens, 2048 rows a chip: even the last 512-query attention block
-    # of the score pass holds [2048 rows, 4 heads, 512, 2048] fp32 logits (32 GiB), twice a
-    # v5e chip's HBM.
+    # 8192 episodes of 2048 tokens, 2048 rows a chip, and a score budget that holds them all
+    # (2048 x 2048 tokens): even the last 512-query attention block of the score pass holds
+    # [2048 rows, 4 heads, 512, 2048] fp32 logits (32 GiB), twice a v5e chip's HBM.
     out = _compile_check("--config", "configs/babyai_cpu.py:smoke", "--topology", "v5e:2x2",
-                         "--programs", "score", "--config.train.tasks_per_step=4096")
+                         "--programs", "score", "--config.train.tasks_per_step=4096",
+                         "--config.train.score_tokens_per_device=4194304")
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "8192x2048/1" in out.stdout
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("does not fit: score needs")]
-    assert "--config.train.micro_batches=2" in line
+    assert "--config.train.score_tokens_per_device=2097152" in line
 
 
 @pytest.mark.slow
