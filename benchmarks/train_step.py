@@ -89,7 +89,7 @@ def time_torch(cfg, params, batch: dict, loss_cfg: PolicyLossConfig, steps_timed
         taken = logp.gather(-1, tokens[:, 1:, None])[..., 0]
         with torch.no_grad():  # a metric, as the JAX step reports it
             entropy = -(logp.exp() * logp).sum(-1)
-            (entropy * mask).sum() / mask.sum()
+            mean_entropy = (entropy * mask).sum() / mask.sum()
         ratio = torch.exp(taken - old)
         per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
         loss = (per_token * mask).sum() / mask.sum()
@@ -97,9 +97,9 @@ def time_torch(cfg, params, batch: dict, loss_cfg: PolicyLossConfig, steps_timed
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss)
+        return float(loss), float(mean_entropy)
 
-    first_loss = step()  # warm-up
+    first_loss, _ = step()  # warm-up
     start = time.perf_counter()
     for _ in range(steps_timed):
         step()

@@ -179,8 +179,6 @@ def _bucket(n: int, floor: int) -> int:
 def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory]:
     """policy_update and score (and critic_update, values) at the config's batch shape."""
     t, algo = config.train, config.algo
-    multiple = components.global_row_multiple(config, mesh)  # the trainer pads to it
-    rows = -(-t.tasks_per_step * t.samples_per_task // multiple) * multiple
     length = max(t.length_buckets) if t.length_buckets else config.env.max_context_tokens
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
@@ -197,6 +195,8 @@ def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory
     learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
                       value_model=value_model,
                       reference_params=params if update_cfg.use_reference else None)
+    multiple = learner.row_multiple()  # the trainer pads a step's rows to it
+    rows = -(-t.tasks_per_step * t.samples_per_task // multiple) * multiple
     keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
             "behaviour_logprobs"]
     if update_cfg.use_reference:

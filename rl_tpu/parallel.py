@@ -245,8 +245,9 @@ def host_copies(tree):
 
     One process: the arrays themselves. Several: one jitted identity reshards every leaf
     onto a [hosts, local] view of the same devices, replicated over hosts and split over each
-    host's devices (on the leaf's first dim the local count divides, else replicated): XLA's
-    all-gather across hosts, device to device. Each host then wraps its own shards as an
+    host's devices (on the dim the leaf is sharded on when the local count divides it, else
+    the first dim it divides, else replicated): XLA's all-gather across hosts, device to
+    device. Each host then wraps its own shards as an
     array on a mesh of its local devices (`make_array_from_single_device_arrays`, no copy).
     A collective: every process calls it with the same tree at the same point.
     """

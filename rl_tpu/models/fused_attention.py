@@ -33,21 +33,28 @@ ATTENTION_IMPLS = ("xla", "dot_product", "splash")
 SPLASH_BLOCK = 128
 
 
+def platform(mesh) -> str:
+    """The platform a module runs on: its mesh's devices (an AOT compile's TPUs on a CPU host),
+    else JAX's default devices."""
+    devices = mesh.devices.flat if mesh is not None else jax.devices()
+    return next(iter(devices)).platform
+
+
 def segment_attention(q, k, v, segment_ids, impl: str, mesh=None, rules=None,
                       interpret: bool = False):
     """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] -> [B, T, N, H]: causal attention
     within segments by the fused `impl` ("dot_product" or "splash")."""
     if impl == "dot_product":
-        return _dot_product(q, k, v, segment_ids)
+        return _dot_product(q, k, v, segment_ids, mesh)
     if impl == "splash":
         return _splash(q, k, v, segment_ids, mesh, rules, interpret)
     raise ValueError(f"attention_impl={impl!r} has no fused kernel; choose one of "
                      f"{ATTENTION_IMPLS[1:]} (or 'xla', the blocked einsum)")
 
 
-def _dot_product(q, k, v, segment_ids):
+def _dot_product(q, k, v, segment_ids, mesh):
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
-    cudnn = jax.devices()[0].platform == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    cudnn = platform(mesh) == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
                                         implementation="cudnn" if cudnn else None)
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_tpu import parallel
-from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
+from rl_tpu.models.fused_attention import ATTENTION_IMPLS, platform, segment_attention
 
 Array = jax.Array
 
@@ -293,13 +293,6 @@ def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=Fa
     )
 
 
-def _platform(mesh) -> str:
-    """The platform a module runs on: its mesh's devices (an AOT compile's TPUs on a CPU host),
-    else JAX's default devices."""
-    devices = mesh.devices.flat if mesh is not None else jax.devices()
-    return next(iter(devices)).platform
-
-
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional QKV bias and q/k norm, optional KV cache.
 
@@ -333,7 +326,7 @@ class Attention(nn.Module):
             new_cache = {"k": key, "v": value}
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
         impl = "xla" if cache is not None else cfg.attention_impl
-        if impl == "splash" and _platform(self.mesh) != "tpu":
+        if impl == "splash" and platform(self.mesh) != "tpu":
             impl = "xla"  # a TPU kernel: elsewhere the blocked einsum, the same function
         if impl != "xla":  # mask: the segment ids [B, T]
             out = segment_attention(q, key, value, mask, impl, self.mesh, self.rules)

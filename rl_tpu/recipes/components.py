@@ -8,7 +8,6 @@ urls). Recipes call these in order; nothing here loops.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Callable, Optional
 
@@ -66,21 +65,6 @@ def split_devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
 
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def global_row_multiple(config: ml_collections.ConfigDict, mesh: Mesh) -> int:
-    """What a global RL batch's rows are padded to a multiple of: data-parallel shards x
-    minibatches x counted micro-batches (and the score pass's count). A tokens-per-device
-    budget needs shards x minibatches only: it picks its micro-batches among the divisors of
-    each device's rows."""
-    t = config.train
-    if t.tokens_per_device:
-        split = t.minibatches
-    else:
-        split = t.minibatches * t.micro_batches
-    if not (t.score_tokens_per_device or t.tokens_per_device):
-        split = math.lcm(split, t.score_micro_batches or t.minibatches * t.micro_batches)
-    return data_parallel_size(mesh) * split
 
 
 def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:

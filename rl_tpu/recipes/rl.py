@@ -405,8 +405,8 @@ class Trainer:
                 for key in ("prefill_tokens", "reused_tokens") if key in now}
 
     def _row_multiple(self) -> int:
-        """This host's share of components.global_row_multiple."""
-        global_multiple = components.global_row_multiple(self.config, self.mesh)
+        """This host's share of the learner's row multiple."""
+        global_multiple = self.learner.row_multiple()
         return global_multiple // math.gcd(global_multiple, jax.process_count())
 
     # -- checkpoint pieces --------------------------------------------------------------

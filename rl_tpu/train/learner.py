@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Optional
 
 import jax
@@ -106,6 +107,16 @@ class Learner:
         self._programs: dict[tuple, Any] = {}  # (phase, micro-batches) -> jitted function
 
     # -- micro-batches and programs -------------------------------------------------------
+
+    def row_multiple(self) -> int:
+        """What a global batch's rows must be a multiple of: data-parallel shards x minibatches
+        x counted micro-batches (and the score pass's count). A budget picks its micro-batches
+        among the divisors of each device's rows, so it needs shards x minibatches only."""
+        cfg = self.cfg
+        split = cfg.minibatches * (1 if cfg.tokens_per_device else cfg.step.micro_batches)
+        if not (cfg.score_tokens_per_device or cfg.tokens_per_device):
+            split = math.lcm(split, cfg.score_micro_batches)
+        return self._data_parallel * split
 
     def score_micro_batches(self, rows: int, length: int) -> int:
         """Micro-batches of the forward passes over a [rows, length] global batch."""

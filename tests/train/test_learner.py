@@ -80,6 +80,9 @@ def test_token_budget_picks_micro_batches_per_length_bucket():
                        step=steps.StepConfig(micro_batches=2))
     assert counted.update_micro_batches(ROWS, 4096) == 2
     assert counted.score_micro_batches(ROWS, 4096) == 8
+    # rows pad to 8 devices x lcm(2, 8) counted; with a budget, 8 devices x 2 minibatches
+    assert counted.row_multiple() == 64
+    assert _learner(tokens_per_device=64, minibatches=2).row_multiple() == 16
 
 
 def _update(learner, batch):
