@@ -14,13 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.transformer import ModelConfig, Transformer, lm_head_kernel
 
 
 def logits_from_hidden(cfg: ModelConfig, params, hidden, temperature: float = 1.0):
     """hidden [..., D] (final-normed) -> fp32 logits [..., V] / temperature."""
     kernel = lm_head_kernel(cfg, params).astype(hidden.dtype)
-    logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+    logits = dense_dot_general(hidden, kernel, (((hidden.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
     return logits / temperature
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.fused_attention import ATTENTION_IMPLS, platform, segment_attention
 
 Array = jax.Array
@@ -286,7 +287,7 @@ def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=Fa
     out_dims = len(features) if isinstance(features, tuple) else 1
     return nn.DenseGeneral(
         features=features, axis=axis, use_bias=use_bias, name=name,
-        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, dot_general=dense_dot_general,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
                                                  kernel_axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, kernel_axes[-out_dims:]),
