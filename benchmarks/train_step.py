@@ -12,9 +12,10 @@ batch with a realistic loss mask, the step compiled once and timed over --steps 
 whole-batch clip bounds, which the table's s/step includes.
 
 --torch also times PyTorch's equivalent update on the same weights and batch, in the same
-process (transformers' model of the shape, fp32, every CPU thread): the forward, the log-softmax
-gather of the taken tokens, the entropy, the clipped token-mean loss, the backward, the
-gradient clip and AdamW. Its row gives the ratio rl_tpu / torch in tokens/s, and both steps'
+process, its steps alternating with the JAX ones so both see the same machine, each reporting
+its median step (transformers' model of the shape, fp32, every CPU thread): the forward, the
+log-softmax gather of the taken tokens, the entropy, the clipped token-mean loss, the
+backward, the gradient clip and AdamW. Its row gives the ratio rl_tpu / torch in tokens/s, and both steps'
 losses, which agree when the two models are the same.
 """
 
@@ -43,7 +44,8 @@ flags.DEFINE_integer("batch", 8, "Sequences per step (global).")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
 flags.DEFINE_integer("micro_batches", 1, "Gradient accumulation steps.")
 flags.DEFINE_enum("loss", "ppo", ["ppo", "gspo", "bapo"], "Policy loss kind.")
-flags.DEFINE_integer("steps", 5, "Timed steps (after one compile + warm-up step).")
+flags.DEFINE_integer("steps", 10, "Timed steps (after one compile + warm-up step); the "
+                     "median is reported.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Rematerialisation policy.")
 flags.DEFINE_bool("scan_layers", True, "Scan over layers (one compiled layer).")
@@ -63,8 +65,15 @@ def _loss_config(kind: str) -> PolicyLossConfig:
     return PolicyLossConfig(kind=kind, clip_high=0.28)
 
 
-def time_torch(cfg, params, batch: dict, loss_cfg: PolicyLossConfig, steps_timed: int):
-    """(seconds per step, first step's loss) of PyTorch's PPO update of `params` on `batch`."""
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def torch_update(cfg, params, batch: dict, loss_cfg: PolicyLossConfig):
+    """PyTorch's PPO update of `params` on `batch`: a function of no arguments that runs one
+    step and returns (loss, mean entropy)."""
     import tempfile
 
     import torch
@@ -99,11 +108,7 @@ def time_torch(cfg, params, batch: dict, loss_cfg: PolicyLossConfig, steps_timed
         opt.step()
         return float(loss), float(mean_entropy)
 
-    first_loss, _ = step()  # warm-up
-    start = time.perf_counter()
-    for _ in range(steps_timed):
-        step()
-    return (time.perf_counter() - start) / steps_timed, first_loss
+    return step
 
 
 def main(argv):
@@ -131,20 +136,30 @@ def main(argv):
         behaviour_logprobs=np.full((b, t), -2.0, np.float32),
         advantages=rng.randn(b).astype(np.float32))
     batch = parallel.host_to_global(host_batch, mesh)
-    torch_result = None
-    if f.torch:  # before the JAX step, which donates (and so deletes) these params
-        torch_result = time_torch(cfg, state.params, host_batch, _loss_config(f.loss), f.steps)
+    torch_step = None
+    if f.torch:  # built before the JAX step, which donates (and so deletes) these params
+        torch_step = torch_update(cfg, state.params, host_batch, _loss_config(f.loss))
+        torch_loss, _ = torch_step()  # warm-up
 
     start = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
     first_loss = float(metrics["loss"])
-    start = time.perf_counter()
+
+    def one_step():
+        nonlocal state
+        state, step_metrics = step(state, batch)
+        jax.block_until_ready(step_metrics)
+
+    # Steps alternate with PyTorch's so both see the same machine, and each reports its
+    # median: a shared 2-core machine's stalls hit single steps, and a mean would carry them.
+    jax_times, torch_times = [], []
     for _ in range(f.steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - start) / f.steps
+        jax_times.append(seconds(one_step))
+        if torch_step is not None:
+            torch_times.append(seconds(torch_step))
+    step_s = float(np.median(jax_times))
 
     tokens_per_s = b * t / step_s
     peak, peak_source = peak_flops_per_device(f.peak_tflops)
@@ -157,14 +172,13 @@ def main(argv):
                   f"{b} x {t}", f.loss, f.micro_batches, f.remat, f"{compile_s:.1f}",
                   f"{step_s:.3f}",
                   f"{tokens_per_s:,.0f}", f"{flops / 1e12:.3f}", mfu]])
-    if torch_result is not None:
-        torch_s, torch_loss = torch_result
+    if torch_step is not None:
+        torch_s = float(np.median(torch_times))
         print_table(["update", "s/step", "tokens/s", "first loss", "rl_tpu / torch"],
                     [["rl_tpu (JAX)", f"{step_s:.3f}", f"{tokens_per_s:,.0f}",
                       f"{first_loss:.6f}", f"{torch_s / step_s:.2f}x"],
                      ["PyTorch (transformers)", f"{torch_s:.3f}", f"{b * t / torch_s:,.0f}",
                       f"{torch_loss:.6f}", ""]])
-
 
 if __name__ == "__main__":
     app.run(main)

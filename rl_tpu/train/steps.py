@@ -143,9 +143,9 @@ def apply_update(state: TrainState, loss, grads, metrics):
     """
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
-    updated = state.apply_gradients(safe_grads)
-    state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), updated, state)
+    # A cond, not a select of the new state against the old: the update then writes the
+    # donated buffers in place, where a select keeps both and copies every optimizer moment.
+    state = jax.lax.cond(ok, lambda s: s.apply_gradients(grads), lambda s: s, state)
     metrics = dict(metrics, grad_norm=Metric.of(grad_norm),
                    skipped=Metric.of(1.0 - ok.astype(jnp.float32), "sum"))
     return state, metrics
