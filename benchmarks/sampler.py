@@ -3,6 +3,8 @@
   python benchmarks/sampler.py --shape small --batches 1,8,32 --new_tokens 64,128
   python benchmarks/sampler.py --shape tiny --batches 1,8,32 --new_tokens 64 --temperature 1
   python benchmarks/sampler.py --shape tiny --batches 1,8,32 --draw_vocab 151936 --notorch
+  python benchmarks/sampler.py --shape qwen2.5-0.5b --dtype bfloat16 --batches 64,256 \
+      --new_tokens 256 --temperature 1                     # on an accelerator (benchmarks/gpu.sh)
 
 Both sides decode from the same random-weight HF directory, greedily unless --temperature > 0
 (then plain sampling: no top-p / top-k), prompts of 32 tokens, every row generating exactly
@@ -25,12 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks.common import SHAPES, median_ms, print_table  # noqa: E402
+from benchmarks.common import SHAPES, median_ms, model_config, print_table  # noqa: E402
 from rl_tpu.models import hf, tiny  # noqa: E402
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
 
-flags.DEFINE_enum("shape", "small", ["tiny", "small", "rl_step"], "Model shape (CPU-sized ones).")
+flags.DEFINE_string("shape", "small", "A CPU-sized shape (benchmarks/common.py SHAPES: tiny, "
+                    "small, rl_step), or a model preset (qwen2.5-0.5b...: random params, JAX "
+                    "only, for an accelerator).")
 flags.DEFINE_string("batches", "1,8,32", "Batch sizes.")
 flags.DEFINE_string("new_tokens", "64,128", "New tokens per row.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per row.")
@@ -91,12 +95,16 @@ def time_draws(batches, vocab: int):
 def main(argv):
     del argv
     f = flags.FLAGS
-    path = os.path.join(tempfile.mkdtemp(), f.shape)
-    write_model(f.shape, path)
-    cfg, params = hf.load(path, dtype=f.dtype)
+    if f.shape in SHAPES:
+        path = os.path.join(tempfile.mkdtemp(), f.shape)
+        write_model(f.shape, path)
+        cfg, params = hf.load(path, dtype=f.dtype)
+    else:  # a real model's shape: random weights in memory (no tokenizer, no torch twin)
+        cfg = model_config(f.shape, dtype=f.dtype, param_dtype=f.dtype)
+        params, path = tiny.random_params(cfg, scale=0.1), None
     sampler = JaxSampler(cfg, params, max_batch=max(int(b) for b in f.batches.split(",")))
     torch_model = None
-    if f.torch:
+    if f.torch and path is not None:
         import torch
         from transformers import AutoModelForCausalLM
 

@@ -9,6 +9,7 @@ Answers /generate, /update_weights_from_disk, /model_info, /health_generate... a
 
 import logging
 
+import jax
 from absl import app, flags
 
 from rl_tpu import parallel
@@ -35,7 +36,8 @@ def main(argv):
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
     tokenizer = None if f.skip_tokenizer_init else load_tokenizer(f.model_path)
-    sampler = JaxSampler(cfg, params, mesh=mesh, tokenizer=tokenizer, max_batch=f.max_batch,
+    sampler = JaxSampler(cfg, params, tokenizer=tokenizer, max_batch=f.max_batch,
+                         mesh=parallel.sampler_mesh(jax.local_devices(), cfg.num_kv_heads),
                          version=f.weight_version)
     server = serve(RolloutService(sampler, f.model_path, tokenizer), f.host, f.port, f.api_key)
     print(f"serving {f.model_path} on http://{f.host}:{f.port}", flush=True)

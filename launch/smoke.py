@@ -37,7 +37,8 @@ def main(argv):
                                            add_generation_prompt=True)
     logits = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, np.array([prompt]))
     print(f"forward: logits {logits.shape}, finite={bool(np.isfinite(np.asarray(logits)).all())}")
-    sampler = JaxSampler(cfg, params, mesh=mesh, tokenizer=tokenizer)
+    sampler = JaxSampler(cfg, params, tokenizer=tokenizer,
+                         mesh=parallel.sampler_mesh(jax.local_devices(), cfg.num_kv_heads))
     greedy = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=0.0, ignore_eos=True)
     requests = [GenerateRequest(prompt, greedy)] * f.batch
     sampler.generate(requests)  # compile this shape bucket

@@ -63,6 +63,7 @@ class ProgramMemory:
     temp: int
     refused: str = ""
     shape: str = ""  # rows x tokens (/ micro-batches) it was compiled for
+    mesh: str = ""  # its mesh, when not the trainer's (the sampler's, on one host)
 
     @property
     def total(self) -> int:
@@ -91,6 +92,8 @@ class Report:
                         f"{p.temp / GIB:>10.2f}{p.total / GIB:>11.2f}  "
                         f"{'yes' if p.total <= self.hbm else 'NO'}"
                         + (f" (XLA: {p.refused})" if p.refused else ""))
+        rows += sorted({f"{p.name.split('_')[0]} programs on mesh {p.mesh}"
+                        for p in self.programs if p.mesh})
         return "\n".join(rows)
 
 
@@ -251,13 +254,15 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
     from rl_tpu.rollout import sampler as sampling
 
     r, env = config.rollout, config.env
-    mesh = parallel.make_mesh({"fsdp": -1}, devices=host)  # as components.make_engine
+    mesh = parallel.sampler_mesh(host, cfg.num_kv_heads, r.sampler_tensor)  # as make_engine
     cfg = cfg.replace(scan_layers=False, remat="none")
     if config.model.sampler_dtype:
         dtype = str(jnp.dtype(config.model.sampler_dtype))
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    model = Transformer(cfg, mesh=mesh)
-    params = abstract_params(cfg, mesh)
+    if r.kv_dtype:
+        cfg = cfg.replace(cache_dtype=str(jnp.dtype(r.kv_dtype)))
+    model = Transformer(cfg, mesh=mesh, rules=parallel.SAMPLER_RULES)
+    params = abstract_params(cfg, mesh, parallel.SAMPLER_RULES)
     new = _bucket(env.max_new_tokens, 16)
     prompt = _bucket(max(env.max_context_tokens - env.max_new_tokens, 1), 16)
     b = _bucket(r.max_batch, 1)
@@ -271,7 +276,8 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
         _sds((b,), f32, rep)] * 2 + [_sds((b,), i32, rep)] + [_sds((b, 2), i32, rep)] * 2 + [
         _sds(keys.shape, keys.dtype, rep)]
     prefill = _memory("sampler_prefill",
-                      sampling.prefill.lower(model, params, *args, max_steps=new))
+                      sampling.prefill.lower(model, params, *args, max_steps=new,
+                                             chunk=r.prefill_chunk))
     # The decode state's shardings are the compiler's choice for prefill's outputs; they do not
     # depend on the prompt's length, so a 16-token prefill (cheap, and it always fits) gives
     # them even when the real one does not fit.
@@ -284,6 +290,8 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
     decode = _memory("sampler_decode", sampling.decode.lower(model, params, state, chunk=64))
     prefill.shape = f"{b}x{prompt}"
     decode.shape = f"{b}x{prompt + new}"
+    where = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
+    prefill.mesh = decode.mesh = f"{where} (one host's {len(host)} chips)"
     return [prefill, decode]
 
 
@@ -320,8 +328,12 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
             kv = config.rollout.kv_tokens_per_device
             keys += [f"rollout.kv_tokens_per_device={kv // 2}" if kv else
                      f"rollout.max_batch={max(1, config.rollout.max_batch // 2)}"]
+            if p.name == "sampler_prefill" and not config.rollout.prefill_chunk:
+                keys.append("rollout.prefill_chunk=2048")
             if not config.model.sampler_dtype and config.model.dtype == "float32":
                 keys.append("model.sampler_dtype=bfloat16")
+                if not config.rollout.kv_dtype:
+                    keys.append("rollout.kv_dtype=bfloat16 (the cache alone)")
         else:
             if p.argument > p.temp and report.mesh.get("fsdp", 1) < report.chips:
                 keys.append(f"mesh.fsdp={report.chips} (shard params and optimizer state)")

@@ -43,6 +43,11 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
 )
 
+# The embedded sampler's rules (on `sampler_mesh`): the model width unsharded, so no weight
+# is gathered per decoded token; the rest as DEFAULT_RULES (rows on data, heads on tensor).
+SAMPLER_RULES: tuple[tuple[str, Any], ...] = (("embed", None),) + tuple(
+    r for r in DEFAULT_RULES if r[0] != "embed")
+
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +79,28 @@ def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] =
     except (ValueError, NotImplementedError, AssertionError):
         grid = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(grid, MESH_AXES)
+
+
+def sampler_mesh(devices: Sequence[jax.Device], kv_heads: int, tensor: int = 0) -> Mesh:
+    """The embedded sampler's mesh over one host's `devices`: {data, tensor}, no fsdp.
+
+    Decode reads every weight once a token, so weights sharded on fsdp (the trainer's layout)
+    would be all-gathered every token; SAMPLER_RULES instead split heads, kv heads, mlp and
+    vocab across `tensor` (Megatron-style: one all-reduce after attention and one after the
+    MLP) and rows across `data`. `tensor` 0 picks the largest power of two dividing both
+    kv_heads and the device count, so the KV cache, the largest thing decode holds, is split
+    by kv head rather than replicated (Qwen2.5-7B, 4 kv heads, on a v5p host's 4 chips: 4;
+    1.5B, 2 kv heads, on a v5e host's 8: tensor 2 x data 4).
+    """
+    devices = list(devices)
+    if tensor <= 0:
+        tensor = 1
+        while len(devices) % (2 * tensor) == 0 and kv_heads % (2 * tensor) == 0:
+            tensor *= 2
+    if len(devices) % tensor:
+        raise ValueError(f"rollout.sampler_tensor={tensor} does not divide the sampler's "
+                         f"{len(devices)} devices; use a divisor, or 0 to pick one")
+    return make_mesh({"data": -1, "tensor": tensor}, devices=devices)
 
 
 def logical_rules(overrides: Optional[Iterable[Sequence[Any]]] = None) -> tuple:

@@ -81,6 +81,9 @@ class ModelConfig:
     # The full-sequence path's kernel: xla (the blocked einsum above), dot_product (cuDNN flash
     # attention on GPU) or splash (TPU Pallas); see fused_attention.py. Caches always use xla.
     attention_impl: str = "xla"
+    # The KV cache's dtype ("" = the compute dtype). A bfloat16 cache under fp32 weights halves
+    # decode's largest buffer; keys and values are cast back to the compute dtype when read.
+    cache_dtype: str = ""
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -99,9 +102,11 @@ class ModelConfig:
                 f"rope_type {self.rope_scaling.rope_type!r} is not supported; "
                 f"supported: {ROPE_TYPES}"
             )
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")
+        for name in ("dtype", "param_dtype", "cache_dtype"):
+            value = getattr(self, name)
+            if value not in ("float32", "bfloat16", "float16") and not (
+                    name == "cache_dtype" and value == ""):
+                raise ValueError(f"{name}={value!r}; use float32 or bfloat16")
 
     def replace(self, **kwargs) -> "ModelConfig":
         return dataclasses.replace(self, **kwargs)
@@ -113,6 +118,10 @@ class ModelConfig:
     @property
     def params_dtype(self):
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def kv_dtype(self):
+        return jnp.dtype(self.cache_dtype or self.dtype)
 
     def num_params(self) -> int:
         """Parameter count, for MFU and memory estimates."""
@@ -169,7 +178,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> d
     the whole cache every step.
     """
     shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-    dtype = dtype or cfg.compute_dtype
+    dtype = dtype or cfg.kv_dtype
     if cfg.scan_layers:
         return {n: jnp.zeros((cfg.num_layers,) + shape, dtype) for n in ("k", "v")}
     return {n: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for n in ("k", "v")}

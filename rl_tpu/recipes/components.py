@@ -19,6 +19,7 @@ from rl_tpu import parallel
 from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
+from rl_tpu.recipes import config as config_lib
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
@@ -222,17 +223,24 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         engine.update_weights(parallel.host_copies(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
+    shapes = config_lib.warmup_shapes(r.warmup)
     if devices is None:
         devices = jax.local_devices()[:r.sampler_devices or None]
-    mesh = parallel.make_mesh({"fsdp": -1}, devices=devices)
+    mesh = parallel.sampler_mesh(devices, model_cfg.num_kv_heads, r.sampler_tensor)
     kwargs = {}
     if config.model.sampler_dtype:
         kwargs["dtype"] = config.model.sampler_dtype
-    return JaxSampler(model_cfg, parallel.host_copies(params), mesh=mesh, tokenizer=tokenizer,
-                      max_batch=r.max_batch, kv_tokens=r.kv_tokens_per_device * len(devices),
-                      seed=config.seed, version=version,
-                      prefix_cache_tokens=r.prefix_cache_tokens if r.prefix_reuse else 0,
-                      keep_prefix_cache_on_update=r.prefix_cache_keep_on_update, **kwargs)
+    if r.kv_dtype:
+        kwargs["kv_dtype"] = r.kv_dtype
+    sampler = JaxSampler(model_cfg, parallel.host_copies(params), mesh=mesh,
+                         tokenizer=tokenizer, max_batch=r.max_batch,
+                         kv_tokens=r.kv_tokens_per_device * len(devices), seed=config.seed,
+                         version=version, prefill_chunk=r.prefill_chunk,
+                         prefix_cache_tokens=r.prefix_cache_tokens if r.prefix_reuse else 0,
+                         keep_prefix_cache_on_update=r.prefix_cache_keep_on_update, **kwargs)
+    sampler.warmup(shapes)
+    return sampler
+
 
 
 def eval_horizon(config: ml_collections.ConfigDict) -> int:

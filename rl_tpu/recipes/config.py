@@ -68,6 +68,14 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     # device (0 = rows alone): long prompts then run in fewer rows at a time.
     c.rollout.kv_tokens_per_device = 0
     c.rollout.sampler_devices = 0  # embedded sampler's devices: 0 = all local, n = first n
+    # ...split tensor-parallel this many ways (heads, mlp, vocab), the rest data-parallel rows;
+    # 0 = the largest power of two dividing the kv heads and the devices (parallel.sampler_mesh)
+    c.rollout.sampler_tensor = 0
+    c.rollout.prefill_chunk = 0  # embedded sampler: prompt tokens per prefill step (0 = all)
+    c.rollout.kv_dtype = ""  # embedded sampler's KV cache dtype ("" = its compute dtype)
+    # ...shapes compiled before the first step, "ROWSxPROMPTxNEW,..." (e.g. "256x512x512");
+    # the metric time/sampler_programs counts every shape compiled since
+    c.rollout.warmup = ""
     # Embedded sampler prefix reuse (rl_tpu/rollout/prefix_cache.py): a turn prefills only what
     # its prompt adds to an earlier request's prompt + output. On by default: exact (logprobs
     # within 1e-4, greedy equal) and cheaper from turn 2 on. The cache holds at most
@@ -247,6 +255,7 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     c.train.tokens_per_device = 8192
     c.train.score_tokens_per_device = 16384
     c.rollout.kv_tokens_per_device = 32768
+    c.rollout.prefill_chunk = 2048  # a long turn's prefill holds 2048 tokens' activations
     c.eval.every = 25
     c.eval.num_tasks = 100
     return c
@@ -352,8 +361,24 @@ _AT_LEAST = {"train.steps": 0, "train.tasks_per_step": 1, "train.samples_per_tas
              "train.epochs": 1, "train.minibatches": 1, "train.micro_batches": 1,
              "train.score_micro_batches": 0, "train.tokens_per_device": 0,
              "train.score_tokens_per_device": 0, "rollout.kv_tokens_per_device": 0,
-             "rollout.max_batch": 1, "eval.num_tasks": 1, "eval.every": 1,
-             "checkpoint.every": 1, "checkpoint.keep": 1, "sft.steps": 0}
+             "rollout.max_batch": 1, "rollout.sampler_tensor": 0, "rollout.prefill_chunk": 0,
+             "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
+             "sft.steps": 0}
+
+
+def warmup_shapes(text: str) -> list[tuple[int, int, int]]:
+    """`rollout.warmup` ("256x512x512,64x4096x512") as (rows, prompt, new tokens) triples."""
+    shapes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            rows, prompt, new = (int(x) for x in part.lower().split("x"))
+            if min(rows, prompt, new) < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"rollout.warmup={text!r}: {part!r} is not ROWSxPROMPTxNEW with "
+                             f"three positive integers, e.g. 256x512x512") from None
+        shapes.append((rows, prompt, new))
+    return shapes
 
 
 def _check_counts(config: ml_collections.ConfigDict) -> None:
@@ -414,6 +439,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"algo.name={config.algo.name!r}; choose one of {ALGORITHMS}")
     _check_algo_block(config.algo)
     _check_counts(config)
+    warmup_shapes(config.rollout.warmup)  # a malformed list fails here, not at start-up
     _check_env(config)
     _check_remote_env(config.env)
     if config.rollout.engine not in ("jax", "sglang"):

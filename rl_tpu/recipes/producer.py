@@ -23,8 +23,9 @@ learner trains. Two modes:
 - free-running: a chunk may start while fewer than k steps' worth of groups wait for the
   learner (admission: the producer is never more than about k steps ahead; counted in
   groups, since a partial-rollout chunk completes a varying number of them); new weights
-  reach the engine as soon as they are published, between decode chunks, so a generation can
-  span versions (per-token versions say which). Groups older than k when the learner reaches them
+  reach the engine as soon as the publisher thread has loaded them (an SGLang export and
+  reload runs there, beside the learner's next step), between decode chunks, so a generation
+  can span versions (per-token versions say which). Groups older than k when the learner reaches them
   are dropped and counted (`rollout/dropped_stale`); the learner takes the next ones, so no
   trained token is ever more than k versions old.
 
@@ -134,12 +135,20 @@ class AsyncProducer:
         self._error: Optional[BaseException] = None
         self._stop = False
         self._thread: Optional[threading.Thread] = None
+        # free-running: the engine's copy of the newest published version, waiting for the
+        # publisher thread (one at a time, in version order on every host)
+        self._to_publish: Optional[tuple[Any, int]] = None
+        self._publisher: Optional[threading.Thread] = None
 
     # -- learner side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
+        if not self.deterministic:
+            self._publisher = threading.Thread(target=self._publish_loop,
+                                               name="weight-publisher", daemon=True)
+            self._publisher.start()
 
     def next_batch(self, step: int) -> tuple[list[Trajectory], dict]:
         """The groups step `step` trains on: waits for them (the wait is
@@ -177,8 +186,12 @@ class AsyncProducer:
         return [t for g in chosen for t in g], metrics
 
     def publish(self, params, version: int) -> None:
-        """Version `version`'s weights. Free-running, they go to the engine now (between its
-        decode chunks); deterministic, a copy waits for the chunk that is to use them."""
+        """Version `version`'s weights. Free-running, the engine's copy is made now (the learner
+        donates `params` next step) and handed to the publisher thread, which loads it into the
+        engine (an SGLang export and reload, or the sampler's reshard) while the learner trains
+        on: the learner waits only when the previous version is still being published.
+        Deterministic, a copy waits for the chunk that is to use them. The learner's time here
+        is the trainer's `time/sync_s`."""
         if self.deterministic:
             held = jax.tree.map(jnp.copy, params)  # the learner donates `params` next step
             with self._cond:
@@ -186,10 +199,46 @@ class AsyncProducer:
                 self._published = version
                 self._cond.notify_all()
             return
-        self._engine.update_weights(self._to_engine(params), str(version))
+        if self._publisher is None:  # not started (a caller driving the producer by hand)
+            self._engine.update_weights(self._to_engine(params), str(version))
+            with self._cond:
+                self._published = version
+                self._cond.notify_all()
+            return
+        copy = self._to_engine(params)  # on this thread: host_copies' reshard is collective
         with self._cond:
-            self._published = version
+            while self._to_publish is not None and self._error is None:
+                self._cond.wait(timeout=1.0)
+            self._raise_if_failed(f"publishing version {version}")
+            self._to_publish = (copy, version)
             self._cond.notify_all()
+
+    def _publish_loop(self) -> None:
+        """Loads each handed-over version into the engine, in order (no version is skipped,
+        so every host runs the same sequence); host-local work only, no collective."""
+        try:
+            while True:
+                with self._cond:
+                    while self._to_publish is None and not self._stop:
+                        self._cond.wait(timeout=1.0)
+                    if self._to_publish is None:
+                        return
+                    params, version = self._to_publish
+                self._engine.update_weights(params, str(version))
+                with self._cond:
+                    self._to_publish = None
+                    self._published = version
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the learner, which raises it
+            log.exception("weight publisher failed")
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the rollout producer failed before {what}: "
+                               f"{self._error}") from self._error
 
     def state(self, step: int) -> dict:
         """What a checkpoint of step `step` needs to resume the producer (see module doc)."""
@@ -239,15 +288,15 @@ class AsyncProducer:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=600)
+        if self._publisher is not None:  # finishes the version it is loading, if any
+            self._publisher.join(timeout=600)
         if self._partial is not None:
             self._partial.close()
 
     def _wait_for(self, ready: Callable[[], bool], step: int):
         with self._cond:
             while not ready():
-                if self._error is not None:
-                    raise RuntimeError(f"the rollout producer failed before step {step}: "
-                                       f"{self._error}") from self._error
+                self._raise_if_failed(f"step {step}")
                 self._cond.wait(timeout=1.0)
 
     # -- producer thread ------------------------------------------------------------------

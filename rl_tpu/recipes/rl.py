@@ -394,15 +394,20 @@ class Trainer:
 
     def _prefill_metrics(self) -> dict[str, float]:
         """The embedded sampler's prompt tokens since the last call (eval's included): those
-        run through the model, and those whose K/V came from its prefix cache. Under time/:
-        they measure speed, and a resumed run starts with an empty cache."""
+        run through the model, and those whose K/V came from its prefix cache; and the
+        prefill / decode shapes it has compiled so far (a count that grows mid-run means
+        compiles mid-run). Under time/: they measure speed, and a resumed run starts with an
+        empty cache."""
         stats = getattr(self.engine, "stats", None)
         if not callable(stats):
             return {}
         now, before = stats(), self._engine_counts
         self._engine_counts = now
-        return {f"time/{key}": float(now[key] - before.get(key, 0))
-                for key in ("prefill_tokens", "reused_tokens") if key in now}
+        out = {f"time/{key}": float(now[key] - before.get(key, 0))
+               for key in ("prefill_tokens", "reused_tokens") if key in now}
+        if "compiled_programs" in now:
+            out["time/sampler_programs"] = float(now["compiled_programs"])
+        return out
 
     def _row_multiple(self) -> int:
         """This host's share of the learner's row multiple."""

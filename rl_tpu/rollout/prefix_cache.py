@@ -325,7 +325,7 @@ class PrefixCache:
         extra = pages - self._num_pages
         if self._pool is None:
             shape = (pages, self.cfg.num_kv_heads, self.page, self.cfg.head_dim)
-            make = jax.jit(lambda: {n: tuple(jnp.zeros(shape, self.cfg.compute_dtype)
+            make = jax.jit(lambda: {n: tuple(jnp.zeros(shape, self.cfg.kv_dtype)
                                              for _ in range(self.cfg.num_layers))
                                     for n in ("k", "v")}, out_shardings=self._pool_shardings)
             self._pool = make()

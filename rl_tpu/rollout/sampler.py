@@ -201,10 +201,47 @@ def _emit(model: Transformer, params, hidden, state: DecodeState, step):
     return token, logprob, is_stop
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_steps"))
+def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, last, chunk: int):
+    """(hidden [B, D] of each row's token at index last [B] of prompt_ids [B, P], the cache
+    with every prompt token's K/V written at positions [B, P]).
+
+    chunk > 0 (dividing P): the prompt runs `chunk` tokens at a time in a scan, each chunk
+    attending to the cache the chunks before it wrote: the same attention over the same slots
+    (every query sees slots <= its position), holding one chunk's activations, [B, C, F] in
+    the MLP and [B, K, G*C, S] logits, not the whole prompt's.
+    """
+    b, t = prompt_ids.shape
+    if not chunk or t <= chunk:
+        hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
+                                    return_hidden=True)
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache
+    if t % chunk:
+        raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {t}; use a "
+                         f"power of two (prompt buckets are powers of two)")
+    n = t // chunk
+
+    def one_chunk(carry, xs):
+        cache, picked = carry
+        k, ids, pos = xs
+        hidden, cache = model.apply({"params": params}, ids, pos, cache=cache,
+                                    return_hidden=True)
+        local = last - k * chunk  # the wanted token's index inside this chunk, if it is here
+        here = (local >= 0) & (local < chunk)
+        mine = jnp.take_along_axis(hidden, jnp.clip(local, 0, chunk - 1)[:, None, None],
+                                   axis=1)[:, 0]
+        return (cache, jnp.where(here[:, None], mine, picked)), None
+
+    split = lambda x: x.reshape(b, n, chunk).swapaxes(0, 1)  # noqa: E731  [n, B, C]
+    picked = jnp.zeros((b, model.cfg.hidden_size), model.cfg.compute_dtype)
+    (cache, picked), _ = jax.lax.scan(one_chunk, (cache, picked),
+                                      (jnp.arange(n), split(prompt_ids), split(positions)))
+    return picked, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps", "chunk"))
 def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
             top_p, top_k, stop_ids, ban_ids, keys, max_steps: int, starts=None, pool=None,
-            page_table=None) -> DecodeState:
+            page_table=None, chunk: int = 0) -> DecodeState:
     """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
 
     prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
@@ -214,6 +251,9 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     Prefix reuse: with `pool`, the first starts[r] [B] prompt tokens of row r have K/V in the
     pool's pages page_table [B, S / PS] (S = P + L slots, `prefix_cache.gather_pages`), and
     prompt_ids [B, Q] hold only the rest, run at positions starts[r] + 0..Q-1.
+
+    chunk: prefill `chunk` prompt tokens at a time (0 = the whole prompt at once), see
+    `_prompt_hidden`.
     """
     b, t = prompt_ids.shape
     if pool is None:
@@ -224,9 +264,8 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     # decode overwrites before any query can see them.
     positions = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32),
                             cache_slots(cache) - 1)
-    hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
-                                return_hidden=True)
-    last = jnp.take_along_axis(hidden, (prompt_lens - starts - 1)[:, None, None], axis=1)[:, 0]
+    last, cache = _prompt_hidden(model, params, prompt_ids, positions, cache,
+                                 prompt_lens - starts - 1, chunk)
     state = DecodeState(
         step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
         tokens=jnp.zeros((b, max_steps), jnp.int32),
@@ -272,6 +311,9 @@ def decode(model: Transformer, params, state: DecodeState, chunk: int) -> Decode
     return state.replace(done=state.done | (state.step >= capacity))
 
 
+STOP_WIDTH = 4  # the fewest stop-id slots a row has (more round up to a power of two)
+
+
 class JaxSampler(RolloutEngine):
     """RolloutEngine over `prefill` + chunked `decode`, batching requests into bucketed shapes.
 
@@ -295,16 +337,26 @@ class JaxSampler(RolloutEngine):
     own length. `update_weights` drops the cache unless `keep_prefix_cache_on_update`.
     `stats()` counts prompt tokens computed and reused.
 
+    Sharding: `rules` (default SAMPLER_RULES) on `mesh`, best built by
+    `parallel.sampler_mesh`: heads, mlp and vocab split across `tensor`, rows across `data`,
+    the model width whole, so decode all-gathers no weight per token (the trainer's fsdp
+    layout would). The sampler's copy is resharded into that layout on every update.
+
+    Memory at long context: `prefill_chunk` runs prompts that many tokens at a time (see
+    `_prompt_hidden`), and `kv_dtype` (e.g. "bfloat16") stores the cache apart from the
+    compute dtype; both default to what the trainer computes, exactly.
+
     Batches: requests run `max_batch` rows at a time, and with `kv_tokens` > 0 in runs whose
     padded cache (rows x (prompt + output buckets) slots) holds at most that many tokens, so a
     turn deep into a long episode runs in fewer rows than the first turn, in the same memory.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, mesh: Optional[Mesh] = None,
-                 rules=parallel.DEFAULT_RULES, tokenizer=None, max_batch: int = 64,
+                 rules=parallel.SAMPLER_RULES, tokenizer=None, max_batch: int = 64,
                  kv_tokens: int = 0,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, decode_chunk: int = 64,
                  seed: int = 0, version: str = "0", dtype: Optional[str] = None,
+                 kv_dtype: Optional[str] = None, prefill_chunk: int = 0,
                  prefix_cache_tokens: int = 65536, prefix_page_size: int = 16,
                  keep_prefix_cache_on_update: bool = False):
         # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
@@ -313,6 +365,12 @@ class JaxSampler(RolloutEngine):
         cfg = cfg.replace(scan_layers=False, remat="none")
         if dtype is not None:  # sample in another precision than the trainer's (weights + math)
             cfg = cfg.replace(dtype=str(jnp.dtype(dtype)), param_dtype=str(jnp.dtype(dtype)))
+        if kv_dtype is not None:  # the cache alone in another dtype (e.g. bf16 under fp32)
+            cfg = cfg.replace(cache_dtype=str(jnp.dtype(kv_dtype)))
+        if prefill_chunk < 0 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk}: use 0 (whole prompts) or a power "
+                             f"of two, which divides every prompt bucket it is smaller than")
+        self.prefill_chunk = prefill_chunk
         self.cfg = cfg
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
         self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
@@ -353,6 +411,7 @@ class JaxSampler(RolloutEngine):
         self.keep_prefix_cache_on_update = keep_prefix_cache_on_update
         self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
                             cache_hits=0)
+        self._programs: set[tuple] = set()  # the (kind, shapes...) compiled so far
 
     # -- RolloutEngine -------------------------------------------------------------------
 
@@ -385,13 +444,40 @@ class JaxSampler(RolloutEngine):
         whose K/V came from the prefix cache), `reuse_fraction`, `cache_rows` / `cache_hits`
         (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
         `cache_tokens_used`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
-        `cache_evictions`, `cache_flushes`."""
+        `cache_evictions`, `cache_flushes`; `compiled_programs`, the prefill and decode shapes
+        compiled so far (flat after `warmup` when the run stays in its buckets)."""
         with self._control_lock:
-            out = dict(self._counts)
+            out = dict(self._counts, compiled_programs=len(self._programs))
         out["reuse_fraction"] = out["reused_tokens"] / max(out["prompt_tokens"], 1)
         if self._prefix is not None:
             out.update(self._prefix.stats())
         return out
+
+    def warmup(self, shapes: Sequence[tuple[int, int, int]]) -> int:
+        """Compiles the prefill and decode of each (rows, prompt tokens, new tokens) in
+        `shapes`, as their buckets, before any request needs them, so a run whose batches stay
+        in those buckets compiles nothing mid-way (`stats()['compiled_programs']` stays flat).
+        Each runs once on placeholder rows that end at their first token: the cost of one
+        prefill. Returns the number of programs compiled. (The prefix-reuse prefill, whose
+        page-table shape depends on the pool, compiles at its first use.)"""
+        before = len(self._programs)
+        for rows, prompt, new in shapes:
+            b, p, steps = self._batch_shape(min(rows, self.max_batch), prompt, new)
+            i32 = np.int32
+            stop_ids = np.full((b, STOP_WIDTH), -1, i32)
+            keys = jax.vmap(jax.random.key)(jnp.arange(b, dtype=jnp.uint32))
+            sampling = (np.ones((b,), i32), np.zeros((b,), i32), np.zeros((b,), np.float32),
+                        np.ones((b,), np.float32), np.full((b,), -1, i32), stop_ids, stop_ids,
+                        keys)
+            with self._device_lock:
+                params, _ = self._weights()
+                self._note_program("prefill", (b, p), steps, STOP_WIDTH)
+                state = prefill(self.model, params, np.zeros((b, p), i32), np.ones((b,), i32),
+                                *sampling, max_steps=steps, chunk=self.prefill_chunk)
+                self._note_program("decode", b, p + steps, steps, STOP_WIDTH)
+                jax.block_until_ready(decode(self.model, params, state,
+                                             chunk=self.decode_chunk).done)
+        return len(self._programs) - before
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
@@ -523,8 +609,9 @@ class JaxSampler(RolloutEngine):
         stops = [self._stop_ids(req) for req, _ in rows]
         bans = [self._ban_ids(req) for req, _ in rows]
         # One width for both; bans are empty without min_new_tokens and otherwise the stop ids
-        # (plus eos under ignore_eos), so min_new_tokens adds no compiled shape of its own.
-        width = max(1, max(len(s) for s in stops + bans))
+        # (plus eos under ignore_eos), so min_new_tokens adds no compiled shape of its own; a
+        # power of two from 4, so eos ids, a few stop ids or none share one program.
+        width = _next_power_of_two(max(1, max(len(s) for s in stops + bans)), STOP_WIDTH)
         stop_ids = np.full((b, width), -1, np.int32)
         ban_ids = np.full((b, width), -1, np.int32)
         seeds = np.zeros((b,), np.uint32)
@@ -561,6 +648,7 @@ class JaxSampler(RolloutEngine):
                 params, version = self._weights()
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
+                self._note_program("decode", b, p + steps, steps, stop_ids.shape[1])
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
             tokens, logprobs, count, stopped = (np.asarray(x) for x in (
                 state.tokens, state.logprobs, state.count, state.stopped))
@@ -587,11 +675,19 @@ class JaxSampler(RolloutEngine):
             c["cache_rows"] += n if plan is not None else 0
             c["cache_hits"] += int((starts > 0).sum())
         matches = None if plan is None else plan.matches
+        width = sampling[5].shape[1]  # stop_ids [B, X]
         if plan is None or plan.suffix is None:
-            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps), matches
+            self._note_program("prefill", ids.shape, steps, width)
+            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
+                           chunk=self.prefill_chunk), matches
+        self._note_program("prefill", plan.suffix.shape, steps, width, plan.table.shape)
         return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
-                       starts=plan.starts, pool=self._prefix.pool,
-                       page_table=plan.table), matches
+                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
+                       chunk=self.prefill_chunk), matches
+
+    def _note_program(self, kind: str, *shapes) -> None:
+        with self._control_lock:
+            self._programs.add((kind,) + tuple(shapes))
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling

@@ -14,8 +14,10 @@ names (or of `served_model_path` when that path is not readable here, e.g. a hub
 exports (dirs that carry `EXPORT_MARKER`) are deleted after a successful update; anything else
 in `weights_dir` is left alone.
 
-Multi-host: every process calls `update` (the export gathers the params), process 0 alone
-writes, checks shapes and talks to the servers.
+Multi-host: every process calls `update`; process 0 alone writes, checks shapes and talks to
+the servers. Given each host's own copy (`parallel.host_copies`, as the trainer passes), the
+other processes return at once, touching neither disk nor host memory; given global arrays,
+every process takes part in the export's gathers.
 """
 
 from __future__ import annotations
@@ -176,10 +178,13 @@ class DiskWeightSync:
                         f"tensors do not match the served model ({model_path}): "
                         + "; ".join(problems) + ". Loading them would crash the server; "
                         "restart it with a model of the new shapes instead.", url)
+        if not writer and all(getattr(x, "is_fully_addressable", True)
+                              for x in jax.tree.leaves(params)):
+            return  # this host's own copy (parallel.host_copies): process 0 exports its own
         path = os.path.abspath(os.path.join(self.weights_dir, version))
         os.makedirs(self.weights_dir, exist_ok=True)
         hf.save(path, cfg, params, tokenizer=self.tokenizer, dtype=self.export_dtype)
-        if not writer:  # multi-host: every process gathers, process 0 writes and talks
+        if not writer:  # global params: every process gathers, process 0 writes and talks
             return
         open(os.path.join(path, EXPORT_MARKER), "w").close()
         body = {"model_path": path, "weight_version": version, "flush_cache": True}

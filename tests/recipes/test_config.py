@@ -90,13 +90,24 @@ def test_check_refuses_an_algo_block_left_from_another_algorithm():
 @pytest.mark.parametrize("key,value", [
     ("train.steps", -5), ("train.tasks_per_step", 0), ("train.samples_per_task", 0),
     ("train.epochs", 0), ("train.minibatches", 0), ("train.micro_batches", 0),
-    ("eval.num_tasks", 0), ("sft.steps", -1), ("checkpoint.keep", 0)])
+    ("eval.num_tasks", 0), ("sft.steps", -1), ("checkpoint.keep", 0),
+    ("rollout.sampler_tensor", -1), ("rollout.prefill_chunk", -2)])
 def test_check_refuses_counts_that_make_no_sense(key, value):
     c = base_config()
     block, leaf = key.split(".")
     c[block][leaf] = value
     with pytest.raises(ValueError, match=f"{key}={value} must be >= "):
         check(c)
+
+
+@pytest.mark.parametrize("text", ["256x512", "4x16x0", "4xfoo x16"])
+def test_check_refuses_a_malformed_warmup_list_naming_the_part(text):
+    c = base_config()
+    c.rollout.warmup = f"8x16x16,{text}"
+    with pytest.raises(ValueError, match=r"rollout.warmup=.*is not ROWSxPROMPTxNEW"):
+        check(c)
+    c.rollout.warmup = "8x16x16, 2x4096x512"
+    check(c)
 
 
 def test_zero_rl_steps_is_an_sft_only_run_and_nothing_at_all_is_refused():

@@ -202,3 +202,49 @@ def test_producer_failure_reaches_the_learner():
             p.next_batch(1)
     finally:
         p.close()
+
+
+class SlowEngine(Engine):
+    """An engine whose weight update takes `seconds` (an SGLang export and reload), recording
+    the versions in the order it loaded them; `fail_at` raises on that version."""
+
+    def __init__(self, seconds, fail_at=None):
+        super().__init__()
+        self.seconds, self.fail_at, self.loaded = seconds, fail_at, []
+
+    def update_weights(self, params, version):
+        time.sleep(self.seconds)
+        if int(version) == self.fail_at:
+            raise OSError(f"export of version {version} failed: disk full")
+        super().update_weights(params, version)
+        self.loaded.append(int(version))
+
+
+def test_free_running_publish_loads_weights_beside_the_learner_in_order():
+    engine = SlowEngine(0.5)
+    p = producer(engine, make_play(engine), 2, deterministic=False)
+    p.start()
+    try:
+        started = time.time()
+        p.publish({"w": 1}, 1)
+        assert time.time() - started < 0.25  # handed over, not loaded: the learner goes on
+        p.publish({"w": 2}, 2)  # waits for version 1's load, then hands version 2 over
+        assert 0.4 < time.time() - started < 1.5 and engine.loaded == [1]
+        p.publish({"w": 3}, 3)
+    finally:
+        p.close()  # finishes the version being loaded
+    assert engine.loaded == [1, 2, 3] and engine.version == 3  # every version, in order
+
+
+def test_a_failed_weight_load_reaches_the_learner():
+    engine = SlowEngine(0.0, fail_at=1)
+    p = producer(engine, make_play(engine, delay=0.05), 2, deterministic=False)
+    p.start()
+    try:
+        p.publish({"w": 1}, 1)
+        with pytest.raises(RuntimeError, match="disk full"):
+            for step in range(2, 6):
+                p.next_batch(step)
+                p.publish({"w": step}, step)
+    finally:
+        p.close()

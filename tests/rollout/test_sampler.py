@@ -1,13 +1,17 @@
 """The embedded JAX sampler: exact greedy, trainer-equal logprobs, SGLang stop semantics."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_tpu import parallel
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
-from rl_tpu.models.transformer import Transformer
+from rl_tpu.models.transformer import Transformer, init_cache
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler, decode, prefill
 
@@ -211,6 +215,92 @@ def test_scanned_layers_sample_the_same(setup):
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in PROMPTS]
     expected = [r.output_ids for r in setup["sampler"].generate(requests)]
     assert [r.output_ids for r in scanned.generate(requests)] == expected
+
+
+def test_chunked_prefill_samples_what_a_whole_prefill_does(setup):
+    """prefill_chunk=16: four prompts (3 to 40 tokens, one batch padded to the 64-token
+    bucket) prefill in 4 chunks, with every greedy token and log-prob of one whole-prompt
+    prefill: the rows whose last prompt token lies in the first, second or third chunk too."""
+    prompts = PROMPTS + [list(range(40, 80))]
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=10, **GREEDY)) for p in prompts]
+    chunked = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"], prefill_chunk=16,
+                         prefix_cache_tokens=0)
+    for got, want in zip(chunked.generate(requests), setup["sampler"].generate(requests)):
+        assert got.output_ids == want.output_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="power of two"):
+        JaxSampler(setup["cfg"], setup["params"], prefill_chunk=24)
+
+
+def test_bf16_kv_cache_under_fp32_weights(setup):
+    """kv_dtype='bfloat16' stores the cache in bf16 while weights and math stay fp32: the
+    cache is half the bytes, and the log-probs move by bf16's rounding of K/V, not more."""
+    cfg = setup["cfg"].replace(cache_dtype="bfloat16")
+    assert init_cache(cfg, 2, 8)["k"][0].dtype == jnp.bfloat16
+    assert init_cache(setup["cfg"], 2, 8)["k"][0].dtype == jnp.float32
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"],
+                         kv_dtype="bfloat16")
+    assert sampler.cfg.param_dtype == "float32" and sampler.cfg.kv_dtype == jnp.bfloat16
+    prompt = PROMPTS[1]
+    res = sampler.generate([GenerateRequest(prompt, SamplingParams(max_new_tokens=8,
+                                                                   **GREEDY))])[0]
+    tokens = np.array([prompt + res.output_ids], np.int32)
+    lp, _ = token_logprobs(Transformer(setup["cfg"]), setup["params"], {"tokens": tokens})
+    error = np.abs(np.asarray(res.logprobs) - np.asarray(lp)[0, len(prompt):])
+    assert 0 < error.max() < 0.05, error  # inexact (bf16 K/V), but close
+
+
+def test_warmup_compiles_the_buckets_so_generation_compiles_nothing(setup):
+    """After warmup((4 rows, 32 prompt, 16 new)), batches inside those buckets (any prompt of
+    17-32 tokens, up to 16 new tokens, 3-4 rows, with or without stop ids) add no program;
+    a longer prompt adds its bucket's two."""
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"],
+                         prefix_cache_tokens=0)
+    assert sampler.warmup([(4, 32, 16)]) == 2 and sampler.stats()["compiled_programs"] == 2
+    jitted = (prefill._cache_size(), decode._cache_size())  # jax's own count agrees
+    prompts = [list(range(10, 30)), list(range(5, 37)), list(range(3, 21))]
+    sampler.generate([GenerateRequest(p, SamplingParams(max_new_tokens=9, **GREEDY))
+                      for p in prompts])
+    sampler.generate([GenerateRequest(p, SamplingParams(max_new_tokens=16, temperature=1.0,
+                                                        stop_token_ids=(7, 8)))
+                      for p in prompts + prompts[:1]])
+    assert sampler.stats()["compiled_programs"] == 2
+    assert (prefill._cache_size(), decode._cache_size()) == jitted
+    sampler.generate([GenerateRequest(list(range(40)), SamplingParams(max_new_tokens=4))])
+    assert sampler.stats()["compiled_programs"] == 4  # the 64-token, 1-row bucket
+
+
+def _decode_hlo(sampler: JaxSampler, rows: int, prompt: int, new: int) -> str:
+    """The compiled text of the sampler's decode chunk for a (rows, prompt, new) bucket."""
+    i32 = np.int32
+    keys = jax.vmap(jax.random.key)(np.arange(rows, dtype=np.uint32))
+    state = prefill(sampler.model, sampler._params, np.ones((rows, prompt), i32),
+                    np.full((rows,), prompt, i32), np.full((rows,), new, i32),
+                    np.zeros((rows,), i32), np.zeros((rows,), np.float32),
+                    np.ones((rows,), np.float32), np.full((rows,), -1, i32),
+                    np.full((rows, 1), -1, i32), np.full((rows, 1), -1, i32), keys,
+                    max_steps=new)
+    return decode.lower(sampler.model, sampler._params, state, chunk=4).compile().as_text()
+
+
+def test_tensor_parallel_sampler_equals_one_device_and_gathers_no_weight(setup):
+    """On its own mesh (8 devices: tensor 2 = the tiny model's kv heads, data 4) the sampler
+    splits heads, mlp and vocab, not the model width, and samples what one device does. Its
+    decode all-gathers only activations (a row's vocab shards for sampling), never a weight:
+    nothing as large as the smallest kernel."""
+    mesh = parallel.sampler_mesh(jax.devices(), setup["cfg"].num_kv_heads)
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    tp = JaxSampler(setup["cfg"], setup["params"], mesh=mesh, tokenizer=setup["tok"])
+    requests = [GenerateRequest(p, SamplingParams(max_new_tokens=8, **GREEDY)) for p in PROMPTS]
+    expected = setup["sampler"].generate(requests)
+    for got, want in zip(tp.generate(requests), expected):
+        assert got.output_ids == want.output_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    smallest_kernel = min(x.size for x in jax.tree.leaves(setup["params"]) if x.ndim >= 2)
+    gathered = [int(np.prod([int(d) for d in dims.split(",") if d]))
+                for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(",
+                                       _decode_hlo(tp, 4, 16, 16))]
+    assert gathered and max(gathered) < smallest_kernel, (gathered, smallest_kernel)
 
 
 def test_update_weights_from_a_trainer_mesh_reshards(setup):

@@ -395,6 +395,18 @@ def test_update_weights_exports_loads_verifies_and_cleans_up(fake, served, tmp_p
     assert result.weight_version == "step-2"
 
 
+def test_other_hosts_hand_their_own_copy_to_process_0_and_touch_no_disk(fake, served, tmp_path,
+                                                                        monkeypatch):
+    """Process 1 of a multi-host trainer, given its host's own copy (host-local arrays, as
+    parallel.host_copies gives): no export, no request; process 0 writes and loads."""
+    weights = tmp_path / "weights"
+    engine = _engine(fake.url, model_config=served, weights_dir=str(weights))
+    engine.wait_healthy(timeout=10)
+    monkeypatch.setattr(weight_sync.jax, "process_index", lambda: 1)
+    engine.weight_sync.update(_zeros_params(served), "step-1")
+    assert not weights.exists() and not fake.posts("/update_weights_from_disk")
+
+
 @pytest.mark.parametrize("change", [{"num_layers": 3}, {"hidden_size": 32}])
 def test_update_weights_refuses_other_shapes_before_any_update_request(fake, served, tmp_path,
                                                                        change):
