@@ -81,6 +81,13 @@ def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] =
     return Mesh(grid, MESH_AXES)
 
 
+def platform(mesh: Optional[Mesh]) -> str:
+    """The platform a program runs on: its mesh's devices (an AOT compile's TPUs on a CPU
+    host), else JAX's default devices."""
+    devices = mesh.devices.flat if mesh is not None else jax.devices()
+    return next(iter(devices)).platform
+
+
 def sampler_mesh(devices: Sequence[jax.Device], kv_heads: int, tensor: int = 0) -> Mesh:
     """The embedded sampler's mesh over one host's `devices`: {data, tensor}, no fsdp.
 

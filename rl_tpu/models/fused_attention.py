@@ -33,13 +33,6 @@ ATTENTION_IMPLS = ("xla", "dot_product", "splash")
 SPLASH_BLOCK = 128
 
 
-def platform(mesh) -> str:
-    """The platform a module runs on: its mesh's devices (an AOT compile's TPUs on a CPU host),
-    else JAX's default devices."""
-    devices = mesh.devices.flat if mesh is not None else jax.devices()
-    return next(iter(devices)).platform
-
-
 def segment_attention(q, k, v, segment_ids, impl: str, mesh=None, rules=None,
                       interpret: bool = False):
     """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] -> [B, T, N, H]: causal attention
@@ -54,7 +47,7 @@ def segment_attention(q, k, v, segment_ids, impl: str, mesh=None, rules=None,
 
 def _dot_product(q, k, v, segment_ids, mesh):
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
-    cudnn = platform(mesh) == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    cudnn = parallel.platform(mesh) == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
                                         implementation="cudnn" if cudnn else None)
 

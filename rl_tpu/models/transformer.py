@@ -29,7 +29,7 @@ import numpy as np
 
 from rl_tpu import parallel
 from rl_tpu.models.dense import dense_dot_general
-from rl_tpu.models.fused_attention import ATTENTION_IMPLS, platform, segment_attention
+from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
 
 Array = jax.Array
 
@@ -336,7 +336,7 @@ class Attention(nn.Module):
             new_cache = {"k": key, "v": value}
             key, value = key.astype(cfg.compute_dtype), value.astype(cfg.compute_dtype)
         impl = "xla" if cache is not None else cfg.attention_impl
-        if impl == "splash" and platform(self.mesh) != "tpu":
+        if impl == "splash" and parallel.platform(self.mesh) != "tpu":
             impl = "xla"  # a TPU kernel: elsewhere the blocked einsum, the same function
         if impl != "xla":  # mask: the segment ids [B, T]
             out = segment_attention(q, key, value, mask, impl, self.mesh, self.rules)
