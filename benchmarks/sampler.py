@@ -78,7 +78,7 @@ def time_draws(batches, vocab: int):
     import jax
     import jax.numpy as jnp
 
-    from rl_tpu.rollout.sampler import sample_next
+    from rl_tpu.rollout.decoding import sample_next
 
     draw = jax.jit(sample_next)
     rows = []

@@ -251,7 +251,7 @@ def host_devices(topology: str, devices: list, count: int = 0) -> list:
 def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory]:
     """The embedded sampler's prefill and one decode chunk on one host's chips (`host`), at
     rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them)."""
-    from rl_tpu.rollout import sampler as sampling
+    from rl_tpu.rollout import decoding as sampling
 
     r, env = config.rollout, config.env
     mesh = parallel.sampler_mesh(host, cfg.num_kv_heads, r.sampler_tensor)  # as make_engine

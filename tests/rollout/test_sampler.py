@@ -13,7 +13,8 @@ from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer, init_cache
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
-from rl_tpu.rollout.sampler import JaxSampler, decode, prefill
+from rl_tpu.rollout.decoding import decode, prefill
+from rl_tpu.rollout.sampler import JaxSampler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100, 101, 102, 103, 104]]
@@ -510,7 +511,7 @@ def test_draws_follow_the_stated_distribution(temperature, top_p, top_k, expecte
     top-k sampling draw exactly softmax(logits / T) renormalised over the kept tokens."""
     from jax.scipy.stats import chi2
 
-    from rl_tpu.rollout.sampler import sample_next
+    from rl_tpu.rollout.decoding import sample_next
 
     logits = np.tile(np.log(BASE_P).astype(np.float32) + 3.0, (DRAWS, 1))
     keys = jax.vmap(jax.random.key)(jax.numpy.arange(DRAWS))
@@ -534,7 +535,7 @@ def test_sampled_distribution_is_the_reported_one_at_152k_vocab():
     exact Gumbel noise, see the next test); that product is computed here in float64 from the
     sampler's own fp32 block quantities. The inverse-CDF draw it replaces was off by 2.4e-3 on
     these logits (2^-23 uniform steps and a non-monotone fp32 cumsum)."""
-    from rl_tpu.rollout.sampler import truncate, two_level_logits
+    from rl_tpu.rollout.decoding import truncate, two_level_logits
 
     v = 151936
     rng = np.random.RandomState(0)
@@ -561,7 +562,7 @@ def test_sampled_distribution_is_the_reported_one_at_152k_vocab():
 def test_gumbel_noise_reaches_the_far_tail():
     """The draw is exact only as far as the Gumbel noise is: its upper tail (E = -log U near
     0) must be resolved far below float32's 2^-23 uniform steps."""
-    from rl_tpu.rollout.sampler import gumbel_from_bits
+    from rl_tpu.rollout.decoding import gumbel_from_bits
 
     hi = np.array([0, 0, 0, 1 << 8, 0xFFFFFFFF], np.uint32)
     lo = np.array([1, 2, 1 << 20, 0, 0xFFFFFFFF], np.uint32)
@@ -582,7 +583,7 @@ def test_draws_at_152k_vocab_land_on_the_right_tokens():
     the padded last block), the rest e^-40 below: every draw is one of the four, at their odds."""
     from jax.scipy.stats import chi2
 
-    from rl_tpu.rollout.sampler import sample_next
+    from rl_tpu.rollout.decoding import sample_next
 
     v, b = 151936, 64
     heads, probs = np.array([7, 70000, 151000, 151935]), np.array([.4, .3, .2, .1])

@@ -1,0 +1,292 @@
+"""The embedded sampler's device programs: `prefill` and chunked KV-cache `decode`, and the
+draw of a token from the trainer's own distribution.
+
+Shape letters: B batch (rows = samples), P prompt length (bucketed), L new tokens (bucketed),
+S = P + L cache slots, V vocab, X stop ids per row, NB x BS the vocab in blocks (two-level draw).
+
+Sampling parameters (greedy, temperature, top-p and top-k, stop token ids, min_new_tokens and
+max_new_tokens) are per-row *arrays*, not compile-time constants, so one compiled prefill and
+one compiled decode per (B, P, L) bucket serve every mix of them. Prompts are right-padded; row
+r's token at position p sits in cache slot p, so rows of different prompt lengths decode side
+by side with no left padding. Decode is a `lax.while_loop` over up to `chunk` tokens that ends
+as soon as every row has stopped.
+
+Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
+final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax
+('full' convention: before top-p/top-k truncation). Tokens are drawn from exactly that
+distribution (renormalised over the kept tokens when truncated): a Gumbel-max draw in two
+levels, see `sample_next`. `JaxSampler` (sampler.py) drives these programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
+from rl_tpu.models.transformer import Transformer, cache_slots, init_cache
+from rl_tpu.rollout.prefix_cache import gather_pages
+
+GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
+
+
+def gumbel_from_bits(hi, lo):
+    """Standard Gumbel variates from two uint32 words each (any shape): g = -log(E), E ~ Exp(1).
+
+    What decides a Gumbel-max draw is the upper tail of g, i.e. E near 0. `E = -log(U)` with a
+    float32 uniform U (steps of 2^-23 below 1) stops at E = 2^-23, g <= 15.9, so each entry
+    loses the draws it would win only with a larger g: up to ~1.2e-7 of probability apiece,
+    which adds up over sqrt(V) or V entries. Here W = 1 - U carries 56 random bits in floating
+    point (the top 24 exactly, the next 32 below them), so E = -log1p(-W) keeps full relative
+    precision down to 2^-56 and g reaches 38.8: the tail cut is P(g > 38.8) ~ 1e-17 per entry.
+    """
+    v = (hi >> 8).astype(jnp.float32) * 2.0 ** -24 + lo.astype(jnp.float32) * 2.0 ** -56
+    # v rounds up to 1.0 with probability 2^-25 (E = inf, g = -inf would lose even as the one
+    # candidate left): clamp to the largest uniform below 1, a shift far below fp32 precision.
+    v = jnp.minimum(v, 1.0 - 2.0 ** -24)
+    return -jnp.log(-jnp.log1p(-v))
+
+
+def _gumbel_argmax(scores, keys):
+    """scores [B, N] log-weights (-inf = never) -> [B] index drawn with prob softmax(scores)."""
+    bits = jax.vmap(lambda k: jax.random.bits(k, (2,) + scores.shape[1:], jnp.uint32))(keys)
+    noisy = scores + gumbel_from_bits(bits[:, 0], bits[:, 1])
+    # -inf + inf (a zero exponential, p = 2^-56) would be nan, which argmax would pick
+    return jnp.argmax(jnp.where(scores > -jnp.inf, noisy, -jnp.inf), axis=-1)
+
+
+def _block_size(v: int) -> int:
+    """BS: the power of two at or above sqrt(V), so both levels of the draw are ~sqrt(V) wide."""
+    return 1 << max(0, math.ceil(math.log2(math.sqrt(v))))
+
+
+def two_level_logits(logits):
+    """logits [B, V] (-inf = removed) -> (block log-masses [B, NB], logits in blocks
+    [B, NB, BS], V padded to NB x BS with -inf). Token `NB_index * BS + j` is drawn with
+    probability softmax(block log-masses)[NB_index] x softmax(block NB_index)[j], which is
+    softmax(logits) up to the rounding of the block logsumexps (~1e-7 relative)."""
+    b, v = logits.shape
+    bs = _block_size(v)
+    nb = -(-v // bs)
+    # centred on the row max: scores stay O(1), where fp32 adds Gumbel noise most precisely
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    padded = jnp.pad(logits - top, ((0, 0), (0, nb * bs - v)), constant_values=-jnp.inf)
+    blocks = padded.reshape(b, nb, bs)
+    return jax.nn.logsumexp(blocks, axis=-1), blocks
+
+
+def draw_from_logits(logits, keys):
+    """One exact draw per row from softmax(logits [B, V]); keys [B]. Returns tokens [B] i32.
+
+    Gumbel-max (argmax of logits + Gumbel noise is an exact draw) in two levels: a block by
+    Gumbel-max over the NB block log-masses, then a token inside it by Gumbel-max over its BS
+    logits. That needs NB + BS ~ 2 sqrt(V) noise values per row instead of V, and no
+    cumulative sum, whose fp32 rounding (not even monotone at V = 152k) and the uniform's 2^-23
+    steps made the former inverse-CDF draw differ from the reported distribution by 1.5e-3 to
+    2.4e-3 in total variation at V = 152k (now < 1e-6; tests/rollout/test_sampler.py).
+    """
+    block_logits, blocks = two_level_logits(logits)
+    level_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2]
+    block = _gumbel_argmax(block_logits, level_keys[:, 0])
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, BS]
+    token = _gumbel_argmax(inside, level_keys[:, 1])
+    return (block * blocks.shape[-1] + token).astype(jnp.int32)
+
+
+def truncate(scaled, top_p, top_k):
+    """scaled logits [B, V] -> the same with every token outside the top-k [B] (-1 = all) and
+    outside the smallest prefix of mass >= top-p [B] set to -inf."""
+    order = jnp.argsort(-scaled, axis=-1)  # sort once for both
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    rank = jnp.arange(scaled.shape[-1])[None, :]
+    # top_p = 1 keeps all: in fp32 the mass before the last tokens can round up to 1.0, which
+    # would drop them from a row that asked for no top-p (it shares the batch with one that did)
+    keep = (((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+            & ((top_k[:, None] < 0) | (rank < top_k[:, None])))
+    filtered = jnp.full_like(scaled, -jnp.inf)
+    return jax.vmap(lambda f, o, v: f.at[o].set(v))(
+        filtered, order, jnp.where(keep, sorted_logits, -jnp.inf))
+
+
+def sample_next(logits, temperature, top_p, top_k, key):
+    """One token per row. logits [B, V] fp32; temperature/top_p [B] f32; top_k [B] i32
+    (-1 = all); key [B] keys. Returns (token [B], logprob [B] of the temperature-scaled
+    distribution before truncation, the quantity the trainer recomputes).
+
+    The token is an exact draw from softmax(logits / T) restricted to the top-k tokens and the
+    smallest top-p prefix (renormalised); greedy rows (T < 1e-6) take the argmax.
+    """
+    greedy = temperature < GREEDY_BELOW
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+
+    def sample():
+        needs_truncation = jnp.any((top_p < 1.0) | (top_k > 0))
+        candidates = jax.lax.cond(needs_truncation, lambda: truncate(scaled, top_p, top_k),
+                                  lambda: scaled)
+        return draw_from_logits(candidates, key)
+
+    argmax = jnp.argmax(scaled, axis=-1)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax.astype(jnp.int32), sample)
+    token = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
+    logprob, _ = logprobs_of(scaled, token, with_entropy=False)
+    return token, logprob
+
+
+def ban_tokens(logits, ids, active):
+    """logits [B, V] with the ids [B, X] (-1 = none) of rows where `active` [B] set to -inf."""
+    b, v = logits.shape
+    cols = jnp.where((ids >= 0) & (ids < v) & active[:, None], ids, v)  # v: dropped
+    return logits.at[jnp.arange(b)[:, None], cols].set(-jnp.inf, mode="drop")
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, per row r of the batch: the sampling settings, the
+    KV cache, the output so far. Lives on device between chunks."""
+
+    step: jax.Array  # next output index (all rows advance together)
+    token: jax.Array  # [B] last sampled token
+    cache: dict  # {'k', 'v'} [L, B, K, S, H]
+    tokens: jax.Array  # [B, L] output ids
+    logprobs: jax.Array  # [B, L]
+    count: jax.Array  # [B] tokens generated
+    done: jax.Array  # [B]
+    stopped: jax.Array  # [B] ended by a stop id (else by max_new, or not yet)
+    prompt_lens: jax.Array  # [B]
+    max_new: jax.Array  # [B]
+    min_new: jax.Array  # [B] no stop id may be sampled at output index < min_new
+    temperature: jax.Array  # [B]
+    top_p: jax.Array  # [B]
+    top_k: jax.Array  # [B]
+    stop_ids: jax.Array  # [B, X] ids that end a sample (-1 = none)
+    ban_ids: jax.Array  # [B, X] ids masked before min_new (eos + stop_token_ids, -1 = none)
+    keys: jax.Array  # [B] PRNG keys
+
+
+def _emit(model: Transformer, params, hidden, state: DecodeState, step):
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(state.keys)
+    logits = logits_from_hidden(model.cfg, params, hidden)
+    # min_new_tokens as SGLang's MinNewTokensPenalizer: the stop ids' logits are -inf until
+    # `min_new` tokens exist, so the reported logprob is then that of the penalised
+    # distribution, exactly as SGLang reports it (the trainer, which applies no penalty, sees a
+    # ratio != 1 on those tokens: the price of the constraint).
+    logits = ban_tokens(logits, state.ban_ids, step < state.min_new)
+    token, logprob = sample_next(logits, state.temperature, state.top_p, state.top_k, keys)
+    is_stop = jnp.any(token[:, None] == state.stop_ids, axis=-1)
+    return token, logprob, is_stop
+
+
+def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, last, chunk: int):
+    """(hidden [B, D] of each row's token at index last [B] of prompt_ids [B, P], the cache
+    with every prompt token's K/V written at positions [B, P]).
+
+    chunk > 0 (dividing P): the prompt runs `chunk` tokens at a time in a scan, each chunk
+    attending to the cache the chunks before it wrote: the same attention over the same slots
+    (every query sees slots <= its position), holding one chunk's activations, [B, C, F] in
+    the MLP and [B, K, G*C, S] logits, not the whole prompt's.
+    """
+    b, t = prompt_ids.shape
+    if not chunk or t <= chunk:
+        hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
+                                    return_hidden=True)
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache
+    if t % chunk:
+        raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {t}; use a "
+                         f"power of two (prompt buckets are powers of two)")
+    n = t // chunk
+
+    def one_chunk(carry, xs):
+        cache, picked = carry
+        k, ids, pos = xs
+        hidden, cache = model.apply({"params": params}, ids, pos, cache=cache,
+                                    return_hidden=True)
+        local = last - k * chunk  # the wanted token's index inside this chunk, if it is here
+        here = (local >= 0) & (local < chunk)
+        mine = jnp.take_along_axis(hidden, jnp.clip(local, 0, chunk - 1)[:, None, None],
+                                   axis=1)[:, 0]
+        return (cache, jnp.where(here[:, None], mine, picked)), None
+
+    split = lambda x: x.reshape(b, n, chunk).swapaxes(0, 1)  # noqa: E731  [n, B, C]
+    picked = jnp.zeros((b, model.cfg.hidden_size), model.cfg.compute_dtype)
+    (cache, picked), _ = jax.lax.scan(one_chunk, (cache, picked),
+                                      (jnp.arange(n), split(prompt_ids), split(positions)))
+    return picked, cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_steps", "chunk"))
+def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
+            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int, starts=None, pool=None,
+            page_table=None, chunk: int = 0) -> DecodeState:
+    """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
+
+    prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
+    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
+    output capacity.
+
+    Prefix reuse: with `pool`, the first starts[r] [B] prompt tokens of row r have K/V in the
+    pool's pages page_table [B, S / PS] (S = P + L slots, `prefix_cache.gather_pages`), and
+    prompt_ids [B, Q] hold only the rest, run at positions starts[r] + 0..Q-1.
+
+    chunk: prefill `chunk` prompt tokens at a time (0 = the whole prompt at once), see
+    `_prompt_hidden`.
+    """
+    b, t = prompt_ids.shape
+    if pool is None:
+        cache, starts = init_cache(model.cfg, b, t + max_steps), jnp.zeros((b,), jnp.int32)
+    else:
+        cache = gather_pages(pool, page_table)
+    # Padding past a row's prompt writes slots >= its length (clamped into the cache), which
+    # decode overwrites before any query can see them.
+    positions = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32),
+                            cache_slots(cache) - 1)
+    last, cache = _prompt_hidden(model, params, prompt_ids, positions, cache,
+                                 prompt_lens - starts - 1, chunk)
+    state = DecodeState(
+        step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
+        tokens=jnp.zeros((b, max_steps), jnp.int32),
+        logprobs=jnp.zeros((b, max_steps), jnp.float32), count=jnp.ones((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
+        max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys)
+    token, logprob, is_stop = _emit(model, params, last, state, 0)
+    return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
+                         logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
+                         done=is_stop | (max_new <= 1))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "chunk"), donate_argnames=("state",))
+def decode(model: Transformer, params, state: DecodeState, chunk: int) -> DecodeState:
+    """Up to `chunk` more tokens per live row; returns early once every row is done.
+
+    Decoding in chunks lets the host look in between (aborts, pauses, a weight swap) at the
+    cost of one tiny device->host read per chunk.
+    """
+    capacity = state.tokens.shape[1]
+    end = jnp.minimum(state.step + chunk, capacity)
+
+    def cond(st: DecodeState):
+        return (st.step < end) & ~jnp.all(st.done)
+
+    def body(st: DecodeState):
+        pos = (st.prompt_lens + st.step - 1)[:, None]
+        hidden, cache = model.apply({"params": params}, st.token[:, None], pos, cache=st.cache,
+                                    return_hidden=True)
+        new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.step)
+        live = ~st.done
+        count = st.count + live
+        return st.replace(
+            step=st.step + 1, token=new, cache=cache,
+            tokens=st.tokens.at[:, st.step].set(jnp.where(live, new, 0)),
+            logprobs=st.logprobs.at[:, st.step].set(jnp.where(live, logprob, 0.0)),
+            count=count, stopped=st.stopped | (live & is_stop),
+            done=st.done | (live & (is_stop | (count >= st.max_new))))
+
+    state = jax.lax.while_loop(cond, body, state)
+    # Rows cut by capacity (the bucket of max_new) count as done too.
+    return state.replace(done=state.done | (state.step >= capacity))
