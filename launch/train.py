@@ -1,4 +1,7 @@
-"""RL training: `python -m launch.train --config configs/X.py[:variant] --workdir W`.
+"""Training: `python -m launch.train --config configs/X.py[:variant] --workdir W`.
+
+Runs the config's recipe (`config.recipe`: rl, sft, expert_iteration, rloop, dpo; each
+`rl_tpu/recipes/<recipe>.py`'s `run(config, workdir)`).
 
 Overrides: any config leaf, e.g. `--config.algo.clip_high=0.28 --config.train.steps=10`; an
 unknown key or a value of the wrong type stops the run before anything compiles, naming the
@@ -7,11 +10,12 @@ servers (empty: the embedded JAX sampler). Rerunning the same command resumes fr
 checkpoint in W. Multi-host: run the same command on every host.
 """
 
+import importlib
+
 from absl import flags
 from ml_collections import config_flags
 
 import launch
-from rl_tpu.recipes import rl
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
                                 lock_config=True)
@@ -29,7 +33,9 @@ def use_rollout_urls(config):
 
 def main(argv):
     del argv  # launch.run has checked it
-    result = rl.run(flags.FLAGS.config, flags.FLAGS.workdir)
+    config = flags.FLAGS.config
+    recipe = importlib.import_module(f"rl_tpu.recipes.{config.recipe}")
+    result = recipe.run(config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 

@@ -129,6 +129,10 @@ class EpisodeStats:
     wall_s: Optional[float] = None
     env_steps_per_s: Optional[float] = None  # env_steps / wall_s: the loop's throughput
     finish_counts: dict = dataclasses.field(default_factory=dict)
+    # Steps whose info reports a rule decision (`info["violation"]`, the alignment-tipping
+    # envs), and how many of them broke the rule.
+    decisions: int = 0
+    violations: int = 0
 
     @classmethod
     def of(cls, trajectories: Sequence[Trajectory],
@@ -148,7 +152,11 @@ class EpisodeStats:
             env_step_s=step_s / steps if steps else 0.0,
             wall_s=wall_s,
             env_steps_per_s=steps / wall_s if wall_s else None,
-            finish_counts=dict(Counter(t.finish for t in trajectories)))
+            finish_counts=dict(Counter(t.finish for t in trajectories)),
+            decisions=sum("violation" in i for t in trajectories
+                          for i in t.info.get("step_infos", ())),
+            violations=sum(bool(i.get("violation")) for t in trajectories
+                           for i in t.info.get("step_infos", ())))
 
     def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
         """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates)."""

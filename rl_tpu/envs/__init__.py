@@ -17,6 +17,8 @@ ENV_MODULES: dict[str, str] = {
     "reasoning_gym": "reasoning",
     "math": "math",
     "largest": "largest",
+    "tipping_routes": "tipping",
+    "tipping_commons": "tipping",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",

@@ -34,6 +34,8 @@ from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
 def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
+    # The driver `python -m launch.train` runs: rl_tpu/recipes/<recipe>.py's run(config, W).
+    c.recipe = "rl"  # rl | sft | expert_iteration | rloop | dpo
 
     # model: an HF directory, or (path = "") a tiny random model built into the workdir.
     c.model = ml_collections.ConfigDict()
@@ -190,6 +192,34 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     # > 0: batches of like-length demos, sorted within pools of this many batches (for
     # multi-turn demos, whose lengths vary several-fold); 0: plain shuffled batches
     c.sft.group_by_length = 0
+
+    # Loops around the update (docs/loops.md): rounds of sample -> filter -> fine-tune.
+    # expert_iteration samples loop.samples_per_task replies to each of loop.tasks_per_round
+    # tasks from the current policy; rloop keeps the successes of a train.steps-step RL phase.
+    c.loop = ml_collections.ConfigDict()
+    c.loop.rounds = 3
+    c.loop.tasks_per_round = 256
+    c.loop.samples_per_task = 4
+    c.loop.reward_threshold = 1.0  # a sample is kept when its reward is >= this
+    c.loop.max_per_task = 0  # distinct kept samples a task (0 = all)
+    c.loop.max_examples = 0  # kept samples a round, hardest tasks first (0 = all)
+    c.loop.sft_steps = 100  # fine-tune steps a round
+    c.loop.sft_lr = 1e-3
+    c.loop.sft_batch_size = 64
+    # rloop: fine-tune the RL phase's starting weights (RLoop) or its final ones ("end": RL
+    # and SFT alternating with a period of train.steps)
+    c.loop.rft_from = "start"
+
+    # Preference optimisation (rl_tpu/recipes/dpo.py): offline from dpo.data_path, else online
+    # for loop.rounds rounds of loop.samples_per_task replies to loop.tasks_per_round prompts.
+    c.dpo = ml_collections.ConfigDict()
+    c.dpo.loss = "dpo"  # dpo | ipo | inpo
+    c.dpo.beta = 0.1  # dpo / ipo; inpo's eta is 1 / beta
+    c.dpo.inpo_tau = 0.1  # inpo: KL strength toward the initial policy (eta * tau <= 1)
+    c.dpo.data_path = ""  # JSONL of {"prompt", "chosen", "rejected"}; "" = online pairs
+    c.dpo.steps = 50  # preference steps a round (offline: in all)
+    c.dpo.lr = 1e-4
+    c.dpo.batch_size = 32  # pairs a step
     c.lock()
     return c
 
@@ -433,8 +463,38 @@ def _check_remote_env(env: ml_collections.ConfigDict) -> None:
                          f"{env.remote_backoff_s} must be >= 0")
 
 
+RECIPES = ("rl", "sft", "expert_iteration", "rloop", "dpo")
+
+
+def _check_loop(config: ml_collections.ConfigDict) -> None:
+    loop, dpo = config.loop, config.dpo
+    for key in ("rounds", "tasks_per_round", "samples_per_task", "sft_steps", "sft_batch_size"):
+        if loop[key] < 1:
+            raise ValueError(f"loop.{key}={loop[key]} must be >= 1")
+    if loop.max_per_task < 0 or loop.max_examples < 0:
+        raise ValueError("loop.max_per_task and loop.max_examples must be >= 0 (0 = no cap)")
+    if loop.rft_from not in ("start", "end"):
+        raise ValueError(f"loop.rft_from={loop.rft_from!r}; choose 'start' (RLoop: fine-tune "
+                         "the RL phase's starting weights) or 'end' (RL <-> SFT alternation)")
+    if dpo.loss not in ("dpo", "ipo", "inpo"):
+        raise ValueError(f"dpo.loss={dpo.loss!r}; choose dpo, ipo or inpo")
+    if dpo.beta <= 0 or dpo.steps < 1 or dpo.batch_size < 1:
+        raise ValueError(f"dpo.beta={dpo.beta}, dpo.steps={dpo.steps}, dpo.batch_size="
+                         f"{dpo.batch_size}: each must be > 0")
+    if dpo.loss == "inpo" and not 0 <= dpo.inpo_tau / dpo.beta <= 1:
+        raise ValueError(f"dpo.loss='inpo' needs 0 <= eta*tau <= 1 with eta = 1/dpo.beta: "
+                         f"dpo.inpo_tau={dpo.inpo_tau} / dpo.beta={dpo.beta} = "
+                         f"{dpo.inpo_tau / dpo.beta}")
+    if config.recipe == "dpo" and not dpo.data_path and loop.samples_per_task < 2:
+        raise ValueError("online DPO pairs the best and worst of a prompt's replies: set "
+                         "loop.samples_per_task >= 2")
+
+
 def check(config: ml_collections.ConfigDict) -> None:
     """Cross-key checks that no single field can make; each error names the keys to change."""
+    if config.recipe not in RECIPES:
+        raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
+    _check_loop(config)
     if config.algo.name not in ALGORITHMS:
         raise ValueError(f"algo.name={config.algo.name!r}; choose one of {ALGORITHMS}")
     _check_algo_block(config.algo)

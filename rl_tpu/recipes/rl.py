@@ -74,39 +74,13 @@ def step_seed(seed: int, step: int, what: int = 0) -> int:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Trains with RL per `config`; returns the final eval metrics."""
-    compiles = metrics_lib.CompileCounter()  # counts from here: the setup's compiles too
     trainer = Trainer(config, workdir)
     try:
         trainer.start_producer()
         for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
                                          "RL steps", enabled=trainer.is_chief):
-            t_step = time.time()
-            trajectories, rollout_metrics = trainer.rollout(step)              # rollout
-            t_rollout = time.time() - t_step
-            t0 = time.time()
-            batch = trainer.score(trainer.batch(trajectories, step))           # batch, score
-            t_score = time.time() - t0
-            t0 = time.time()
-            train_metrics = trainer.update(batch, step)                        # update
-            t_update = time.time() - t0
-            t0 = time.time()
-            trainer.sync(step)                                                 # sync
-            t_sync = time.time() - t0
-            record = {**rollout_metrics, **train_metrics,
-                      "time/rollout_s": t_rollout, "time/score_s": t_score,
-                      "time/update_s": t_update, "time/sync_s": t_sync,
-                      "time/step_s": time.time() - t_step,
-                      "time/rollout_tokens_per_s":
-                          rollout_metrics.get("rollout/played_tokens", 0.0) / max(t_rollout, 1e-9)}
-            if step % config.eval.every == 0 or step == config.train.steps:   # eval
-                record.update(trainer.evaluate(step))
-                if trainer.is_chief:
-                    print(f"step {step}: eval success {record['eval/success']:.3f}, "
-                          f"rollout reward {record['rollout/reward']:.3f}", flush=True)
-            record.update(compiles.take())
-            trainer.log(step, record)                                          # log
-            if step % config.checkpoint.every == 0 or step == config.train.steps:
-                trainer.save(step)                                             # checkpoint
+            _, record = trainer.train_step(step)      # rollout, batch, score, update, sync
+            trainer.end_step(step, record)            # eval (when due), log, checkpoint
         trainer.finish()
     finally:
         trainer.close()
@@ -118,6 +92,7 @@ class Trainer:
     with the loop's phases as methods."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.compiles = metrics_lib.CompileCounter()  # from here: the setup's compiles too
         check(config)
         # saved with every checkpoint; made now, so a value JSON cannot hold fails at once
         self.config_record = resume.config_record(config)
@@ -219,6 +194,44 @@ class Trainer:
         if start_metrics and self.is_chief:
             print(f"teacher success {start_metrics['eval/teacher_success']:.3f}, "
                   f"policy at the start of RL {self.last_eval['eval/success']:.3f}", flush=True)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
+        """Step `step`'s phases up to the weight sync: (the trajectories it trained on, its
+        record of rollout and train metrics with each phase's time)."""
+        t_step = time.time()
+        trajectories, rollout_metrics = self.rollout(step)                    # rollout
+        t_rollout = time.time() - t_step
+        t0 = time.time()
+        batch = self.score(self.batch(trajectories, step))                    # batch, score
+        t_score = time.time() - t0
+        t0 = time.time()
+        train_metrics = self.update(batch, step)                              # update
+        t_update = time.time() - t0
+        t0 = time.time()
+        self.sync(step)                                                       # sync
+        t_sync = time.time() - t0
+        return trajectories, {
+            **rollout_metrics, **train_metrics,
+            "time/rollout_s": t_rollout, "time/score_s": t_score, "time/update_s": t_update,
+            "time/sync_s": t_sync, "time/step_s": time.time() - t_step,
+            "time/rollout_tokens_per_s":
+                rollout_metrics.get("rollout/played_tokens", 0.0) / max(t_rollout, 1e-9)}
+
+    def end_step(self, step: int, record: dict) -> None:
+        """After step `step`'s update: the eval when it is due (every eval.every steps and
+        at the last), the step's log line, and a checkpoint when one is due."""
+        config = self.config
+        if step % config.eval.every == 0 or step == config.train.steps:
+            record.update(self.evaluate(step))
+            if self.is_chief:
+                print(f"step {step}: eval success {record['eval/success']:.3f}, "
+                      f"rollout reward {record['rollout/reward']:.3f}", flush=True)
+        record.update(self.compiles.take())
+        self.log(step, record)
+        if step % config.checkpoint.every == 0 or step == config.train.steps:
+            self.save(step)
 
     # -- phases -------------------------------------------------------------------------
 
@@ -381,16 +394,19 @@ class Trainer:
 
     def _rollout_metrics(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
         """Of the trajectories trained on (after DAPO's selection), over every host."""
-        stats = episode_stats(trajectories)
+        stats, out = episode_stats(trajectories), {}
         n = max(stats["episodes"], 1)
         versions = [t.oldest_version for t in trajectories]
-        return {"rollout/weight_version": float(min(versions, default=-1)),
-                "rollout/reward": stats["reward"], "rollout/success": stats["success"],
-                "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
-                "rollout/env_error_frac": stats["env_errors"] / n,
-                "rollout/context_limit_frac": stats["context_limits"] / n,
-                "train/horizon": _horizon(self.config, step - 1),
-                "train/max_new_tokens": _budget(self.config, step - 1)}
+        if "violation_rate" in stats:  # an env that reports rule decisions (envs/tipping.py)
+            out["rollout/violation_rate"] = stats["violation_rate"]
+        return out | {
+            "rollout/weight_version": float(min(versions, default=-1)),
+            "rollout/reward": stats["reward"], "rollout/success": stats["success"],
+            "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
+            "rollout/env_error_frac": stats["env_errors"] / n,
+            "rollout/context_limit_frac": stats["context_limits"] / n,
+            "train/horizon": _horizon(self.config, step - 1),
+            "train/max_new_tokens": _budget(self.config, step - 1)}
 
     def _prefill_metrics(self) -> dict[str, float]:
         """The embedded sampler's prompt tokens since the last call (eval's included): those

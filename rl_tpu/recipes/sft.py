@@ -73,7 +73,7 @@ def teacher_examples(make_env: Callable[[], Env], tasks: Sequence[Task],
     """One demonstration episode per task from the env's teacher; every teacher turn carries
     loss, token-exact with what the agent loop holds had the policy sampled those replies."""
     env, rng = _teacher_env(make_env), random.Random(seed)
-    out = [_chat_example(teacher_episode(env, task, rng, skill, max_turns)[0], tokenizer,
+    out = [chat_example(teacher_episode(env, task, rng, skill, max_turns)[0], tokenizer,
                          f"teacher demo of {task.task_id}") for task in tasks]
     env.close()
     return out
@@ -101,13 +101,13 @@ def chat_examples(path: str, tokenizer: ChatTokenizer) -> list[Example]:
             except (ValueError, KeyError, TypeError, AssertionError):
                 raise ValueError(f"{path}:{number}: expected a JSON object with a non-empty "
                                  "'messages' list of {role, content}") from None
-            out.append(_chat_example(messages, tokenizer, f"{path}:{number}"))
+            out.append(chat_example(messages, tokenizer, f"{path}:{number}"))
     if not out:
         raise ValueError(f"{path} holds no chats")
     return out
 
 
-def _chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
+def chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
     first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
     if first is None:
         raise ValueError(f"{where}: the chat has no assistant message to learn from")
@@ -126,9 +126,19 @@ def _chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
     return ids, mask
 
 
-def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
-            seed: int, host: tuple[int, int] = (0, 1),
-            group_by_length: int = 0) -> Iterator[dict]:
+def padded_rows(examples: Sequence[Example], t: int) -> dict:
+    """(ids, loss mask) examples as [B, t] tokens, loss_mask, segment_ids, positions."""
+    b = len(examples)
+    tokens = np.zeros((b, t), np.int32)
+    mask = np.zeros((b, t), bool)
+    segments = np.zeros((b, t), np.int32)
+    for i, (ids, m) in enumerate(examples):
+        tokens[i, :len(ids)], mask[i, :len(ids)], segments[i, :len(ids)] = ids, m, 1
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    return {"tokens": tokens, "loss_mask": mask, "segment_ids": segments, "positions": positions}
+
+
+class ExampleBatches:
     """This host's rows of global batches of `batch_size` examples, reshuffled each epoch
     (deterministic by seed, the same order on every host). host = (index, count).
 
@@ -136,97 +146,202 @@ def batches(examples: Sequence[Example], batch_size: int, buckets: Sequence[int]
     and cuts them into k batches served in random order: rows of a batch are of like length,
     so a batch pads to its own bucket instead of to its longest outlier's. Multi-turn episodes
     range from a few hundred tokens to the context limit, and attention's cost grows with the
-    square of the padded length."""
-    index, count = host
-    local = batch_size // count
-    rng = np.random.RandomState(seed)
-    order: list[int] = []
-    ready: list[list[int]] = []
-    pool = max(1, group_by_length) * batch_size
-    while True:
-        if not ready:
-            while len(order) < pool:
-                order += list(rng.permutation(len(examples)))
-            drawn, order = order[:pool], order[pool:]
-            if group_by_length > 0:
-                drawn.sort(key=lambda r: len(examples[r][0]))
-                cuts = [drawn[i:i + batch_size] for i in range(0, pool, batch_size)]
-                ready = [cuts[i] for i in rng.permutation(len(cuts))]
-            else:
-                ready = [drawn]
-        rows = ready.pop(0)
+    square of the padded length.
+
+    An iterator whose position is checkpointable: `get_state()` is a JSON-able dict (the
+    shuffling rng's state and the drawn-but-unserved rows) that `set_state` puts back, so a
+    resumed SFT run sees exactly the batches an uninterrupted one would have."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, buckets: Sequence[int],
+                 seed: int, host: tuple[int, int] = (0, 1), group_by_length: int = 0):
+        if not examples:
+            raise ValueError("no examples to make SFT batches of")
+        self.examples, self.batch_size, self.buckets = examples, batch_size, tuple(buckets)
+        self.host, self.group_by_length = host, group_by_length
+        self._rng = np.random.RandomState(seed)
+        self._order: list[int] = []
+        self._ready: list[list[int]] = []
+
+    def __iter__(self) -> "ExampleBatches":
+        return self
+
+    def __next__(self) -> dict:
+        if not self._ready:
+            self._draw_pool()
+        rows = self._ready.pop(0)
         # every host pads to the bucket of the longest row of the GLOBAL batch
-        t = bucket_length(max(len(examples[r][0]) for r in rows), buckets)
-        rows = rows[index * local:(index + 1) * local]
-        tokens = np.zeros((local, t), np.int32)
-        mask = np.zeros((local, t), bool)
-        segments = np.zeros((local, t), np.int32)
-        for i, r in enumerate(rows):
-            ids, m = examples[r]
-            tokens[i, :len(ids)], mask[i, :len(ids)], segments[i, :len(ids)] = ids, m, 1
-        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (local, t)).copy()
-        yield {"tokens": tokens, "loss_mask": mask, "segment_ids": segments,
-               "positions": positions}
+        t = bucket_length(max(self.length(r) for r in rows), self.buckets)
+        index, count = self.host
+        local = self.batch_size // count
+        return self.collate(rows[index * local:(index + 1) * local], t)
+
+    def length(self, r: int) -> int:
+        """Example r's length in tokens (what a batch pads to)."""
+        return len(self.examples[r][0])
+
+    def collate(self, rows: Sequence[int], t: int) -> dict:
+        """This host's rows as the padded [rows, t] arrays a step takes."""
+        return padded_rows([self.examples[r] for r in rows], t)
+
+    def _draw_pool(self) -> None:
+        pool = max(1, self.group_by_length) * self.batch_size
+        while len(self._order) < pool:
+            self._order += [int(i) for i in self._rng.permutation(len(self.examples))]
+        drawn, self._order = self._order[:pool], self._order[pool:]
+        if self.group_by_length > 0:
+            drawn.sort(key=self.length)
+            cuts = [drawn[i:i + self.batch_size] for i in range(0, pool, self.batch_size)]
+            self._ready = [cuts[i] for i in self._rng.permutation(len(cuts))]
+        else:
+            self._ready = [drawn]
+
+    def get_state(self) -> dict:
+        kind, keys, pos, has_gauss, gauss = self._rng.get_state()
+        return {"rng": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)],
+                "order": list(self._order), "ready": [list(r) for r in self._ready],
+                "num_examples": len(self.examples)}
+
+    def set_state(self, state: dict) -> None:
+        if state["num_examples"] != len(self.examples):
+            raise ValueError(f"the checkpointed SFT data position is over "
+                             f"{state['num_examples']} examples, but {len(self.examples)} were "
+                             "given: resume with the same data (or start a new workdir)")
+        kind, keys, pos, has_gauss, gauss = state["rng"]
+        self._rng.set_state((kind, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+        self._order, self._ready = list(state["order"]), [list(r) for r in state["ready"]]
 
 
-def train(state: TrainState, model, mesh, examples: Sequence[Example], *, num_steps: int,
-          batch_size: int, buckets: Sequence[int], seed: int, group_by_length: int = 0,
-          on_step: Optional[Callable[[int, dict], None]] = None) -> TrainState:
-    """`num_steps` SFT steps; on_step(step, host metrics) after each."""
-    if batch_size % components.data_parallel_size(mesh):
-        raise ValueError(f"sft.batch_size={batch_size} must divide by the data-parallel size "
-                         f"{components.data_parallel_size(mesh)}")
+def train(state: TrainState, model, mesh, data: Iterator[dict], *, num_steps: int,
+          start_step: int = 0,
+          on_step: Optional[Callable[[int, TrainState, dict], None]] = None) -> TrainState:
+    """SFT steps `start_step + 1 .. num_steps` on `data` (this host's rows of each global
+    batch); on_step(step, state, host metrics) after each (to log, or to checkpoint)."""
     step_fn = steps.compile_step(steps.make_sft_step(model), state, mesh)
-    data = batches(examples, batch_size, buckets, seed,
-                   host=(jax.process_index(), jax.process_count()),
-                   group_by_length=group_by_length)
     from rl_tpu.metrics import progress
 
-    for i in progress(range(num_steps), "SFT steps", enabled=jax.process_index() == 0):
+    for i in progress(range(start_step, num_steps), "SFT steps",
+                      enabled=jax.process_index() == 0):
         state, m = step_fn(state, parallel.host_to_global(next(data), mesh))
         if on_step is not None:
-            on_step(i + 1, {k: float(v) for k, v in jax.device_get(m).items()})
+            on_step(i + 1, state, {k: float(v) for k, v in jax.device_get(m).items()})
     return state
 
 
+def example_batches(config: ml_collections.ConfigDict, examples: Sequence[Example], mesh,
+                    batch_size: int, max_length: int) -> ExampleBatches:
+    """The config's SFT batches of `examples` for this host (sft.group_by_length, seed)."""
+    if batch_size % components.data_parallel_size(mesh):
+        raise ValueError(f"the SFT batch size {batch_size} must divide by the data-parallel "
+                         f"size {components.data_parallel_size(mesh)}")
+    return ExampleBatches(examples, batch_size, bucket_lengths(config, max_length), config.seed,
+                          host=(jax.process_index(), jax.process_count()),
+                          group_by_length=config.sft.group_by_length)
+
+
+def restore(ckpt, state: TrainState, data: ExampleBatches) -> tuple[int, TrainState]:
+    """The latest SFT checkpoint in `ckpt` (a `Checkpointer`), if any: (its step, the state),
+    with `data` moved to the position it had then; (0, state) for a fresh run."""
+    if ckpt.latest_step() is None:
+        return 0, state
+    step, restored, saved = ckpt.restore({"policy": state})
+    data.set_state(saved["data"])
+    return step, restored["policy"]
+
+
+def checkpoint_every(ckpt, data: ExampleBatches, every: int, last: int,
+                     meta: Optional[dict] = None) -> Callable[[int, TrainState], None]:
+    """An after-step hook that saves the state and the data position every `every` steps and
+    at step `last`: a run killed mid-way and started again (`restore`) repeats the
+    uninterrupted run number for number."""
+    def save(step: int, state: TrainState) -> None:
+        if step % every == 0 or step == last:
+            ckpt.save(step, {"policy": state}, {"data": data.get_state(), **(meta or {})})
+    return save
+
+
+def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
+              examples: Sequence[Example], *, steps: int, lr: float, batch_size: int,
+              checkpoint_dir: Optional[str] = None, on_metrics=None):
+    """`steps` SFT steps of `params` on `examples` at `lr` (the config's schedule, warmup
+    sft.warmup_steps), checkpointed in `checkpoint_dir` every checkpoint.every steps when it
+    is given (and resumed from it); returns the new params. The sampling loops (expert
+    iteration, RLoop) call this for each round's fine-tune; on_metrics(step, metrics)."""
+    from rl_tpu.checkpoint import Checkpointer
+
+    optim = components.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
+    state = components.new_state(params, optim)
+    data = example_batches(config, examples, mesh, batch_size, config.sft.max_length)
+    if checkpoint_dir is None:
+        return train(state, model, mesh, data, num_steps=steps,
+                     on_step=lambda i, _, m: on_metrics and on_metrics(i, m)).params
+    with Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
+                      async_save=config.checkpoint.async_save) as ckpt:
+        start, state = restore(ckpt, state, data)
+        save = checkpoint_every(ckpt, data, config.checkpoint.every, steps)
+
+        def after(step, state, metrics):
+            if on_metrics is not None:
+                on_metrics(step, metrics)
+            save(step, state)
+
+        state = train(state, model, mesh, data, num_steps=steps, start_step=start,
+                      on_step=after)
+        ckpt.wait()
+    return state.params
+
+
+def demonstrations(config: ml_collections.ConfigDict, make_env: Callable[[], Env],
+                   tokenizer) -> list[Example]:
+    """The config's SFT examples: the chats of sft.data_path, else sft.num_demos episodes of
+    the env's teacher at sft.teacher_skill on the first train tasks."""
+    s = config.sft
+    if s.data_path:
+        return chat_examples(s.data_path, tokenizer)
+    source = components.task_source(config, make_env)
+    tasks = [source.get(config.env.train_split, i) for i in range(s.num_demos)]
+    return teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed,
+                            max_turns=config.env.max_turns)
+
+
 def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer,
-               make_env: Callable[[], Env], writer,
-               step_offset: int = 0):
+               make_env: Callable[[], Env], writer, step_offset: int = 0,
+               checkpoint_dir: Optional[str] = None):
     """SFT the initial params on the configured demonstrations; returns the new params.
     Metrics go to `writer` at step `step_offset + sft_step` (the RL recipe logs them at
     negative steps, before RL's step 0)."""
     s = config.sft
-    if s.data_path:
-        examples = chat_examples(s.data_path, tokenizer)
-    else:
-        source = components.task_source(config, make_env)
-        tasks = [source.get(config.env.train_split, i) for i in range(s.num_demos)]
-        examples = teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed,
-                                    max_turns=config.env.max_turns)
-    optim = components.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
-    state = components.new_state(params, optim)
+    examples = demonstrations(config, make_env, tokenizer)
     started = time.time()
 
-    def on_step(step, m):
+    def on_metrics(step, m):
         if step % 10 == 0 or step == s.steps:
             writer.write(step + step_offset, {f"sft/{k}": v for k, v in m.items()}
                          | {"time/sft_s": time.time() - started})
 
-    state = train(state, model, mesh, examples, num_steps=s.steps, batch_size=s.batch_size,
-                  buckets=_buckets(config, s.max_length), seed=config.seed,
-                  group_by_length=s.group_by_length, on_step=on_step)
+    params = fine_tune(config, params, model, mesh, examples, steps=s.steps, lr=s.lr,
+                       batch_size=s.batch_size, checkpoint_dir=checkpoint_dir,
+                       on_metrics=on_metrics)
     log.info("SFT warm start: %d steps on %d examples in %.1fs", s.steps, len(examples),
              time.time() - started)
-    return state.params
+    return params
 
 
-def _buckets(config, max_length: int) -> tuple[int, ...]:
-    return tuple(b for b in config.train.length_buckets if b <= max_length) or (max_length,)
+def bucket_lengths(config, max_length: int) -> tuple[int, ...]:
+    """The lengths a batch of examples of up to `max_length` tokens may pad to: the
+    train.length_buckets below it and the first at or above it (else max_length itself)."""
+    buckets = sorted(config.train.length_buckets)
+    covering = [b for b in buckets if b >= max_length]
+    return tuple(b for b in buckets if b < max_length) + (covering[0] if covering
+                                                          else max_length,)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """SFT on its own: warm start, greedy eval on the eval split, HF export to W/final_hf."""
+    """SFT on its own: sft.steps steps, checkpointed in W/checkpoints (rerunning the command
+    resumes), then a greedy eval on the eval split and an HF export to W/final_hf."""
     from rl_tpu import metrics as metrics_lib
+    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.data.tasks import eval_tasks
+    from rl_tpu.models import hf
     from rl_tpu.recipes.config import check
 
     check(config)
@@ -236,16 +351,43 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     path = components.model_path(config, workdir)
     model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
     make_env = components.make_env_factory(config)
-    writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0,
+    s = config.sft
+    examples = demonstrations(config, make_env, tokenizer)
+    optim = components.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
+    state = components.new_state(params, optim)
+    del params  # donated into the state
+    data = example_batches(config, examples, mesh, s.batch_size, s.max_length)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                        async_save=config.checkpoint.async_save)
+    start, state = restore(ckpt, state, data)
+    if start:
+        log.warning("resumed SFT from step %d", start)
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start + 1,
+                                       enabled=jax.process_index() == 0,
                                        tensorboard=config.log.tensorboard)
-    params = warm_start(config, params, model, mesh, tokenizer, make_env, writer)
-    engine = components.make_engine(config, model_cfg, params, tokenizer, workdir)
-    from rl_tpu.data.tasks import eval_tasks
-    source = components.task_source(config, make_env)
-    tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
-    result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer, config.seed)
-    writer.write(config.sft.steps, {f"eval/{k}": v for k, v in result.items()})
-    writer.close()
-    from rl_tpu.models import hf
-    hf.save(os.path.join(workdir, "final_hf"), model_cfg, params, tokenizer=tokenizer.hf)
+    save = checkpoint_every(ckpt, data, config.checkpoint.every, s.steps)
+    started = time.time()
+
+    def after(step, state, m):
+        if step % 10 == 0 or step == s.steps:
+            writer.write(step, {f"sft/{k}": v for k, v in m.items()}
+                         | {"time/sft_s": time.time() - started})
+        save(step, state)
+
+    try:
+        state = train(state, model, mesh, data, num_steps=s.steps, start_step=start,
+                      on_step=after)
+        ckpt.wait()
+        engine = components.make_engine(config, model_cfg, state.params, tokenizer, workdir)
+        source = components.task_source(config, make_env)
+        tasks = [t for _, t in eval_tasks(source, config.env.eval_split,
+                                          config.eval.num_tasks)]
+        result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
+                                            config.seed)
+        writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
+        hf.save(os.path.join(workdir, "final_hf"), model_cfg, state.params,
+                tokenizer=tokenizer.hf)
+    finally:
+        ckpt.close()
+        writer.close()
     return result

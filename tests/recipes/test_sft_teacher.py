@@ -112,7 +112,7 @@ def _lengths_of(batch):
 def test_length_grouped_batches_pad_to_their_own_bucket():
     # 8 examples of lengths 1..8 (given shuffled), batches of 2, buckets 2/4/6/8
     examples = [([7] * n, [True] * n) for n in (5, 2, 8, 1, 7, 3, 6, 4)]
-    grouped = sft.batches(examples, 2, (2, 4, 6, 8), seed=0, group_by_length=4)
+    grouped = sft.ExampleBatches(examples, 2, (2, 4, 6, 8), seed=0, group_by_length=4)
     first_epoch = [next(grouped) for _ in range(4)]
     # sorted within the pool of 4 batches: {1,2}, {3,4}, {5,6}, {7,8}, in some order
     assert sorted(sorted(_lengths_of(b)) for b in first_epoch) == [[1, 2], [3, 4], [5, 6],
@@ -121,7 +121,7 @@ def test_length_grouped_batches_pad_to_their_own_bucket():
         assert b["tokens"].shape[1] == {2: 2, 4: 4, 6: 6, 8: 8}[max(_lengths_of(b))]
     # every example once per epoch, and the batch order itself is shuffled by the seed
     assert sorted(n for b in first_epoch for n in _lengths_of(b)) == list(range(1, 9))
-    plain = sft.batches(examples, 2, (2, 4, 6, 8), seed=0)
+    plain = sft.ExampleBatches(examples, 2, (2, 4, 6, 8), seed=0)
     assert sum(next(plain)["tokens"].shape[1] for _ in range(4)) > \
         sum(b["tokens"].shape[1] for b in first_epoch)
 
@@ -130,5 +130,5 @@ def test_ungrouped_batches_keep_their_order():
     """group_by_length=0 is the shuffled order runs resumed from before it existed saw."""
     examples = [([7] * n, [True] * n) for n in range(1, 9)]
     expected = list(np.random.RandomState(3).permutation(8))
-    got = sft.batches(examples, 2, (8,), seed=3)
+    got = sft.ExampleBatches(examples, 2, (8,), seed=3)
     assert [n - 1 for _ in range(4) for n in _lengths_of(next(got))] == expected

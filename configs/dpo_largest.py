@@ -1,0 +1,61 @@
+"""Online iterative DPO (and IPO, INPO) on the quickstart's task; offline DPO from a JSONL.
+
+    python -m launch.train --config configs/dpo_largest.py --workdir /tmp/dpo
+    python -m launch.train --config configs/dpo_largest.py:offline \\
+        --config.dpo.data_path=pairs.jsonl --workdir /tmp/dpo_offline
+
+The quickstart's setting (rl_tpu/recipes/config.py: largest_task): a tiny model and its SFT
+warm start on a teacher right 30% of the time (P_0). Then 3 rounds (rl_tpu/recipes/dpo.py):
+each samples 8 replies to 256 new training tasks from the current policy at temperature 1,
+pairs the best reply of a task against its worst when their rewards differ, and takes 60
+DPO steps of 32 pairs at lr 2e-4 (beta 0.1) against a reference refreshed to the round's
+starting policy. Variants: `ipo` (beta 0.1: a margin target of 5 nats), `inpo` (eta = 1 /
+beta = 10, tau 0.05 toward P_0), `offline` (one round on dpo.data_path's pairs, reference
+P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after each round is
+W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
+"""
+
+from rl_tpu.recipes.config import base_config, largest_task
+
+VARIANTS = ("dpo", "ipo", "inpo", "offline")
+
+
+def get_config(arg: str = ""):
+    parts = [p for p in arg.split(",") if p]
+    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
+                         "with ',smoke'")
+    variant = next((p for p in parts if p in VARIANTS), "dpo")
+    c = largest_task(base_config("grpo"))
+    c.recipe = "dpo"
+    c.eval.num_tasks = 500
+    c.loop.rounds = 3
+    c.loop.tasks_per_round = 256
+    c.loop.samples_per_task = 8
+    c.dpo.loss = "dpo"
+    c.dpo.beta = 0.1
+    c.dpo.steps = 60
+    c.dpo.lr = 2e-4
+    c.dpo.batch_size = 32
+    c.checkpoint.every = 30
+    if variant == "ipo":
+        c.dpo.loss = "ipo"
+    elif variant == "inpo":
+        c.dpo.loss = "inpo"
+        c.dpo.inpo_tau = 0.05
+    elif variant == "offline":
+        c.loop.rounds = 1
+    if "smoke" in parts:
+        c.loop.rounds = 2
+        c.loop.tasks_per_round = 8
+        c.loop.samples_per_task = 4
+        c.dpo.steps = 3
+        c.dpo.batch_size = 8
+        c.sft.steps = 30  # a warm start whose replies differ in reward: some pairs to train on
+        c.sft.num_demos = 256
+        c.sft.batch_size = 16
+        c.eval.num_tasks = 8
+        c.checkpoint.every = 2
+        c.log.plot = False
+    return c

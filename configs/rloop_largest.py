@@ -1,0 +1,59 @@
+"""RLoop against plain RL at the same number of sampled tokens, on the quickstart's task.
+
+    python -m launch.train --config configs/rloop_largest.py --workdir /tmp/rloop
+    python -m launch.train --config configs/rloop_largest.py:plain_rl --workdir /tmp/plain_rl
+
+Both start from the quickstart's SFT warm start (P_0; rl_tpu/recipes/config.py:
+largest_task) and sample the same RL rollouts: 60 GRPO steps of 32 tasks x 8 samples.
+  (default)   RLoop (rl_tpu/recipes/rloop.py): 3 rounds, each a 20-step RL run from P_r
+              whose correct samples (each distinct one once) fine-tune P_r itself, the
+              round's STARTING policy, for 100 steps at lr 1e-3 into P_{r+1}
+  alternate   RL and SFT alternating: the same, but the fine-tune continues from the RL
+              run's final policy (loop.rft_from = "end")
+  plain_rl    the control: one 60-step RL run (the quickstart's RL, 60 steps)
+Greedy success on 500 held-out tasks: W/metrics.jsonl's eval/success (RLoop: one line a
+round; each round's RL run has its own curve in W/round_R/rl). `smoke` shrinks any variant.
+The figures are in docs/loops.md.
+"""
+
+from rl_tpu.recipes.config import base_config, largest_task
+
+VARIANTS = ("rloop", "alternate", "plain_rl")
+
+
+def get_config(arg: str = ""):
+    parts = [p for p in arg.split(",") if p]
+    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
+                         "with ',smoke'")
+    variant = next((p for p in parts if p in VARIANTS), "rloop")
+    c = largest_task(base_config("grpo"))
+    c.eval.num_tasks = 500
+    c.recipe = "rloop"
+    c.loop.rounds = 3
+    c.train.steps = 20  # the RL run of a round
+    c.loop.reward_threshold = 1.0
+    c.loop.sft_steps = 100
+    c.loop.sft_lr = 1e-3
+    c.loop.sft_batch_size = 64
+    c.loop.rft_from = "end" if variant == "alternate" else "start"
+    if variant == "plain_rl":
+        c.recipe = "rl"
+        c.train.steps = 60
+    if "smoke" in parts:
+        c.train.steps = 2
+        c.train.tasks_per_step = 4
+        c.train.samples_per_task = 4
+        c.loop.rounds = 2
+        c.loop.reward_threshold = 0.0  # keeps every sample: the fine-tune always runs
+        c.loop.sft_steps = 3
+        c.loop.sft_batch_size = 8
+        c.sft.steps = 4
+        c.sft.num_demos = 64
+        c.sft.batch_size = 16
+        c.eval.num_tasks = 8
+        c.eval.every = 2
+        c.checkpoint.every = 1
+        c.log.plot = False
+    return c

@@ -1,0 +1,236 @@
+"""Preference optimisation: offline DPO / IPO from a preference JSONL, or online iterative DPO
+with a verifier's reward (INPO as an option).
+
+    python -m launch.train --config configs/dpo_largest.py --workdir /tmp/dpo
+    python -m launch.train --config configs/dpo_largest.py:offline \\
+        --config.dpo.data_path=pairs.jsonl --workdir /tmp/dpo_offline
+
+P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r, from P_r:
+  pairs      offline: every line of dpo.data_path, {"prompt": text or a list of chat
+             messages, "chosen": reply, "rejected": reply}. Online: loop.samples_per_task
+             replies to each of loop.tasks_per_round new training tasks sampled from P_r, scored
+             by the env's reward; a task whose best and worst replies differ in reward gives
+             one pair (best, worst). Online pairs are the sampled trajectories themselves
+             (multi-turn episodes too: every action carries loss), written to
+             W/round_r/pairs.json so a resumed round trains on exactly what it sampled
+  reference  sequence log-probs of both sides under the reference, refreshed every round:
+             P_r itself (dpo, ipo); for inpo the initial policy P_0 is the reference and P_r,
+             which sampled the pairs, the previous iterate (prev_*), with eta = 1 / dpo.beta
+             and tau = dpo.inpo_tau (rl_tpu/rl/preference.py has every formula)
+  optimise   dpo.steps steps of rl_tpu.train.steps' preference step on dpo.batch_size pairs
+             at dpo.lr, checkpointed with the data position in W/round_r/dpo
+  P_{r+1}    written to W/round_r/policy_hf, evaluated, logged at step r+1 (policy_chain.py)
+Offline runs are usually one round (loop.rounds = 1); more rounds retrain on the same pairs
+against each round's refreshed reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from rl_tpu import parallel
+from rl_tpu.checkpoint import Checkpointer
+from rl_tpu.recipes import components, sft
+from rl_tpu.recipes.experience import read_json, sample, write_json
+from rl_tpu.recipes.policy_chain import PolicyChain
+from rl_tpu.recipes.rl import step_seed
+from rl_tpu.train import steps
+from rl_tpu.train.batching import bucket_length
+from rl_tpu.trajectory import groups_of
+
+Example = sft.Example
+Pair = tuple[Example, Example]  # (chosen, rejected)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """loop.rounds rounds of pairs -> reference -> preference steps; returns the last eval."""
+    chain = PolicyChain(config, workdir)
+    try:
+        params = chain.load(chain.rounds_done)
+        initial = chain.load(0) if config.dpo.loss == "inpo" else None
+        for r in range(chain.rounds_done, config.loop.rounds):
+            pairs, record = round_pairs(chain, r, params)                          # pairs
+            if not pairs:
+                chain.finish_round(r, params, record)  # nothing to prefer: P_{r+1} = P_r
+                continue
+            reference = reference_logps(chain, pairs, params, initial)             # reference
+            params, metrics = optimise(chain, r, params, pairs, reference)         # optimise
+            chain.finish_round(r, params, {**record, **metrics})                   # P_{r+1}
+    finally:
+        chain.close()
+    return {k: v for k, v in chain.final_eval().items() if k.startswith("eval/")}
+
+
+# ----------------------------------------------------------------------------- pairs
+
+
+def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
+    """Round r's preference pairs and their metrics (offline: the JSONL's)."""
+    config = chain.config
+    if config.dpo.data_path:
+        pairs = preference_pairs(config.dpo.data_path, chain.tokenizer)
+        return pairs, {"loop/pairs": float(len(pairs))}
+    path = os.path.join(chain.round_dir(r), "pairs.json")
+    saved = read_json(path)
+    if saved is not None:
+        return [tuple(tuple(side) for side in p) for p in saved["pairs"]], saved["metrics"]
+    loop = config.loop
+    tasks = chain.round_tasks(r, loop.tasks_per_round)
+    trajectories = sample(config, chain.engine(params, f"round{r}"), chain.make_env, tasks,
+                          chain.tokenizer, loop.samples_per_task, step_seed(config.seed, r, 30))
+    pairs = []
+    for group in groups_of(trajectories):
+        # first of equals: the earliest sample, so the choice does not depend on sort order
+        best = max(group, key=lambda t: t.reward)
+        worst = min(group, key=lambda t: t.reward)
+        if best.reward > worst.reward:
+            pairs.append(tuple(([int(x) for x in t.tokens], [bool(m) for m in t.loss_mask])
+                               for t in (best, worst)))
+    n = max(len(trajectories), 1)
+    metrics = {"loop/pairs": float(len(pairs)), "loop/sampled": float(len(trajectories)),
+               "loop/sample_success": sum(t.success for t in trajectories) / n,
+               "loop/sample_reward": sum(t.reward for t in trajectories) / n,
+               "loop/sampled_tokens": float(sum(t.num_generated for t in trajectories))}
+    if chain.is_chief:
+        write_json(path, {"pairs": pairs, "metrics": metrics})
+    return pairs, metrics
+
+
+def preference_pairs(path: str, tokenizer) -> list[Pair]:
+    """A JSONL of {"prompt", "chosen", "rejected"} as token-exact pairs: the chat template's
+    prompt (a string is one user message), then each reply and the eos, which carry loss."""
+    pairs = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+                prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+                if isinstance(prompt, str):
+                    prompt = [{"role": "user", "content": prompt}]
+                assert isinstance(prompt, list) and prompt
+                assert isinstance(chosen, str) and isinstance(rejected, str)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise ValueError(f"{where}: expected a JSON object with 'prompt' (a string or "
+                                 "a list of {role, content}), 'chosen' and 'rejected' (strings)"
+                                 ) from None
+            pairs.append(tuple(sft.chat_example(prompt + [{"role": "assistant", "content": reply}],
+                                                tokenizer, where)
+                               for reply in (chosen, rejected)))
+    if not pairs:
+        raise ValueError(f"{path} holds no preference pairs")
+    return pairs
+
+
+class PairBatches(sft.ExampleBatches):
+    """Global batches of pairs, checkpointable like SFT's: chosen_* and rejected_* [B, T]
+    arrays padded to one length bucket, with each pair's per-pair `extras` ([N] arrays: the
+    reference log-probs) as [B] arrays."""
+
+    def __init__(self, pairs: Sequence[Pair], extras: dict[str, np.ndarray], *args, **kwargs):
+        super().__init__(pairs, *args, **kwargs)
+        self.extras = extras
+
+    def length(self, r: int) -> int:
+        chosen, rejected = self.examples[r]
+        return max(len(chosen[0]), len(rejected[0]))
+
+    def collate(self, rows: Sequence[int], t: int) -> dict:
+        out = {}
+        for side, index in (("chosen", 0), ("rejected", 1)):
+            arrays = sft.padded_rows([self.examples[r][index] for r in rows], t)
+            out.update({f"{side}_{k}": v for k, v in arrays.items()})
+        out.update({k: v[list(rows)] for k, v in self.extras.items()})
+        return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def sequence_logps(chain: PolicyChain, params, examples: Sequence[Example]) -> np.ndarray:
+    """[N] log-probability of each example's loss-masked tokens under `params` (every host
+    computes all of them), in batches of dpo.batch_size rows."""
+    config = chain.config
+    fn = steps.compile_logprob_fn(
+        steps.make_logprob_fn(chain.model, steps.StepConfig(
+            logprob_chunk=config.train.logprob_chunk)), params, chain.mesh)
+    dp = components.data_parallel_size(chain.mesh)
+    size = -(-config.dpo.batch_size // dp) * dp
+    buckets = sft.bucket_lengths(config, max(len(ids) for ids, _ in examples))
+    out = []
+    for start in range(0, len(examples), size):
+        chunk = list(examples[start:start + size])
+        n = len(chunk)
+        chunk += [([0], [False])] * (size - n)  # pad rows: a whole batch every call
+        t = bucket_length(max(len(ids) for ids, _ in chunk), buckets)
+        batch = sft.padded_rows(chunk, t)
+        mask = batch.pop("loss_mask")
+        lp, _ = fn(params, parallel.host_to_global(_host_share(batch), chain.mesh))
+        lp = np.asarray(jax.device_get(parallel.gather_to_host(lp)))
+        out.append(np.where(mask, lp, 0.0).sum(axis=1)[:n])
+    return np.concatenate(out).astype(np.float32)
+
+
+def _host_share(batch: dict) -> dict:
+    """This host's rows of a global batch every host holds whole."""
+    index, count = jax.process_index(), jax.process_count()
+    return {k: np.array_split(v, count)[index] for k, v in batch.items()}
+
+
+def reference_logps(chain: PolicyChain, pairs: Sequence[Pair], params,
+                    initial=None) -> dict[str, np.ndarray]:
+    """The [N] arrays the loss needs beside the pairs: ref_* under the reference (P_r for
+    dpo / ipo, the initial policy for inpo) and, for inpo, prev_* under P_r."""
+    chosen = [p[0] for p in pairs]
+    rejected = [p[1] for p in pairs]
+    under = {"ref": params} if initial is None else {"ref": initial, "prev": params}
+    return {f"{who}_{side}_logps": sequence_logps(chain, weights, examples)
+            for who, weights in under.items()
+            for side, examples in (("chosen", chosen), ("rejected", rejected))}
+
+
+# ----------------------------------------------------------------------------- optimise
+
+
+def loss_kwargs(dpo: ml_collections.ConfigDict) -> dict:
+    if dpo.loss == "inpo":
+        return {"eta": 1.0 / dpo.beta, "tau": dpo.inpo_tau}
+    return {"beta": dpo.beta}
+
+
+def optimise(chain: PolicyChain, r: int, params, pairs: Sequence[Pair],
+             reference: dict[str, np.ndarray]) -> tuple[object, dict]:
+    """dpo.steps preference steps from `params`, checkpointed in W/round_r/dpo; returns the
+    new params and the last step's metrics (dpo/*)."""
+    config, d = chain.config, chain.config.dpo
+    if d.batch_size % components.data_parallel_size(chain.mesh):
+        raise ValueError(f"dpo.batch_size={d.batch_size} must divide by the data-parallel size "
+                         f"{components.data_parallel_size(chain.mesh)}")
+    optim = components.optim_config(d.lr, config, d.steps, warmup_steps=0)
+    state = components.new_state(params, optim)
+    longest = max(max(len(c[0]), len(rj[0])) for c, rj in pairs)
+    data = PairBatches(pairs, reference, d.batch_size, sft.bucket_lengths(config, longest),
+                       config.seed, host=(jax.process_index(), jax.process_count()))
+    step_fn = steps.compile_step(steps.make_preference_step(
+        chain.model, d.loss, steps.StepConfig(logprob_chunk=config.train.logprob_chunk),
+        **loss_kwargs(d)), state, chain.mesh)
+    last: dict[str, float] = {}
+    with Checkpointer(os.path.join(chain.round_dir(r), "dpo", "checkpoints"),
+                      keep=config.checkpoint.keep,
+                      async_save=config.checkpoint.async_save) as ckpt:
+        start, state = sft.restore(ckpt, state, data)
+        save = sft.checkpoint_every(ckpt, data, config.checkpoint.every, d.steps)
+        for step in range(start + 1, d.steps + 1):
+            state, m = step_fn(state, parallel.host_to_global(next(data), chain.mesh))
+            last = {f"dpo/{k}": float(v) for k, v in jax.device_get(m).items()}
+            save(step, state)
+        ckpt.wait()
+    return state.params, last

@@ -1,0 +1,60 @@
+"""Expert iteration: rounds of rejection-sampling fine-tuning (RFT) from the current policy.
+
+    python -m launch.train --config configs/expert_iteration_largest.py --workdir /tmp/ei
+
+P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r, from P_r:
+  sample    loop.samples_per_task replies to each of loop.tasks_per_round training tasks (the
+            task stream's r-th chunk: new tasks every round), at the rollout temperature
+  filter    keep those with reward >= loop.reward_threshold, each distinct reply once
+            (recipes/experience.py: ExpertSet), hardest tasks first under the caps
+            loop.max_per_task / loop.max_examples
+  fine-tune P_r for loop.sft_steps SFT steps on the kept samples (token-exact: the policy's own
+            ids) at loop.sft_lr, checkpointed (a killed round resumes mid-fine-tune)
+  P_{r+1}   written to W/round_r/policy_hf, evaluated on the held-out tasks, logged at step r+1
+One round of this with loop.rounds = 1 is plain rejection-sampling fine-tuning. The samples
+of a round are written to W/round_r/samples.json before the fine-tune, so a resumed round
+trains on exactly what it sampled. Layout and resume: recipes/policy_chain.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from rl_tpu.recipes.experience import ExpertSet, read_json, sample, write_json
+from rl_tpu.recipes.policy_chain import PolicyChain
+from rl_tpu.recipes.rl import step_seed
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Runs loop.rounds rounds of sample -> filter -> fine-tune; returns the last eval."""
+    chain = PolicyChain(config, workdir)
+    loop = config.loop
+    try:
+        params = chain.load(chain.rounds_done)  # P_0 is built (warm start, eval) on first use
+        for r in range(chain.rounds_done, loop.rounds):
+            expert = sample_round(chain, r, params)                                # sample
+            examples = expert.examples(loop.max_per_task, loop.max_examples)       # filter
+            params, sft_metrics = chain.fine_tune(r, params, examples)             # fine-tune
+            chain.finish_round(r, params, {**expert.metrics(), **sft_metrics})     # P_{r+1}
+    finally:
+        chain.close()
+    return {k: v for k, v in chain.final_eval().items() if k.startswith("eval/")}
+
+
+def sample_round(chain: PolicyChain, r: int, params) -> ExpertSet:
+    """Round r's samples from `params`, kept in W/round_r/samples.json (read back on resume)."""
+    path = os.path.join(chain.round_dir(r), "samples.json")
+    saved = read_json(path)
+    if saved is not None:
+        return ExpertSet.from_state(saved)
+    config, loop = chain.config, chain.config.loop
+    tasks = chain.round_tasks(r, loop.tasks_per_round)
+    trajectories = sample(config, chain.engine(params, f"round{r}"), chain.make_env, tasks,
+                          chain.tokenizer, loop.samples_per_task, step_seed(config.seed, r, 20))
+    expert = ExpertSet(loop.reward_threshold)
+    expert.add(trajectories)
+    if chain.is_chief:
+        write_json(path, expert.state())
+    return expert

@@ -1,0 +1,191 @@
+"""A loop's policies P_0, P_1, ... as HF directories under its workdir, one round at a time.
+
+The loops around the update (expert iteration, RLoop, online DPO) share this plumbing:
+
+    W/start/policy_hf            P_0: the initial model, after the SFT warm start (sft.steps
+                                 steps, checkpointed in W/start/checkpoints) when there is one
+    W/round_R/...                round R's own work (samples, fine-tune checkpoints, an RL run)
+    W/round_R/policy_hf          P_{R+1}, written when round R ends
+    W/round_R/done.json          round R's summary; its presence says the round is complete
+    W/metrics.jsonl              one line a round: step 0 is P_0's eval, step R+1 P_{R+1}'s
+
+A round writes its policy before its done record, and every step of a round is resumable on
+its own, so a loop killed anywhere and started again continues where it was: finished rounds
+are skipped (their policy loaded from disk), an unfinished one resumes its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import jax
+import ml_collections
+
+from rl_tpu import metrics as metrics_lib
+from rl_tpu import parallel
+from rl_tpu.data.tasks import TaskStream, eval_tasks
+from rl_tpu.models import hf
+from rl_tpu.recipes import components, sft
+from rl_tpu.recipes.config import check
+from rl_tpu.recipes.experience import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+POLICY_DIR = "policy_hf"
+DONE_FILE = "done.json"
+
+
+class PolicyChain:
+    """Everything a loop of rounds holds: mesh, model, tokenizer, envs, eval tasks, a rollout
+    engine re-pointed at each round's policy, and the metrics writer."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        check(config)
+        parallel.maybe_initialize_distributed()
+        os.makedirs(workdir, exist_ok=True)
+        self.config, self.workdir = config, workdir
+        self.is_chief = jax.process_index() == 0
+        self.mesh = components.make_mesh(config)
+        self.base_path = components.model_path(config, workdir)
+        self.model_cfg, self.model, params, self.tokenizer = components.load_policy(
+            config, self.base_path, self.mesh)
+        del params  # each round loads its own start
+        self.make_env = components.make_env_factory(config)
+        self.source = components.task_source(config, self.make_env)
+        self.eval_list = [t for _, t in eval_tasks(self.source, config.env.eval_split,
+                                                   config.eval.num_tasks)]
+        self.rounds_done = 0
+        while os.path.exists(self.done_path(self.rounds_done)):
+            self.rounds_done += 1
+        self.writer = metrics_lib.MetricsWriter(
+            workdir, resume_step=self.rounds_done + 1 if self.rounds_done else None,
+            tensorboard=config.log.tensorboard, enabled=self.is_chief)
+        self._engine = None
+        self.started = time.time()
+
+    # -- where things are ------------------------------------------------------------------
+
+    def round_dir(self, r: int) -> str:
+        return os.path.join(self.workdir, f"round_{r}")
+
+    def done_path(self, r: int) -> str:
+        return os.path.join(self.round_dir(r), DONE_FILE)
+
+    def policy_path(self, r: int) -> str:
+        """P_r's HF dir: W/start/policy_hf for r = 0, else round r-1's."""
+        where = os.path.join(self.workdir, "start") if r == 0 else self.round_dir(r - 1)
+        return os.path.join(where, POLICY_DIR)
+
+    # -- policies ----------------------------------------------------------------------------
+
+    def load(self, r: int):
+        """P_r's params in their shardings (built first for r = 0)."""
+        if r == 0 and not os.path.isfile(os.path.join(self.policy_path(0), "config.json")):
+            self._make_start()
+        _, params = hf.load(self.policy_path(r), mesh=self.mesh, dtype=self.config.model.dtype,
+                            remat=self.config.model.remat,
+                            scan_layers=self.config.model.scan_layers,
+                            attention_block=self.config.model.attention_block,
+                            attention_impl=self.config.model.attention_impl)
+        return params
+
+    def _make_start(self) -> None:
+        """P_0: the initial model, fine-tuned on the warm-start demonstrations when sft.steps
+        > 0 (resumable), exported and evaluated (metrics step 0)."""
+        config = self.config
+        _, params = hf.load(self.base_path, mesh=self.mesh, dtype=config.model.dtype,
+                            remat=config.model.remat, scan_layers=config.model.scan_layers,
+                            attention_block=config.model.attention_block,
+                            attention_impl=config.model.attention_impl)
+        record: dict[str, float] = {}
+        if config.sft.steps > 0:
+            if not config.sft.data_path:
+                record["eval/teacher_success"] = sft.teacher_success(
+                    self.make_env, self.eval_list, config.sft.teacher_skill, config.seed,
+                    max_turns=components.eval_horizon(config))
+            params = sft.warm_start(
+                config, params, self.model, self.mesh, self.tokenizer, self.make_env,
+                _NoWriter(), checkpoint_dir=os.path.join(self.workdir, "start", "checkpoints"))
+        record.update(self.evaluate(params, "start"))
+        hf.save(self.policy_path(0), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        self.writer.write(0, record | {"time/loop_s": time.time() - self.started})
+        if self.is_chief:
+            print(f"P_0: eval success {record['eval/success']:.3f}", flush=True)
+
+    def finish_round(self, r: int, params, record: dict) -> dict:
+        """Writes P_{r+1}, evaluates it, logs the round at step r+1, marks it done.
+        loop/total_sampled_tokens adds up the rounds' loop/sampled_tokens."""
+        out = dict(record, **self.evaluate(params, f"round{r + 1}"))
+        before = (read_json(self.done_path(r - 1)) or {}) if r else {}
+        out["loop/total_sampled_tokens"] = (before.get("loop/total_sampled_tokens", 0.0)
+                                            + record.get("loop/sampled_tokens", 0.0))
+        out["time/loop_s"] = time.time() - self.started
+        hf.save(self.policy_path(r + 1), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        self.writer.write(r + 1, out)
+        if self.is_chief:
+            write_json(self.done_path(r), out)
+            print(f"round {r}: P_{r + 1} eval success {out['eval/success']:.3f}", flush=True)
+        self.rounds_done = r + 1
+        return out
+
+    def final_eval(self) -> dict:
+        return read_json(self.done_path(self.rounds_done - 1)) or {}
+
+    # -- sampling and evaluation ---------------------------------------------------------------
+
+    def engine(self, params, version: str):
+        """The rollout engine, serving `params` as `version` (made once, then re-pointed)."""
+        if self._engine is None:
+            self._engine = components.make_engine(self.config, self.model_cfg, params,
+                                                  self.tokenizer, self.workdir, version=version)
+        else:
+            self._engine.update_weights(parallel.host_copies(params), version)
+        return self._engine
+
+    def evaluate(self, params, version: str) -> dict[str, float]:
+        started = time.time()
+        engine = self.engine(params, version)
+        result = components.evaluate_policy(self.config, engine, self.make_env, self.eval_list,
+                                            self.tokenizer, self.config.seed)
+        return {f"eval/{k}": v for k, v in result.items()} | {
+            "time/eval_s": time.time() - started}
+
+    def round_tasks(self, r: int, num: int) -> list:
+        """Round r's `num` training tasks: the stream's r-th chunk (disjoint across rounds)."""
+        stream = TaskStream(self.source, self.config.env.train_split, tasks_per_step=num,
+                            seed=self.config.seed, process_index=0, process_count=1)
+        stream.set_state(dict(stream.get_state(), step=r))
+        return [t for _, t in stream.next()]
+
+    def fine_tune(self, r: int, params, examples, name: str = "rft") -> tuple:
+        """loop.sft_steps steps of `params` on `examples`, checkpointed in W/round_r/<name>."""
+        loop = self.config.loop
+        if not examples:
+            log.warning("round %d kept no samples: the policy is not fine-tuned", r)
+            return params, {}
+        last: dict[str, float] = {}
+
+        def on_metrics(step, m):
+            last.update({f"sft/{k}": v for k, v in m.items()})
+
+        params = sft.fine_tune(self.config, params, self.model, self.mesh, examples,
+                               steps=loop.sft_steps, lr=loop.sft_lr,
+                               batch_size=loop.sft_batch_size,
+                               checkpoint_dir=os.path.join(self.round_dir(r), name, "checkpoints"),
+                               on_metrics=on_metrics)
+        return params, last | {"loop/examples": float(len(examples))}
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.is_chief and self.config.log.plot and os.path.exists(self.writer.path):
+            metrics_lib.plot_curves(self.workdir)
+
+
+class _NoWriter:
+    """The warm start's per-step metrics are not kept in a loop's round-indexed file."""
+
+    def write(self, step, record) -> None:
+        del step, record
