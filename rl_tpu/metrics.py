@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-DEFAULT_CURVES = ("rollout/reward", "rollout/success", "train/entropy", "eval/success")
+DEFAULT_CURVES = ("rollout/reward", "rollout/success", "train/entropy", "eval/success",
+                  "rollout/violation_rate", "eval/violation_rate")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ ENV_MODULES: dict[str, str] = {
     "reasoning_gym": "reasoning",
     "math": "math",
     "largest": "largest",
+    "selfplay_arithmetic": "selfplay",
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)

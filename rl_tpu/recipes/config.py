@@ -35,7 +35,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     # The driver `python -m launch.train` runs: rl_tpu/recipes/<recipe>.py's run(config, W).
-    c.recipe = "rl"  # rl | sft | expert_iteration | rloop | dpo
+    c.recipe = "rl"  # rl | sft | expert_iteration | rloop | dpo | selfplay
 
     # model: an HF directory, or (path = "") a tiny random model built into the workdir.
     c.model = ml_collections.ConfigDict()
@@ -220,6 +220,13 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.dpo.steps = 50  # preference steps a round (offline: in all)
     c.dpo.lr = 1e-4
     c.dpo.batch_size = 32  # pairs a step
+
+    # Two-role self-play (rl_tpu/recipes/selfplay.py): train.samples_per_task proposals a
+    # slot, this many solver attempts a valid proposal; the proposer's reward peaks when the
+    # solver's success on its problem is target_success.
+    c.selfplay = ml_collections.ConfigDict()
+    c.selfplay.solver_samples = 4
+    c.selfplay.target_success = 0.5
     c.lock()
     return c
 
@@ -463,7 +470,7 @@ def _check_remote_env(env: ml_collections.ConfigDict) -> None:
                          f"{env.remote_backoff_s} must be >= 0")
 
 
-RECIPES = ("rl", "sft", "expert_iteration", "rloop", "dpo")
+RECIPES = ("rl", "sft", "expert_iteration", "rloop", "dpo", "selfplay")
 
 
 def _check_loop(config: ml_collections.ConfigDict) -> None:
@@ -485,6 +492,10 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"dpo.loss='inpo' needs 0 <= eta*tau <= 1 with eta = 1/dpo.beta: "
                          f"dpo.inpo_tau={dpo.inpo_tau} / dpo.beta={dpo.beta} = "
                          f"{dpo.inpo_tau / dpo.beta}")
+    sp = config.selfplay
+    if sp.solver_samples < 2 or not 0 < sp.target_success < 1:
+        raise ValueError(f"selfplay.solver_samples={sp.solver_samples} must be >= 2 (a solver "
+                         f"group) and selfplay.target_success={sp.target_success} in (0, 1)")
     if config.recipe == "dpo" and not dpo.data_path and loop.samples_per_task < 2:
         raise ValueError("online DPO pairs the best and worst of a prompt's replies: set "
                          "loop.samples_per_task >= 2")

@@ -35,6 +35,9 @@ from rl_tpu.recipes.experience import read_json, write_json
 log = logging.getLogger(__name__)
 
 POLICY_DIR = "policy_hf"
+# W/curves.png of a loop: one point a round (absent keys are skipped)
+LOOP_CURVES = ("eval/success", "loop/sample_success", "loop/kept", "loop/pairs",
+               "eval/violation_rate", "loop/total_sampled_tokens")
 DONE_FILE = "done.json"
 
 
@@ -181,7 +184,7 @@ class PolicyChain:
     def close(self) -> None:
         self.writer.close()
         if self.is_chief and self.config.log.plot and os.path.exists(self.writer.path):
-            metrics_lib.plot_curves(self.workdir)
+            metrics_lib.plot_curves(self.workdir, LOOP_CURVES)
 
 
 class _NoWriter:

@@ -72,9 +72,11 @@ def step_seed(seed: int, step: int, what: int = 0) -> int:
     return int(np.random.SeedSequence([seed, step, what]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains with RL per `config`; returns the final eval metrics."""
-    trainer = Trainer(config, workdir)
+def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
+        ) -> dict[str, float]:
+    """Trains with RL per `config`; returns the final eval metrics. `trainer_class`: a
+    subclass of `Trainer` that changes a phase (recipes/selfplay.py's rollout)."""
+    trainer = (trainer_class or Trainer)(config, workdir)
     try:
         trainer.start_producer()
         for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),

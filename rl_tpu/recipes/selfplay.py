@@ -1,0 +1,137 @@
+"""Two-role self-play: one model proposes problems and solves them, both roles in one GRPO batch.
+
+    python -m launch.train --config configs/selfplay_arithmetic.py --workdir /tmp/selfplay
+
+The env is `selfplay_arithmetic` (rl_tpu/envs/selfplay.py): a task's role is `propose` (write
+an expression of integers joined by + - *, checked and evaluated by the env) or `solve`
+(compute one). The RL trainer (recipes/rl.py) runs as it is, but each step's rollout is a game:
+  propose   each of the step's train.tasks_per_step slots is a proposer prompt, sampled
+            train.samples_per_task times (one GRPO group a slot)
+  solve     every valid proposal is a solver task, sampled selfplay.solver_samples times
+            (one GRPO group a proposal); the solver's reward is correctness
+  score     a valid proposal's reward peaks when the solver's success p on it is
+            selfplay.target_success (t): 1 - |p - t| / max(t, 1 - t); an invalid one gets 0.
+            A problem everyone solves, or no one does, teaches the solver nothing
+  update    both roles' tokens train in one batch: each row's loss mask holds its own
+            role's reply, and groups never mix roles (`info["role"]` tags the rows). An
+            invalid proposal's solver slots are filler rows without loss, so every step's
+            batch has the same shape (one compiled update)
+The difficulty of what is proposed is logged every step: selfplay/proposal_terms (integers a
+valid problem has), selfplay/solver_success (on this step's proposals),
+selfplay/proposal_valid, selfplay/proposer_reward; W/curves.png draws them beside the eval
+(eval/success: the solver's greedy accuracy on held-out problems of 2-3 terms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+import numpy as np
+
+from rl_tpu import metrics as metrics_lib
+from rl_tpu.agent import run_episodes
+from rl_tpu.envs.base import Task
+from rl_tpu.envs.selfplay import solve_task
+from rl_tpu.recipes import components
+from rl_tpu.recipes.rl import Trainer, run as run_trainer, step_seed
+from rl_tpu.train.rollout_batch import NO_LOSS
+from rl_tpu.trajectory import Trajectory
+
+SOLVER_GROUPS = 1 << 30  # solver group ids start here, above every task position
+CURVES = ("selfplay/solver_success", "selfplay/proposal_terms", "selfplay/proposal_valid",
+          "selfplay/proposer_reward", "eval/success", "train/entropy")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """The RL loop of recipes/rl.py with `SelfPlayTrainer`'s game as its rollout."""
+    if config.env.name != "selfplay_arithmetic":
+        raise ValueError(f"recipe='selfplay' plays env 'selfplay_arithmetic'; env.name is "
+                         f"{config.env.name!r} (use rl_tpu.recipes.config.set_env)")
+    return run_trainer(config, workdir, trainer_class=SelfPlayTrainer)
+
+
+def proposer_reward(solver_success: float, target: float) -> float:
+    """1 at p = target, falling linearly to 0 at whichever of p = 0 or 1 is farther."""
+    return 1.0 - abs(solver_success - target) / max(target, 1.0 - target)
+
+
+class SelfPlayTrainer(Trainer):
+    """The RL trainer whose rollout plays the proposer and the solver (module docstring)."""
+
+    def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
+        config = self.config
+        g, s = config.train.samples_per_task, config.selfplay.solver_samples
+        args = self._episode_args(tasks, chunk, round_index)
+        slots = [Task(f"propose/{pos}", {"role": "propose"}) for pos, _ in tasks]
+        proposals = run_episodes(self.engine, self.make_env, slots, **args)
+        for i, traj in enumerate(proposals):
+            traj.info["role"] = "propose"
+            traj.info["task"] = tasks[i // g]
+
+        valid = [(i, t) for i, t in enumerate(proposals) if _proposal(t) is not None]
+        kwargs = config.env.kwargs
+        solver_tasks = [solve_task(f"solve/{t.group_id}/{i % g}", _proposal(t)["expression"],
+                                   kwargs.max_terms, kwargs.max_number) for i, t in valid]
+        solutions: list[Trajectory] = []
+        if solver_tasks:
+            solver_args = dict(args, samples_per_task=s,
+                               # unique over hosts and steps: the slot's stream position
+                               group_ids=[SOLVER_GROUPS + tasks[i // g][0] * g + i % g
+                                          for i, _ in valid],
+                               sampling=components.sampling_params(
+                                   config, step_seed(config.seed, chunk, 50 + round_index)))
+            solutions = run_episodes(self.engine, self.make_env, solver_tasks, **solver_args)
+        for traj in solutions:
+            traj.info["role"] = "solve"
+
+        target = config.selfplay.target_success
+        for k, (i, traj) in enumerate(valid):
+            p = float(np.mean([t.success for t in solutions[k * s:(k + 1) * s]]))
+            traj.info["solver_success"] = p
+            _set_reward(traj, proposer_reward(p, target))
+        fillers = []
+        for traj in proposals:
+            if _proposal(traj) is None:
+                _set_reward(traj, 0.0)
+                # the solver slots it did not get: rows without loss, so the batch keeps one
+                # shape whatever share of proposals is valid
+                for _ in range(s):
+                    filler = dataclasses.replace(traj, info=dict(traj.info, **{NO_LOSS: True}))
+                    fillers.append(filler)
+        return proposals + solutions + fillers
+
+    def rollout(self, step: int):
+        trajectories, metrics = super().rollout(step)
+        return trajectories, {**metrics, **game_metrics(trajectories)}
+
+    def finish(self) -> None:
+        super().finish()
+        if self.is_chief and self.config.log.plot:
+            metrics_lib.plot_curves(self.workdir, CURVES, out_name="selfplay.png")
+
+
+def _proposal(traj: Trajectory):
+    """The env's record of a valid proposal (its step info), or None."""
+    infos = traj.info.get("step_infos") or [{}]
+    return infos[-1] if infos[-1].get("valid") else None
+
+
+def _set_reward(traj: Trajectory, reward: float) -> None:
+    traj.reward = reward
+    if traj.rewards:
+        traj.rewards[-1] = reward
+
+
+def game_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The game's state this step (real rows only, fillers aside)."""
+    real = [t for t in trajectories if not t.info.get(NO_LOSS)]
+    proposals = [t for t in real if t.info.get("role") == "propose"]
+    valid = [t for t in proposals if _proposal(t) is not None]
+    solves = [t for t in real if t.info.get("role") == "solve"]
+    mean = (lambda xs: float(np.mean(xs)) if xs else 0.0)
+    return {"selfplay/proposal_valid": len(valid) / max(len(proposals), 1),
+            "selfplay/proposal_terms": mean([_proposal(t)["terms"] for t in valid]),
+            "selfplay/proposal_abs_value": mean([abs(_proposal(t)["value"]) for t in valid]),
+            "selfplay/solver_success": mean([float(t.success) for t in solves]),
+            "selfplay/proposer_reward": mean([t.reward for t in proposals])}
