@@ -1,0 +1,72 @@
+"""Self-play's reward for the proposer and the game's metrics, by hand; the smoke end to end."""
+
+import numpy as np
+import pytest
+from test_loops import _train, _traj
+
+from rl_tpu.metrics import read_metrics
+from rl_tpu.recipes.selfplay import game_metrics, proposer_reward
+from rl_tpu.train.rollout_batch import NO_LOSS
+
+
+@pytest.mark.parametrize("p,target,reward", [
+    (0.5, 0.5, 1.0), (0.0, 0.5, 0.0), (1.0, 0.5, 0.0), (0.25, 0.5, 0.5),
+    (1.0, 0.25, 0.0), (0.0, 0.25, 1 - 0.25 / 0.75), (0.5, 0.25, 1 - 0.25 / 0.75)])
+def test_proposer_reward_peaks_at_the_target_success(p, target, reward):
+    assert proposer_reward(p, target) == pytest.approx(reward)
+
+
+def _proposal(terms, value, reward):
+    t = _traj("propose/0", [1, 2], reward)
+    t.info.update(role="propose", step_infos=[{"valid": True, "terms": terms, "value": value}])
+    return t
+
+
+def test_game_metrics_count_real_rows_by_role():
+    invalid = _traj("propose/1", [1, 3], 0.0)
+    invalid.info.update(role="propose", step_infos=[{"valid": False}])
+    filler = _traj("propose/1", [1, 3], 0.0)
+    filler.info.update(role="propose", step_infos=[{"valid": False}], **{NO_LOSS: True})
+    solves = [_traj("solve/0", [4, 5], r) for r in (1.0, 0.0, 1.0, 1.0)]
+    for t in solves:
+        t.info["role"] = "solve"
+    m = game_metrics([_proposal(2, 7, 0.5), _proposal(4, -3, 1.0), invalid, filler, *solves])
+    assert m["selfplay/proposal_valid"] == 2 / 3  # the filler is not a proposal
+    assert m["selfplay/proposal_terms"] == 3.0 and m["selfplay/proposal_abs_value"] == 5.0
+    assert m["selfplay/solver_success"] == 0.75
+    assert m["selfplay/proposer_reward"] == 0.5  # (0.5 + 1.0 + 0.0) / 3
+
+
+@pytest.mark.slow
+def test_selfplay_smoke_trains_both_roles(tmp_path):
+    out = _train("configs/selfplay_arithmetic.py:smoke", tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [r for r in read_metrics(str(tmp_path)) if "selfplay/proposal_valid" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["train/skipped"] == 0 and np.isfinite(r["train/loss"])
+        assert 0 <= r["selfplay/proposal_valid"] <= 1
+
+
+def test_violation_rate_is_rule_breaking_decisions_over_decisions():
+    from rl_tpu.evaluation import episode_stats
+    a = _traj("t/0", [1, 2], 1.0)
+    a.info["step_infos"] = [{"violation": True}, {"violation": False}, {}]  # 1 of 2 decisions
+    b = _traj("t/1", [1, 2], 0.3)
+    b.info["step_infos"] = [{"violation": False, "invalid_action": True}, {"violation": True}]
+    c = _traj("t/2", [1, 2], 0.0)  # no decisions at all
+    stats = episode_stats([a, b, c])
+    assert stats["violation_rate"] == 2 / 4
+    assert "violation_rate" not in episode_stats([c])  # an env without rules reports none
+
+
+@pytest.mark.slow
+def test_tipping_smoke_logs_violation_rates_in_rollouts_and_evals(tmp_path):
+    out = _train("configs/tipping_routes.py:kl,smoke", tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = read_metrics(str(tmp_path))
+    evals = [r for r in records if "eval/success" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(0 <= r["eval/violation_rate"] <= 1 for r in evals)
+    steps = [r for r in records if "rollout/reward" in r]
+    assert all("rollout/violation_rate" in r and r["train/kl"] >= 0 for r in steps)
