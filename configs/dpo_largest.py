@@ -15,7 +15,7 @@ P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after ea
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
 
 VARIANTS = ("dpo", "ipo", "inpo", "offline")
 
@@ -47,15 +47,7 @@ def get_config(arg: str = ""):
     elif variant == "offline":
         c.loop.rounds = 1
     if "smoke" in parts:
-        c.loop.rounds = 2
-        c.loop.tasks_per_round = 8
-        c.loop.samples_per_task = 4
+        shrink_loop_for_smoke(c)
         c.dpo.steps = 3
         c.dpo.batch_size = 8
-        c.sft.steps = 30  # a warm start whose replies differ in reward: some pairs to train on
-        c.sft.num_demos = 256
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.checkpoint.every = 2
-        c.log.plot = False
     return c

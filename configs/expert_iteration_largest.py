@@ -12,7 +12,7 @@ held-out tasks after each round is W/metrics.jsonl's eval/success at steps 0..3.
 seconds. The figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
 
 
 def get_config(arg: str = ""):
@@ -30,18 +30,7 @@ def get_config(arg: str = ""):
     if arg == "rft":
         c.loop.rounds = 1
     elif arg == "smoke":
-        c.loop.rounds = 2
-        c.loop.tasks_per_round = 4
-        c.loop.samples_per_task = 2
-        c.loop.reward_threshold = 0.0  # keeps every sample: the fine-tune always runs
-        c.loop.sft_steps = 3
-        c.loop.sft_batch_size = 8
-        c.sft.steps = 4
-        c.sft.num_demos = 64
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.checkpoint.every = 2
-        c.log.plot = False
+        shrink_loop_for_smoke(c)
     elif arg:
         raise ValueError(f"unknown variant {arg!r}; use '', 'rft' or 'smoke'")
     return c

@@ -16,7 +16,7 @@ round; each round's RL run has its own curve in W/round_R/rl). `smoke` shrinks a
 The figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
 
 VARIANTS = ("rloop", "alternate", "plain_rl")
 
@@ -42,18 +42,8 @@ def get_config(arg: str = ""):
         c.recipe = "rl"
         c.train.steps = 60
     if "smoke" in parts:
+        shrink_loop_for_smoke(c)
         c.train.steps = 2
         c.train.tasks_per_step = 4
         c.train.samples_per_task = 4
-        c.loop.rounds = 2
-        c.loop.reward_threshold = 0.0  # keeps every sample: the fine-tune always runs
-        c.loop.sft_steps = 3
-        c.loop.sft_batch_size = 8
-        c.sft.steps = 4
-        c.sft.num_demos = 64
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.eval.every = 2
-        c.checkpoint.every = 1
-        c.log.plot = False
     return c

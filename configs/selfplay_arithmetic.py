@@ -8,12 +8,12 @@ selfplay.py): a proposer writes an expression of up to 4 integers in [0, 20] joi
 on a teacher that proposes random 2-3 term problems and solves half of them, then 40 GRPO
 steps, each of 16 proposer slots x 4 proposals, every valid proposal tried 4 times by the
 solver. The proposer is paid most when the solver succeeds half the time on its problem
-(selfplay.target_success = 0.5). W/selfplay.png draws the proposer's difficulty
+(selfplay.target_success = 0.5). W/curves.png draws the proposer's difficulty
 (selfplay/proposal_terms), the solver's success on proposals and the held-out eval; the
 figures are in docs/loops.md. `smoke` runs the same game in seconds.
 """
 
-from rl_tpu.recipes.config import base_config, set_env
+from rl_tpu.recipes.config import base_config, set_env, shrink_loop_for_smoke
 
 
 def get_config(arg: str = ""):
@@ -43,18 +43,12 @@ def get_config(arg: str = ""):
     c.eval.num_tasks = 300
     c.checkpoint.every = 20
     if arg == "smoke":
+        shrink_loop_for_smoke(c)
         c.model.tiny_corpus_tasks = 20
         c.train.steps = 2
         c.train.tasks_per_step = 2
         c.train.samples_per_task = 2
         c.selfplay.solver_samples = 2
-        c.sft.steps = 30
-        c.sft.num_demos = 256
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.eval.every = 2
-        c.checkpoint.every = 1
-        c.log.plot = False
     elif arg:
         raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
     return c

@@ -18,7 +18,7 @@ rollouts `rollout/violation_rate`:
 `smoke` shrinks any of them. The figure and what it shows are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, set_env
+from rl_tpu.recipes.config import base_config, set_env, shrink_loop_for_smoke
 
 VARIANTS = ("plain", "penalty", "kl")
 
@@ -56,15 +56,9 @@ def get_config(arg: str = ""):
     if variant == "kl":
         c.algo.kl_coef = 0.5
     if "smoke" in parts:
+        shrink_loop_for_smoke(c, warm_start_steps=4)
         c.model.tiny_corpus_tasks = 20
         c.train.steps = 2
         c.train.tasks_per_step = 4
         c.train.samples_per_task = 4
-        c.sft.steps = 4
-        c.sft.num_demos = 64
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.eval.every = 2
-        c.checkpoint.every = 1
-        c.log.plot = False
     return c

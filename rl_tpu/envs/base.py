@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import random
 import re
 import time
 from typing import Any, Callable, Optional
@@ -53,6 +54,35 @@ class TaskSource(abc.ABC):
     def check_split(self, split: str):
         if split not in self.splits:
             raise ValueError(f"unknown split {split!r}; this source has {self.splits}")
+
+
+class SeededTasks(TaskSource):
+    """Task i of a split holds `draw(Random(split_seed + i), split, i)` (a dict) plus its seed,
+    split and index, with the id "<prefix>/<split>/<i>"; the train and eval seed ranges must
+    not overlap, so the eval set never shares a seed with training and is the same every time."""
+
+    def __init__(self, prefix: str, draw: Callable[[random.Random, str, int], dict], train_seed: int,
+                 eval_seed: int, train_size: int, eval_size: int):
+        train = range(train_seed, train_seed + train_size)
+        evals = range(eval_seed, eval_seed + eval_size)
+        if train.start < evals.stop and evals.start < train.stop:
+            raise ValueError(f"train seeds {train} and eval seeds {evals} overlap; move one "
+                             "(task i of a split uses seed split_seed + i)")
+        self.prefix, self.draw = prefix, draw
+        self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
+
+    def size(self, split: str) -> int:
+        self.check_split(split)
+        return self._splits[split][1]
+
+    def get(self, split: str, index: int) -> Task:
+        self.check_split(split)
+        seed, size = self._splits[split]
+        if not 0 <= index < size:
+            raise IndexError(f"split {split!r} has {size} tasks; index {index} is out of range")
+        data = self.draw(random.Random(seed + index), split, index)
+        data.update(seed=seed + index, split=split, index=index)
+        return Task(f"{self.prefix}/{split}/{index}", data)
 
 
 class Env(abc.ABC):

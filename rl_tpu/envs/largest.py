@@ -26,13 +26,13 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
+from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, register
 
 SYSTEM_PROMPT = "Reply with the largest number of the list, and nothing else."
 QUESTION = "Which number is largest?"
 
 
-class LargestTasks(TaskSource):
+class LargestTasks(SeededTasks):
     """Lists of `num_items` integers in [0, max_value]; train and eval from disjoint seeds."""
 
     def __init__(self, num_items: int, max_value: int, train_seed: int, eval_seed: int,
@@ -41,27 +41,13 @@ class LargestTasks(TaskSource):
             raise ValueError(f"num_items={num_items}: a list needs at least 2 numbers")
         if max_value < 1:
             raise ValueError(f"max_value={max_value} must be >= 1")
-        train = range(train_seed, train_seed + train_size)
-        evals = range(eval_seed, eval_seed + eval_size)
-        if train.start < evals.stop and evals.start < train.stop:
-            raise ValueError(f"train seeds {train} and eval seeds {evals} overlap; move one "
-                             "(task i of a split uses seed split_seed + i)")
         self.num_items, self.max_value = num_items, max_value
-        self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
+        super().__init__("largest", self._draw, train_seed, eval_seed, train_size, eval_size)
 
-    def size(self, split: str) -> int:
-        self.check_split(split)
-        return self._splits[split][1]
-
-    def get(self, split: str, index: int) -> Task:
-        self.check_split(split)
-        seed, size = self._splits[split]
-        if not 0 <= index < size:
-            raise IndexError(f"split {split!r} has {size} tasks; index {index} is out of range")
-        rng = random.Random(seed + index)
+    def _draw(self, rng: random.Random, split: str, index: int) -> dict:
+        del split, index  # both splits draw alike, from their own seeds
         numbers = [rng.randint(0, self.max_value) for _ in range(self.num_items)]
-        return Task(f"largest/{split}/{index}", {"numbers": numbers, "answer": str(max(numbers)),
-                                                  "split": split, "index": index})
+        return {"numbers": numbers, "answer": str(max(numbers))}
 
 
 def question(numbers) -> str:

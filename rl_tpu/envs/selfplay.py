@@ -26,7 +26,7 @@ import random
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
 
 SYSTEM_PROMPT = ("You play two roles. Asked to write a problem, reply with an arithmetic "
                  "expression of integers joined by + - * and nothing else. Asked to compute, "
@@ -95,34 +95,13 @@ def solve_task(task_id: str, expression: str, max_terms: int, max_number: int) -
                           "terms": terms})
 
 
-class SelfPlayTasks(TaskSource):
-    """train: propose / solve alternating by index; eval: `eval_size` solve tasks."""
-
-    def __init__(self, max_terms: int, max_number: int, train_seed: int, eval_seed: int,
-                 train_size: int, eval_size: int):
-        train = range(train_seed, train_seed + train_size)
-        evals = range(eval_seed, eval_seed + eval_size)
-        if train.start < evals.stop and evals.start < train.stop:
-            raise ValueError(f"train seeds {train} and eval seeds {evals} overlap; move one")
-        self.max_terms, self.max_number = max_terms, max_number
-        self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
-
-    def size(self, split: str) -> int:
-        self.check_split(split)
-        return self._splits[split][1]
-
-    def get(self, split: str, index: int) -> Task:
-        self.check_split(split)
-        seed, size = self._splits[split]
-        if not 0 <= index < size:
-            raise IndexError(f"split {split!r} has {size} tasks; index {index} is out of range")
-        task_id = f"selfplay/{split}/{index}"
-        if split == "train" and index % 2 == 0:
-            return Task(task_id, {"role": "propose"})
-        rng = random.Random(seed + index)
-        expression = random_expression(rng, rng.randint(2, min(3, self.max_terms)),
-                                       self.max_number)
-        return solve_task(task_id, expression, self.max_terms, self.max_number)
+def _draw_task(rng: random.Random, split: str, index: int, max_terms: int,
+               max_number: int) -> dict:
+    """train: propose / solve alternating by index; eval: solve only (2-3 terms)."""
+    if split == "train" and index % 2 == 0:
+        return {"role": "propose"}
+    expression = random_expression(rng, rng.randint(2, min(3, max_terms)), max_number)
+    return solve_task("", expression, max_terms, max_number).data
 
 
 @register("selfplay_arithmetic")
@@ -136,11 +115,13 @@ class SelfPlayArithmeticEnv(Env):
             raise ValueError(f"max_terms={max_terms} must be >= 2 and max_number={max_number} "
                              ">= 1")
         self.max_terms, self.max_number = max_terms, max_number
-        self._tasks = SelfPlayTasks(max_terms, max_number, train_seed, eval_seed, train_size,
-                                    eval_size)
+        self._tasks = SeededTasks(
+            "selfplay", lambda rng, split, index: _draw_task(rng, split, index, max_terms,
+                                                             max_number),
+            train_seed, eval_seed, train_size, eval_size)
         self._task: Optional[Task] = None
 
-    def tasks(self) -> SelfPlayTasks:
+    def tasks(self) -> SeededTasks:
         return self._tasks
 
     def reset(self, task: Task) -> str:

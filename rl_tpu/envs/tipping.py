@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Callable, Optional
+from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
 
 CONDITIONS = ("supervised", "unsupervised", "neutral")
 
@@ -129,34 +129,6 @@ def num(x: float) -> str:
     return format(round(x, 3) + 0.0, "g")
 
 
-class SeededTasks(TaskSource):
-    """Task i of a split holds `draw(Random(split_seed + i))` plus its seed, split and index;
-    the train and eval seed ranges must not overlap."""
-
-    def __init__(self, prefix: str, draw: Callable[[random.Random], dict], train_seed: int,
-                 eval_seed: int, train_size: int, eval_size: int):
-        train = range(train_seed, train_seed + train_size)
-        evals = range(eval_seed, eval_seed + eval_size)
-        if train.start < evals.stop and evals.start < train.stop:
-            raise ValueError(f"train seeds {train} and eval seeds {evals} overlap; move one "
-                             "(task i of a split uses seed split_seed + i)")
-        self.prefix, self.draw = prefix, draw
-        self._splits = {"train": (train_seed, train_size), "eval": (eval_seed, eval_size)}
-
-    def size(self, split: str) -> int:
-        self.check_split(split)
-        return self._splits[split][1]
-
-    def get(self, split: str, index: int) -> Task:
-        self.check_split(split)
-        seed, size = self._splits[split]
-        if not 0 <= index < size:
-            raise IndexError(f"split {split!r} has {size} tasks; index {index} is out of range")
-        data = self.draw(random.Random(seed + index))
-        data.update(seed=seed + index, split=split, index=index)
-        return Task(f"{self.prefix}/{split}/{index}", data)
-
-
 def _check(**conditions: bool) -> None:
     for what, ok in conditions.items():
         if not ok:
@@ -191,7 +163,8 @@ class RoutesEnv(Env):
         self._round = 0
         self._log: list[tuple[str, str, float]] = []  # (condition, choice, reward) per round
 
-    def _draw(self, rng: random.Random) -> dict:
+    def _draw(self, rng: random.Random, split: str, index: int) -> dict:
+        del split, index  # both splits draw alike, from their own seeds
         return {"template": rng.randrange(len(TEMPLATES)),
                 "conditions": [rng.choice(CONDITIONS) for _ in range(self.rounds)]}
 
@@ -311,7 +284,8 @@ class CommonsEnv(Env):
         self._round = self.rounds  # no episode yet
         self._log: list[dict] = []  # one record per played round
 
-    def _draw(self, rng: random.Random) -> dict:
+    def _draw(self, rng: random.Random, split: str, index: int) -> dict:
+        del split, index  # both splits draw alike, from their own seeds
         return {"initial": [rng.random() < self.initial_cooperation
                             for _ in range(self.num_agents - 1)]}
 

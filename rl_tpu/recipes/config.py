@@ -323,6 +323,26 @@ def shrink_for_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def shrink_loop_for_smoke(c: ml_collections.ConfigDict, warm_start_steps: int = 30
+                         ) -> ml_collections.ConfigDict:
+    """The `smoke` variant of a loop around the update (expert iteration, RLoop, DPO,
+    self-play, tipping): a short warm start (whose samples already differ in reward, so the
+    filters and pairs have something to keep), 2 short rounds, a tiny eval."""
+    c.loop.rounds = 2
+    c.loop.tasks_per_round = 8
+    c.loop.samples_per_task = 4
+    c.loop.sft_steps = 3
+    c.loop.sft_batch_size = 8
+    c.sft.steps = warm_start_steps
+    c.sft.num_demos = 256
+    c.sft.batch_size = 16
+    c.eval.num_tasks = 8
+    c.eval.every = 2
+    c.checkpoint.every = 1
+    c.log.plot = False
+    return c
+
+
 def env_kwargs(name: str) -> ml_collections.ConfigDict:
     """Env `name`'s keyword arguments with their defaults, as a locked block: each one a key of
     its type, so an override (`--config.env.kwargs.num_items=3`) is checked like any other. A

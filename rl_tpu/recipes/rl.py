@@ -93,6 +93,8 @@ class Trainer:
     """Everything one RL run holds, built from its config (and restored from its workdir),
     with the loop's phases as methods."""
 
+    curve_keys = metrics_lib.DEFAULT_CURVES  # what W/curves.png draws (absent keys skipped)
+
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         self.compiles = metrics_lib.CompileCounter()  # from here: the setup's compiles too
         check(config)
@@ -318,7 +320,7 @@ class Trainer:
             hf.save(os.path.join(self.workdir, "final_hf"), self.model_cfg,
                     self.learner.policy.params, tokenizer=self.tokenizer.hf)
         if self.is_chief and self.config.log.plot:
-            metrics_lib.plot_curves(self.workdir)
+            metrics_lib.plot_curves(self.workdir, self.curve_keys)
 
     def close(self) -> None:
         if getattr(self, "producer", None) is not None:

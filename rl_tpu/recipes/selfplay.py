@@ -29,7 +29,6 @@ import dataclasses
 import ml_collections
 import numpy as np
 
-from rl_tpu import metrics as metrics_lib
 from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Task
 from rl_tpu.envs.selfplay import solve_task
@@ -105,10 +104,7 @@ class SelfPlayTrainer(Trainer):
         trajectories, metrics = super().rollout(step)
         return trajectories, {**metrics, **game_metrics(trajectories)}
 
-    def finish(self) -> None:
-        super().finish()
-        if self.is_chief and self.config.log.plot:
-            metrics_lib.plot_curves(self.workdir, CURVES, out_name="selfplay.png")
+    curve_keys = CURVES
 
 
 def _proposal(traj: Trajectory):
