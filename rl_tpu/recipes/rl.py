@@ -191,7 +191,7 @@ class Trainer:
             self.replay.load_state(host_state.get("replay", []))
 
         self._engine_counts: dict[str, int] = {}  # the sampler's counters at the last log
-        self.last_eval: dict[str, float] = {}
+        self.last_eval = _last_eval(workdir, self.start)  # a resumed run's, from its log
         if self.start == 0:
             self.last_eval = self.evaluate(0) | start_metrics
             self.writer.write(0, self.last_eval)
@@ -488,6 +488,17 @@ def _budget(config, step: int) -> int:
     s = config.schedules
     return schedules.generation_budget(step, s.budget, s.budget_min, config.env.max_new_tokens,
                                        s.budget_period, s.budget_start, s.budget_stairs)
+
+
+def _last_eval(workdir: str, step: int) -> dict[str, float]:
+    """The eval/ metrics of the latest eval at or before `step` in W/metrics.jsonl ({} for a
+    fresh run), so a resumed run, even one resumed at its end, reports its last eval."""
+    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    if step == 0 or not os.path.exists(path):
+        return {}
+    evals = [r for r in metrics_lib.read_metrics(path)
+             if "eval/success" in r and r["step"] <= step]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
 
 
 def _agreed_length(trajectories, buckets) -> int:
