@@ -7,10 +7,10 @@
 The quickstart's setting (rl_tpu/recipes/config.py: largest_task): a tiny model and its SFT
 warm start on a teacher right 30% of the time (P_0). Then 3 rounds (rl_tpu/recipes/dpo.py):
 each samples 8 replies to 256 new training tasks from the current policy at temperature 1,
-pairs the best reply of a task against its worst when their rewards differ, and takes 60
-DPO steps of 32 pairs at lr 2e-4 (beta 0.1) against a reference refreshed to the round's
-starting policy. Variants: `ipo` (beta 0.1: a margin target of 5 nats), `inpo` (eta = 1 /
-beta = 10, tau 0.05 toward P_0), `offline` (one round on dpo.data_path's pairs, reference
+pairs the best reply of a task against its worst when their rewards differ, and makes four
+passes over the pairs in DPO steps of 32 pairs at lr 2e-4 (beta 0.1) against a reference
+refreshed to the round's starting policy. Variants: `ipo` (beta 0.1: a margin target of 5 nats), `inpo` (eta = 1 /
+beta = 10, tau 0.05 toward P_0), `offline` (60 steps on dpo.data_path's pairs, reference
 P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after each round is
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
@@ -36,6 +36,7 @@ def get_config(arg: str = ""):
     c.dpo.loss = "dpo"
     c.dpo.beta = 0.1
     c.dpo.steps = 60
+    c.dpo.epochs = 4.0  # online: 4 passes over each round's pairs (offline: dpo.steps)
     c.dpo.lr = 2e-4
     c.dpo.batch_size = 32
     c.checkpoint.every = 30
@@ -46,8 +47,10 @@ def get_config(arg: str = ""):
         c.dpo.inpo_tau = 0.05
     elif variant == "offline":
         c.loop.rounds = 1
+        c.dpo.epochs = 0.0
     if "smoke" in parts:
         shrink_loop_for_smoke(c)
         c.dpo.steps = 3
+        c.dpo.epochs = 0.0
         c.dpo.batch_size = 8
     return c

@@ -217,7 +217,8 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.dpo.beta = 0.1  # dpo / ipo; inpo's eta is 1 / beta
     c.dpo.inpo_tau = 0.1  # inpo: KL strength toward the initial policy (eta * tau <= 1)
     c.dpo.data_path = ""  # JSONL of {"prompt", "chosen", "rejected"}; "" = online pairs
-    c.dpo.steps = 50  # preference steps a round (offline: in all)
+    c.dpo.steps = 50  # preference steps a round (offline: in all)...
+    c.dpo.epochs = 0.0  # ...or (> 0) this many passes over the round's pairs
     c.dpo.lr = 1e-4
     c.dpo.batch_size = 32  # pairs a step
 
@@ -505,9 +506,9 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
                          "the RL phase's starting weights) or 'end' (RL <-> SFT alternation)")
     if dpo.loss not in ("dpo", "ipo", "inpo"):
         raise ValueError(f"dpo.loss={dpo.loss!r}; choose dpo, ipo or inpo")
-    if dpo.beta <= 0 or dpo.steps < 1 or dpo.batch_size < 1:
+    if dpo.beta <= 0 or dpo.steps < 1 or dpo.batch_size < 1 or dpo.epochs < 0:
         raise ValueError(f"dpo.beta={dpo.beta}, dpo.steps={dpo.steps}, dpo.batch_size="
-                         f"{dpo.batch_size}: each must be > 0")
+                         f"{dpo.batch_size}: each must be > 0; dpo.epochs={dpo.epochs} >= 0")
     if dpo.loss == "inpo" and not 0 <= dpo.inpo_tau / dpo.beta <= 1:
         raise ValueError(f"dpo.loss='inpo' needs 0 <= eta*tau <= 1 with eta = 1/dpo.beta: "
                          f"dpo.inpo_tau={dpo.inpo_tau} / dpo.beta={dpo.beta} = "

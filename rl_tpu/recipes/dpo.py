@@ -17,8 +17,9 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
              P_r itself (dpo, ipo); for inpo the initial policy P_0 is the reference and P_r,
              which sampled the pairs, the previous iterate (prev_*), with eta = 1 / dpo.beta
              and tau = dpo.inpo_tau (rl_tpu/rl/preference.py has every formula)
-  optimise   dpo.steps steps of rl_tpu.train.steps' preference step on dpo.batch_size pairs
-             at dpo.lr, checkpointed with the data position in W/round_r/dpo
+  optimise   dpo.steps steps (or dpo.epochs passes over the pairs) of rl_tpu.train.steps'
+             preference step on dpo.batch_size pairs at dpo.lr, checkpointed with the data
+             position in W/round_r/dpo
   P_{r+1}    written to W/round_r/policy_hf, evaluated, logged at step r+1 (policy_chain.py)
 Offline runs are usually one round (loop.rounds = 1); more rounds retrain on the same pairs
 against each round's refreshed reference.
@@ -27,6 +28,7 @@ against each round's refreshed reference.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Sequence
 
@@ -214,7 +216,8 @@ def optimise(chain: PolicyChain, r: int, params, pairs: Sequence[Pair],
     if d.batch_size % components.data_parallel_size(chain.mesh):
         raise ValueError(f"dpo.batch_size={d.batch_size} must divide by the data-parallel size "
                          f"{components.data_parallel_size(chain.mesh)}")
-    optim = components.optim_config(d.lr, config, d.steps, warmup_steps=0)
+    num_steps = preference_steps(d, len(pairs))
+    optim = components.optim_config(d.lr, config, num_steps, warmup_steps=0)
     state = components.new_state(params, optim)
     longest = max(max(len(c[0]), len(rj[0])) for c, rj in pairs)
     data = PairBatches(pairs, reference, d.batch_size, sft.bucket_lengths(config, longest),
@@ -227,10 +230,19 @@ def optimise(chain: PolicyChain, r: int, params, pairs: Sequence[Pair],
                       keep=config.checkpoint.keep,
                       async_save=config.checkpoint.async_save) as ckpt:
         start, state = sft.restore(ckpt, state, data)
-        save = sft.checkpoint_every(ckpt, data, config.checkpoint.every, d.steps)
-        for step in range(start + 1, d.steps + 1):
+        save = sft.checkpoint_every(ckpt, data, config.checkpoint.every, num_steps)
+        for step in range(start + 1, num_steps + 1):
             state, m = step_fn(state, parallel.host_to_global(next(data), chain.mesh))
             last = {f"dpo/{k}": float(v) for k, v in jax.device_get(m).items()}
             save(step, state)
         ckpt.wait()
-    return state.params, last
+    return state.params, last | {"dpo/steps": float(num_steps)}
+
+
+def preference_steps(dpo: ml_collections.ConfigDict, num_pairs: int) -> int:
+    """dpo.steps, or with dpo.epochs > 0 enough steps for that many passes over the pairs
+    (online rounds find fewer pairs as the policy improves: a fixed step count would pass
+    over a late round's few pairs many times, which is where DPO overfits)."""
+    if dpo.epochs > 0:
+        return max(1, math.ceil(dpo.epochs * num_pairs / dpo.batch_size))
+    return dpo.steps

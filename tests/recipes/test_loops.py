@@ -285,3 +285,12 @@ def test_rloop_killed_mid_way_resumes_exactly(tmp_path):
         assert rl_a == rl_b
     _assert_same_params(tmp_path / "straight" / "round_1" / "policy_hf",
                         resumed / "round_1" / "policy_hf")
+
+
+def test_preference_steps_are_counted_or_follow_the_pairs():
+    c = config("dpo_largest", "")
+    assert c.dpo.epochs == 4.0
+    assert dpo.preference_steps(c.dpo, 153) == 20  # ceil(4 * 153 / 32) = ceil(19.1)
+    assert dpo.preference_steps(c.dpo, 1) == 1
+    c.dpo.epochs = 0.0
+    assert dpo.preference_steps(c.dpo, 153) == c.dpo.steps == 60
