@@ -9,9 +9,9 @@ warm start on a teacher right 30% of the time (P_0). Then 3 rounds (rl_tpu/recip
 each samples 8 replies to 256 new training tasks from the current policy at temperature 1,
 pairs the best reply of a task against its worst when their rewards differ, and makes four
 passes over the pairs in DPO steps of 32 pairs at lr 2e-4 (beta 0.1) against a reference
-refreshed to the round's starting policy. Variants: `ipo` (beta 0.1: a margin target of 5 nats), `inpo` (eta = 1 /
-beta = 10, tau 0.05 toward P_0), `offline` (60 steps on dpo.data_path's pairs, reference
-P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after each round is
+refreshed to the round's starting policy. Variants: `ipo` (beta 0.1: a margin target of 5
+nats), `inpo` (eta = 1 / beta = 10, tau 0.05 toward P_0), `offline` (60 steps on
+dpo.data_path's pairs, reference P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after each round is
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
 
