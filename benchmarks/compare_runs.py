@@ -3,7 +3,9 @@
     python benchmarks/compare_runs.py --runs 'bapo s2=/tmp/exp/bapo_s2_seed*' \\
         --runs 'clip s2=/tmp/exp/clip_s2_seed*' --out docs/figures/bapo_offpolicy.png
 
-Each `--runs NAME=GLOB` is one method: the workdirs the glob matches are its seeds. The figure
+`--x tokens` puts every curve on the tokens sampled so far, so a loop around the update
+(docs/loops.md) and plain RL compare at equal sampling budgets. Each `--runs NAME=GLOB` is one
+method: the workdirs the glob matches are its seeds. The figure
 has one panel per metric (by default held-out success, policy entropy, rollout reward, BAPO's
 bounds; `--panels eval/success,rollout/turns,train/entropy` picks others),
 each method's seed-mean as a line and its seeds as faint lines. The table (markdown) gives,
@@ -31,8 +33,17 @@ def read(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if key in r and r["step"] >= 0]
+def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(x, value) of `key` over the run: x the step, or (x = "tokens") the tokens sampled so
+    far: an RL run's rollout/played_tokens added up, a loop's loop/total_sampled_tokens."""
+    points, sampled = [], 0.0
+    for r in records:
+        if r["step"] < 0:
+            continue
+        sampled += r.get("rollout/played_tokens", 0.0)
+        if key in r:
+            where = r["step"] if x == "step" else r.get("loop/total_sampled_tokens", sampled)
+            points.append((where, r[key]))
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -52,6 +63,9 @@ def main():
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
     parser.add_argument("--panels", default=",".join(k for k, _ in PANELS),
                         help="comma-separated metrics, one panel each")
+    parser.add_argument("--x", choices=("step", "tokens"), default="step",
+                        help="x axis: the RL step (a loop's round), or the tokens sampled so "
+                             "far (to set loops and plain RL side by side at equal budgets)")
     args = parser.parse_args()
     panels = [(key, TITLES.get(key, key)) for key in args.panels.split(",") if key]
 
@@ -86,7 +100,7 @@ def main():
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (key, title), ax in zip(panels, axes):
         for colour, (name, runs) in zip(colours, methods.items()):
-            curves = [series(r, key) for r in runs]
+            curves = [series(r, key, args.x) for r in runs]
             curves = [c for c in curves if c[0]]
             if not curves:
                 continue
@@ -101,7 +115,7 @@ def main():
                 ax.plot(curves[0][0][:n], low_mean, color=colour, linestyle="--",
                         linewidth=1.2)
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("RL step (loops: round)" if args.x == "step" else "tokens sampled")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
