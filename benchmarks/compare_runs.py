@@ -25,7 +25,10 @@ PANELS = (("eval/success", "held-out greedy success"), ("train/entropy", "policy
           ("rollout/reward", "rollout reward"), ("train/bapo_c_high", "BAPO c_high (c_low dashed)"))
 TITLES = dict(PANELS) | {"eval/turns": "held-out turns per episode",
                          "rollout/turns": "training turns per episode",
-                         "train/horizon": "training turn limit"}
+                         "train/horizon": "training turn limit",
+                         "rollout/violation_rate": "rule violations, sampled (training)",
+                         "eval/violation_rate": "rule violations, greedy (held out)",
+                         "train/kl": "KL to the reference"}
 
 
 def read(workdir: str) -> list[dict]:

@@ -28,6 +28,7 @@ from ml_collections import config_dict
 
 from rl_tpu import branching, schedules
 from rl_tpu.envs import base as envs
+from rl_tpu.models.fused_attention import SPLASH_BLOCK
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
 
 
@@ -288,6 +289,9 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     c.model.dtype = "bfloat16"
     c.model.scan_layers = True
     c.model.remat = "full"
+    # Splash attention (a Pallas kernel) on TPU, the blocked einsum elsewhere: Qwen2.5-1.5B's
+    # score pass on a v5e-16 needs 1.4 GiB a chip with it, 8.4 without (docs/scaling.md).
+    c.model.attention_impl = "splash"
     # Micro-batches and sampler rows from token budgets, so a short early bucket runs whole
     # and the 8192-token one a row a chip (Qwen2.5-1.5B on a v5e-16: at most 8.4 GiB of 16).
     c.train.tokens_per_device = 8192
@@ -579,6 +583,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.env.max_new_tokens + 16 > config.env.max_context_tokens:
         raise ValueError(f"env.max_context_tokens={config.env.max_context_tokens} leaves no "
                          f"room for env.max_new_tokens={config.env.max_new_tokens} and a prompt")
+    odd = [b for b in config.train.length_buckets if b > SPLASH_BLOCK and b % SPLASH_BLOCK]
+    if config.model.attention_impl == "splash" and odd:
+        raise ValueError(f"model.attention_impl='splash' runs in blocks of {SPLASH_BLOCK} tokens: "
+                         f"train.length_buckets {odd} are not multiples of {SPLASH_BLOCK} (make "
+                         "them so, or use model.attention_impl='xla')")
     if max(config.train.length_buckets) < config.env.max_context_tokens:
         raise ValueError(f"the largest of train.length_buckets={tuple(config.train.length_buckets)}"
                          f" is below env.max_context_tokens={config.env.max_context_tokens}")
