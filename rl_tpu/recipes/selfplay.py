@@ -17,7 +17,8 @@ an expression of integers joined by + - *, checked and evaluated by the env) or 
             invalid proposal's solver slots are filler rows without loss, so every step's
             batch has the same shape (one compiled update)
 The difficulty of what is proposed is logged every step: selfplay/proposal_terms (integers a
-valid problem has), selfplay/solver_success (on this step's proposals),
+valid problem has), selfplay/proposal_abs_value (the size of its answer),
+selfplay/solver_success (on this step's proposals),
 selfplay/proposal_valid, selfplay/proposer_reward; W/curves.png draws them beside the eval
 (eval/success: the solver's greedy accuracy on held-out problems of 2-3 terms).
 """
@@ -38,8 +39,8 @@ from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.trajectory import Trajectory
 
 SOLVER_GROUPS = 1 << 30  # solver group ids start here, above every task position
-CURVES = ("selfplay/solver_success", "selfplay/proposal_terms", "selfplay/proposal_valid",
-          "selfplay/proposer_reward", "eval/success", "train/entropy")
+CURVES = ("selfplay/solver_success", "selfplay/proposal_terms", "selfplay/proposal_abs_value",
+          "selfplay/proposal_valid", "selfplay/proposer_reward", "eval/success")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
