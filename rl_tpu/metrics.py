@@ -77,7 +77,7 @@ def read_metrics(path_or_workdir) -> list[dict]:
     return [record for _, record in _read_lines(path)[0]]
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str) -> None:
     """Write via a temp file in the same directory and os.replace: readers (and a crash) see
     the old file or the new one, never a mix."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-",
@@ -143,7 +143,7 @@ class MetricsWriter:
                 log.info("%s: dropping %d lines of steps >= %d, which the resumed run redoes",
                          self.path, len(lines) - len(kept), resume_step)
         if partial or len(kept) < len(lines):
-            _atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
+            atomic_write_text(self.path, "".join(line + "\n" for line, _ in kept))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log `metrics` (Python/numpy/jax scalars) at `step`; flushed before returning."""
@@ -208,17 +208,35 @@ _PANEL_INCHES = (8.0, 2.4)  # width, height of one key's panel
 _DPI = 100
 
 
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
+    """[n, 2] float64 (step, value) of the records that have `key` (null values skipped)."""
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return np.asarray(points, dtype=np.float64).reshape(-1, 2)
+
+
+def final_values(records: Sequence[Mapping[str, Any]],
+                 keys: Optional[Iterable[str]] = None) -> dict[str, Any]:
+    """Each key's value in the last record that has it (not null): a run's final metrics, as
+    keys are logged at different cadences (eval every few steps, rollout every step). All the
+    records' keys but "step" when `keys` is None; a key no record has is left out."""
+    out: dict[str, Any] = {}
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                out[key] = value
+    if keys is not None:
+        out = {key: out[key] for key in keys if key in out}
+    return out
+
+
 def curves_figure(records: Sequence[Mapping[str, Any]], keys: Iterable[str] = DEFAULT_CURVES):
     """A matplotlib Figure (Agg, no pyplot state) with one panel per key present in records."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     keys = list(keys)
-    series = {}
-    for key in keys:
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if points:
-            series[key] = np.asarray(points, dtype=np.float64)
+    series = {key: _series(records, key) for key in keys}
+    series = {key: xy for key, xy in series.items() if len(xy)}
     panels = max(len(series), 1)
     fig = Figure(figsize=(_PANEL_INCHES[0], _PANEL_INCHES[1] * panels), dpi=_DPI)
     FigureCanvasAgg(fig)
@@ -252,13 +270,58 @@ def plot_curves(workdir: str, keys: Iterable[str] = DEFAULT_CURVES,
     keys = list(keys)
     if not any(r.get(k) is not None for r in records for k in keys):
         log.warning("none of %s is in %s yet; the plot says so", keys, _metrics_path(workdir))
-    fig = curves_figure(records, keys)
-    path = os.path.join(os.fspath(workdir), out_name)
-    fd, tmp = tempfile.mkstemp(dir=os.fspath(workdir), prefix=".tmp-", suffix=".png")
+    return save_figure(curves_figure(records, keys), os.path.join(os.fspath(workdir), out_name))
+
+
+def overlay_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Iterable[str]):
+    """A Figure (Agg) comparing runs: one panel per key that some run logged, one line per
+    run (`runs` maps a label to its records), x = step, the legend on the right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = [key for key in keys if any(len(_series(records, key)) for records in runs.values())]
+    panels = max(len(keys), 1)
+    fig = Figure(figsize=(_PANEL_INCHES[0], _PANEL_INCHES[1] * panels + 0.4), dpi=_DPI,
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    if not keys:
+        ax = fig.add_subplot(1, 1, 1)
+        ax.text(0.5, 0.5, "none of the keys logged by any run yet", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
+    axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+    colours = [f"C{i % 10}" for i in range(len(runs))]
+    # Past 10 runs the colours repeat; the line style tells the next ten apart.
+    styles = [("-", "--", ":", "-.")[(i // 10) % 4] for i in range(len(runs))]
+    for ax, key in zip(axes, keys):
+        for colour, style, (label, records) in zip(colours, styles, runs.items()):
+            xy = _series(records, key)
+            if len(xy):
+                ax.plot(xy[:, 0], xy[:, 1], color=colour, linestyle=style, linewidth=1.3,
+                        marker="o" if len(xy) < 50 else None, markersize=3, label=label)
+        ax.set_title(key, fontsize="medium")
+        ax.set_ylabel(key.rsplit("/", 1)[-1])
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    # One legend for the figure: every run, whichever panels it has lines in.
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper",
+               fontsize="small")
+    return fig
+
+
+def save_figure(fig, path: str) -> str:
+    """fig as a png at `path` via a temp file and os.replace, so a notebook or a browser
+    reading the png never sees half of one; returns the path."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-",
+                               suffix=".png")
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, path)  # a notebook reading the png never sees half of one
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

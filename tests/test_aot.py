@@ -1,5 +1,6 @@
 """Ahead-of-time compiles for TPU slices (rl_tpu/aot.py, launch.compile_check): the sizes and
-advice checked by hand here; the compiles (libtpu, no TPU) in subprocesses, marked slow."""
+advice checked by hand here; the compiles (libtpu, no TPU) in subprocesses, marked slow; the real
+model sizes (minutes and GBs each) also `pod`, outside the default command."""
 
 import os
 import subprocess
@@ -101,6 +102,8 @@ def test_compile_check_names_what_does_not_fit_and_exits_1():
 
 
 @pytest.mark.slow
+@pytest.mark.pod
+@pytest.mark.timeout(2700)
 def test_qwen25_7b_agentgym_update_and_score_fit_a_v5p_128_slice():
     """The shipped AgentGym BabyAI settings (256 episodes of up to 8192 tokens, 4 minibatches,
     fsdp over every chip, scanned layers, full remat) with Qwen2.5-7B on v5p:4x4x4."""
@@ -116,6 +119,8 @@ def test_qwen25_7b_agentgym_update_and_score_fit_a_v5p_128_slice():
 
 
 @pytest.mark.slow
+@pytest.mark.pod
+@pytest.mark.timeout(2700)
 def test_qwen25_1_5b_agentgym_fits_a_v5e_16_slice():
     """The shipped AgentGym BabyAI settings with Qwen2.5-1.5B on v5e:4x4 (16 chips of 16 GiB),
     every program: the token budgets pick the update's and the score pass's micro-batches

@@ -47,16 +47,17 @@ def test_outcomes_come_back_in_order_with_errors_as_values():
 
 
 def test_time_limit_counts_from_start_not_from_queueing():
-    # One thread, three calls of 0.2 s under a 0.5 s limit: the third waits 0.4 s in the queue
-    # and runs 0.2 s, 0.6 s after map began, yet none of them timed out.
-    with WorkerPool(num_threads=1, timeout_s=0.5) as pool:
+    # One thread, four calls of 0.3 s under a 1.0 s limit: the fourth waits 0.9 s in the queue
+    # and runs 0.3 s, 1.2 s after map began, yet none of them timed out. (The 0.7 s between a
+    # call's run time and the limit absorbs a loaded machine's scheduling delays.)
+    with WorkerPool(num_threads=1, timeout_s=1.0) as pool:
         start = time.monotonic()
-        out = pool.map([returning(i, 0.2) for i in range(3)])
+        out = pool.map([returning(i, 0.3) for i in range(4)])
         elapsed = time.monotonic() - start
-    assert [o.value for o in out] == [0, 1, 2] and all(o.ok for o in out)
-    assert elapsed >= 0.6
+    assert [o.value for o in out] == [0, 1, 2, 3] and all(o.ok for o in out)
+    assert elapsed >= 1.2  # the last call started after the limit had passed since map began
     # `seconds` is each call's own run time, not its time in the queue.
-    assert all(0.2 <= o.seconds < 0.35 for o in out), [o.seconds for o in out]
+    assert all(0.3 <= o.seconds < 0.9 for o in out), [o.seconds for o in out]
     assert pool.retired == 0
 
 
