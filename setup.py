@@ -45,7 +45,7 @@ setup(
         # the one jax's own `tpu` extra pins.
         "tpu-aot": ["libtpu==0.0.42.*"],
         # nbclient + ipykernel run the notebooks (tests/test_notebooks.py).
-        "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0", "libtpu==0.0.42.*",
-                "nbclient>=0.10", "ipykernel>=6"] + ENVS,
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0",
+                "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6"] + ENVS,
     },
 )
