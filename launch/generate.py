@@ -1,8 +1,8 @@
-"""Smoke demo: load an HF model dir, run a forward pass and greedy generation with the
-embedded JAX sampler (KV cache, compiled decode loop).
+"""Generation demo: load an HF model directory, run a forward pass and greedy generation with
+the embedded JAX sampler (KV cache, compiled decode loop); a check that a model loads and runs.
 
   python -m launch.make_tiny_model --arch qwen2 --out /tmp/tiny_qwen2
-  python -m launch.smoke --model_path /tmp/tiny_qwen2
+  python -m launch.generate --model_path /tmp/tiny_qwen2
 """
 
 import time
