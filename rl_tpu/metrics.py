@@ -256,11 +256,43 @@ def curves_figure(records: Sequence[Mapping[str, Any]], keys: Iterable[str] = DE
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
             ax.plot(steps[window - 1:], smooth, linewidth=1.8, label=f"mean of {window}")
             ax.legend(loc="best", fontsize="small")
+        _reference_lines(ax, records, key, steps, values)
         ax.set_title(key, fontsize="medium")
+        ax.set_ylabel(_axis_label(key))
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     return fig
+
+
+# A run's yardsticks, drawn flat across the panel of the key they compare with: the teacher
+# the warm start imitated (logged once at step 0 by a run with a teacher).
+REFERENCE_KEYS = {"eval/success": (("eval/teacher_success", "teacher"),)}
+
+
+def _axis_label(key: str) -> str:
+    return key.rsplit("/", 1)[-1].replace("_", " ")
+
+
+def _reference_lines(ax, records, key: str, steps: np.ndarray, values: np.ndarray) -> None:
+    """Horizontal lines a curve is read against: its REFERENCE_KEYS, and for an eval curve
+    the policy RL started from (step 0; after the SFT warm start when the run had one, whose
+    metrics sit at negative steps)."""
+    drawn = False
+    for ref_key, label in REFERENCE_KEYS.get(key, ()):
+        ref = _series(records, ref_key)
+        if len(ref):
+            ax.axhline(ref[-1, 1], color="0.35", linestyle="--", linewidth=1,
+                       label=f"{label} {ref[-1, 1]:.3f}")
+            drawn = True
+    if key.startswith("eval/") and len(steps) > 1 and steps[0] == 0:
+        warm_started = any(r["step"] < 0 for r in records)
+        start = "SFT warm start" if warm_started else "start of RL"
+        ax.axhline(values[0], color="C2", linestyle=":", linewidth=1.2,
+                   label=f"{start} {values[0]:.3f}")
+        drawn = True
+    if drawn:
+        ax.legend(loc="best", fontsize="small")
 
 
 def plot_curves(workdir: str, keys: Iterable[str] = DEFAULT_CURVES,
@@ -300,7 +332,7 @@ def overlay_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], keys: Iterab
                 ax.plot(xy[:, 0], xy[:, 1], color=colour, linestyle=style, linewidth=1.3,
                         marker="o" if len(xy) < 50 else None, markersize=3, label=label)
         ax.set_title(key, fontsize="medium")
-        ax.set_ylabel(key.rsplit("/", 1)[-1])
+        ax.set_ylabel(_axis_label(key))
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("step")
     # One legend for the figure: every run, whichever panels it has lines in.

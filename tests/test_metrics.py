@@ -203,3 +203,20 @@ def test_compile_counter_counts_compiles_and_persistent_cache_loads():
     f(np.ones((4, 7), np.float32))
     loaded = counter.take()
     assert (loaded["time/compiles"], loaded["time/cache_loads"]) == (0.0, 1.0)
+
+
+def test_eval_curves_carry_their_yardsticks_and_axis_labels():
+    records = [{"step": -3, "sft/loss": 2.0},
+               {"step": 0, "eval/success": 0.4, "eval/teacher_success": 0.47},
+               {"step": 1, "rollout/reward": 0.3},
+               {"step": 10, "eval/success": 0.9, "rollout/reward": 0.8}]
+    fig = curves_figure(records, ["rollout/reward", "eval/success"])
+    reward, success = fig.axes
+    assert reward.get_ylabel() == "reward" and success.get_ylabel() == "success"
+    assert reward.get_legend() is None  # a per-step curve has no yardstick
+    labels = [t.get_text() for t in success.get_legend().get_texts()]
+    assert labels == ["eval/success", "teacher 0.470", "SFT warm start 0.400"]
+    # without a warm start (no negative steps) the line is the start of RL
+    fig = curves_figure(records[1:], ["eval/success"])
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels[-1] == "start of RL 0.400"

@@ -30,6 +30,7 @@ run repeats an uninterrupted one number for number (asynchronous: in determinist
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 TIME_KEYS_PREFIX = "time/"  # wall-clock metrics: the only ones a resumed run may not repeat
 REFERENCE = "reference"  # the frozen reference policy: saved once per run, not every step
+FINISHED_FILE = "finished.json"  # written last by Trainer.finish: the run reached its end
 
 
 def step_seed(seed: int, step: int, what: int = 0) -> int:
@@ -76,6 +78,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
         ) -> dict[str, float]:
     """Trains with RL per `config`; returns the final eval metrics. `trainer_class`: a
     subclass of `Trainer` that changes a phase (recipes/selfplay.py's rollout)."""
+    finished = finished_run(config, workdir)
+    if finished is not None:
+        return finished
     trainer = (trainer_class or Trainer)(config, workdir)
     try:
         trainer.start_producer()
@@ -87,6 +92,31 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
     finally:
         trainer.close()
     return {k: v for k, v in trainer.last_eval.items() if k.startswith("eval/")}
+
+
+def finished_run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+    """A rerun of a run that already reached `config.train.steps` (W/finished.json): says so
+    and where its results are, and returns its final eval metrics, without building anything;
+    None (train or resume) otherwise, or when any host lacks the file. A changed config is
+    refused as a resume would refuse it; a raised train.steps trains on."""
+    path = os.path.join(workdir, FINISHED_FILE)
+    record = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            record = json.load(f)
+    done = record is not None and record["step"] >= config.train.steps
+    parallel.maybe_initialize_distributed()
+    if not parallel.across_hosts(done, "all"):
+        return None
+    resume.check_resume(record["config"], config, workdir)
+    if jax.process_index() == 0:
+        evals = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["eval"].items())
+                          if k in ("eval/success", "eval/reward"))
+        outputs = ", ".join(os.path.join(workdir, name) for name in record["outputs"])
+        print(f"{workdir} finished at step {record['step']} ({evals}); nothing to train. "
+              f"Results: {outputs}. To train on, raise --config.train.steps; to start over, "
+              "use a new --workdir.", flush=True)
+    return record["eval"]
 
 
 class Trainer:
@@ -319,8 +349,19 @@ class Trainer:
         if self.config.checkpoint.export_hf:
             hf.save(os.path.join(self.workdir, "final_hf"), self.model_cfg,
                     self.learner.policy.params, tokenizer=self.tokenizer.hf)
+        outputs = [metrics_lib.METRICS_FILE]
         if self.is_chief and self.config.log.plot:
             metrics_lib.plot_curves(self.workdir, self.curve_keys)
+            outputs.append("curves.png")
+        if self.config.checkpoint.export_hf:
+            outputs.append("final_hf")
+        if self.is_chief:  # last: a run killed before this point resumes and finishes again
+            record = {"step": self.config.train.steps, "config": self.config_record,
+                      "eval": {k: float(v) for k, v in self.last_eval.items()
+                               if k.startswith("eval/")},
+                      "outputs": outputs}
+            metrics_lib.atomic_write_text(os.path.join(self.workdir, FINISHED_FILE),
+                                          json.dumps(record, indent=1) + "\n")
 
     def close(self) -> None:
         if getattr(self, "producer", None) is not None:

@@ -142,7 +142,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path):
     hf.load(out)  # still whole
 
 
-def test_make_tiny_model_cli(tmp_path):
+def test_make_tiny_model_and_generate_clis(tmp_path):
     import subprocess
     import sys
 
@@ -156,6 +156,13 @@ def test_make_tiny_model_cli(tmp_path):
     assert cfg.vocab_size == 384 and cfg.rope_scaling.rope_type == "llama3"
     logits = Transformer(cfg).apply({"params": params}, np.array([[1, 2, 3]], np.int32))
     assert logits.shape == (1, 3, 384)
+    # ... and launch.generate loads it and decodes greedily from it
+    done = subprocess.run([sys.executable, "-m", "launch.generate", "--model_path", out,
+                           "--batch", "2", "--max_new_tokens", "4"], capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forward: logits (1, " in done.stdout and "finite=True" in done.stdout
+    assert "greedy: " in done.stdout and "tokens/s (batch 2, 4 new tokens" in done.stdout
 
 
 # --- dtypes ------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """The RL trainer end to end: every config's smoke variant, flags, exact resume after kill -9."""
 
+import contextlib
+import copy
 import importlib
+import io
 import os
 import random
 import re
@@ -130,6 +133,27 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         assert from_ckpt["checkpoint_step"] == 2
         assert from_ckpt["success"] == from_hf["success"] == final_eval["eval/success"]
         assert from_ckpt["tokens"] == from_hf["tokens"] == final_eval["eval/tokens"]
+        _rerun_of_a_finished_run(c, tmp_path, final_eval)
+
+
+def _rerun_of_a_finished_run(c, workdir, final_eval):
+    """A rerun of the finished run trains nothing and says where the results are; a config
+    change is refused as a resume refuses it; a raised train.steps trains on."""
+    records = read_metrics(str(workdir))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        again = rl.finished_run(c, str(workdir))
+    assert again == {k: v for k, v in final_eval.items() if k.startswith("eval/")}
+    assert f"{workdir} finished at step 2" in out.getvalue()
+    assert f"{workdir / 'curves.png'}, {workdir / 'final_hf'}" in out.getvalue()
+    assert read_metrics(str(workdir)) == records
+    changed = copy.deepcopy(c)
+    changed.optim.lr *= 2
+    with pytest.raises(ValueError, match="optim.lr"):
+        rl.finished_run(changed, str(workdir))
+    longer = copy.deepcopy(c)
+    longer.train.steps = 3
+    assert rl.finished_run(longer, str(workdir)) is None
 
 
 # Enough steps that a kill within two step-times of the second checkpoint lands long before
