@@ -38,7 +38,7 @@ setup(
         "matplotlib>=3.8",  # W/curves.png
     ],
     extras_require={
-        # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (JRE >= 11).
+        # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (8 or newer).
         "envs": ENVS,
         # torch (CPU) is only for parity tests against transformers' own models.
         # libtpu compiles for TPU slices on any machine (launch.compile_check); its version is

@@ -305,7 +305,7 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
 
 def shrink_for_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The `smoke` variant of any experiment: a tiny random model, 2 steps of 2 tasks x 2
-    samples, short turns; the same code path, on a CPU in well under a minute."""
+    samples, short turns; the same code path, on a 2-core CPU in 30-90 s (mostly compiling)."""
     c.model.path = ""
     c.model.sampler_dtype = ""
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
