@@ -379,11 +379,12 @@ def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool =
     """A tqdm bar over an iterable, or of `total` steps for manual `.update(n)`.
 
     Disabled (a no-op bar that still iterates, updates and closes) when `enabled` is False or
-    output is not interactive, so logs of batch jobs carry no carriage-return clutter.
+    output is not interactive, so logs of batch jobs carry no carriage-return clutter, or
+    when TQDM_DISABLE is set (tqdm's own switch, which an explicit `disable=` would override).
     """
     from tqdm.auto import tqdm
 
-    disable = not (enabled and _interactive())
+    disable = not (enabled and _interactive()) or bool(os.environ.get("TQDM_DISABLE"))
     if isinstance(iterable_or_total, (int, np.integer)):
         return tqdm(total=int(iterable_or_total), desc=desc, disable=disable, dynamic_ncols=True)
     return tqdm(iterable_or_total, desc=desc, disable=disable, dynamic_ncols=True)

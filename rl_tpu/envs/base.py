@@ -150,13 +150,21 @@ _REGISTRY: dict[str, Callable[..., Env]] = {}
 
 
 def register(name: str):
-    """Decorator: `@register("babyai")` on an Env class or factory."""
+    """Decorator: `@register("babyai")` on an Env class or factory. Registering a name again
+    is refused unless it is the same definition run again (same module and qualified name: a
+    notebook cell re-run), which replaces it."""
     def add(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"env {name!r} is registered twice")
+        old = _REGISTRY.get(name)
+        if old is not None and _definition(old) != _definition(factory):
+            raise ValueError(f"env {name!r} is registered twice: by {_definition(old)} and "
+                             f"{_definition(factory)}; pick another name")
         _REGISTRY[name] = factory
         return factory
     return add
+
+
+def _definition(factory) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', factory)}"
 
 
 def factory(name: str) -> Callable[..., Env]:
