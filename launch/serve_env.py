@@ -9,8 +9,11 @@
 subprocess read the URL from it. Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a
 training run given `--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
 name or kwarg fails before the socket is bound, naming the envs or kwargs there are.
+An env defined outside rl_tpu is served by importing the module that registers it first:
+`--env_module my_envs --env add_digits` (the module must be importable: on PYTHONPATH).
 """
 
+import importlib
 import json
 import sys
 
@@ -23,6 +26,8 @@ flags.DEFINE_string("host", "127.0.0.1", "Bind address; loopback unless you mean
 flags.DEFINE_integer("port", 36001, "Port; 0 picks a free one (printed on start).")
 flags.DEFINE_integer("max_instances", 256, "Live env instances allowed; /create beyond -> 503.")
 flags.DEFINE_string("env_kwargs", "{}", "JSON object of keyword arguments for the env.")
+flags.DEFINE_multi_string("env_module", [], "Python module to import first, e.g. my_envs: one "
+                          "that registers envs defined outside rl_tpu (repeatable).")
 
 
 def main(argv):
@@ -34,6 +39,13 @@ def main(argv):
         raise app.UsageError(f"--env_kwargs is not valid JSON ({e}): {f.env_kwargs!r}")
     if not isinstance(env_kwargs, dict):
         raise app.UsageError(f"--env_kwargs must be a JSON object, got {f.env_kwargs!r}")
+
+    for module in f.env_module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            sys.exit(f"launch.serve_env: --env_module {module}: {e}; is its directory on "
+                     "PYTHONPATH?")
 
     def ready(url: str) -> None:
         print(f"rl_tpu env server: {f.env} at {url}", flush=True)

@@ -26,11 +26,11 @@ from rl_tpu.envs.textcraft import solve  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _start_subprocess_server(env_name: str, *flags: str, wait: float = 30.0):
+def _start_subprocess_server(env_name: str, *flags: str, wait: float = 30.0, env=None):
     """`python -m launch.serve_env` on a free loopback port; returns (process, url)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.serve_env", "--env", env_name, "--port", "0", *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
     try:
@@ -435,3 +435,51 @@ def test_serve_env_names_an_unknown_env_in_one_line():
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown env 'no_such_env'; known envs:" in lines[0], lines
+
+
+USER_ENV_MODULE = """
+from rl_tpu.envs.base import Env, SeededTasks, StepResult, register
+
+
+@register("echo_digit")
+class EchoDigit(Env):
+    \"\"\"Outside rl_tpu: say the digit you are shown.\"\"\"
+    name = "echo_digit"
+
+    def __init__(self, eval_size: int = 10):
+        self._tasks = SeededTasks("echo_digit", lambda rng, split, i: {"d": rng.randint(0, 9)},
+                                  train_seed=1000, eval_seed=0, train_size=100, eval_size=eval_size)
+        self._task = None
+
+    def tasks(self):
+        return self._tasks
+
+    def reset(self, task):
+        self._task = task
+        return f"say {task.data['d']}"
+
+    def step(self, reply):
+        ok = reply.strip() == str(self._task.data["d"])
+        return StepResult("right" if ok else "wrong", float(ok), True, {"success": ok})
+"""
+
+
+def test_serve_env_serves_an_env_defined_outside_rl_tpu(tmp_path):
+    (tmp_path / "my_envs.py").write_text(USER_ENV_MODULE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc, url = _start_subprocess_server("echo_digit", "--env_module", "my_envs",
+                                         "--env_kwargs", '{"eval_size": 3}', env=env)
+    try:
+        remote = RemoteEnv(url, "echo_digit")
+        observation = remote.reset(remote.tasks().get("eval", 1))
+        assert observation.startswith("say ")
+        result = remote.step(observation.split()[-1])
+        assert result.reward == 1.0 and result.done and result.info["success"]
+        remote.close()
+    finally:
+        _stop(proc)
+    missing = subprocess.run(
+        [sys.executable, "-m", "launch.serve_env", "--env", "echo_digit", "--env_module",
+         "no_such_module", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0
+    assert "--env_module no_such_module: No module named 'no_such_module'" in missing.stderr
