@@ -28,8 +28,8 @@ config_flags.DEFINE_config_file("config", None, "Experiment config file (configs
                                 lock_config=True)
 flags.DEFINE_string("topology", "v5p:2x2x4", "TPU slice(s) to compile for, comma-separated: "
                     "<chip>:<shape> with chip v4, v5e, v5p or v6e.")
-flags.DEFINE_string("model", "", "A model preset (qwen2.5-0.5b/1.5b/3b/7b, qwen3-8b, "
-                    "llama-3.1-8b); empty: model.path, else the tiny model.")
+flags.DEFINE_string("model", "", "A model preset (qwen2.5-0.5b/1.5b/3b/7b, qwen3-1.7b, "
+                    "qwen3-8b, llama-3.1-8b); empty: model.path, else the tiny model.")
 flags.DEFINE_string("programs", "", "Only these programs, comma-separated (policy_update, "
                     "score, critic_update, values, sampler_prefill, sampler_decode).")
 flags.mark_flags_as_required(["config"])

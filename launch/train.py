@@ -1,6 +1,6 @@
 """Training: `python -m launch.train --config configs/X.py[:variant] --workdir W`.
 
-Runs the config's recipe (`config.recipe`: rl, sft, expert_iteration, rloop, dpo; each
+Runs the config's recipe (`config.recipe`: rl, sft, expert_iteration, rloop, dpo, selfplay; each
 `rl_tpu/recipes/<recipe>.py`'s `run(config, workdir)`).
 
 Overrides: any config leaf, e.g. `--config.algo.clip_high=0.28 --config.train.steps=10`; an

@@ -11,7 +11,7 @@ functions below turn the (possibly overridden) block into the objects the learne
 | grpo         | grpo         | ppo clip [0.8, 1.2], seq mean   |                                 |
 | dr_grpo      | dr_grpo      | ppo clip, fixed normaliser      | normaliser = generation budget  |
 | dapo         | grpo         | clip-higher [0.8, 1.28], token  | dynamic sampling, overlong shape|
-| gspo         | grpo         | gspo (sequence ratio) 3e-4/4e-4 | sequence-level aggregation      |
+| gspo         | grpo         | gspo (sequence ratio) 3e-4/4e-4 | the ratio per sequence          |
 | rloo         | rloo         | ppo clip, token mean            |                                 |
 | reinforce_pp | reinforce_pp | ppo clip, token mean            | KL to the reference, in reward  |
 | bapo         | grpo         | bapo adaptive bounds (Eq. 8)    | variant=verl: dual clip 3.0     |

@@ -283,17 +283,17 @@ def multi_turn_agent(c: ml_collections.ConfigDict, env: str, *, turns: int,
     c.optim.lr = 1e-6
     # Real sizes (launch.compile_check, docs/scaling.md): params and optimizer state sharded
     # over every chip, scanned layers (one layer's program, whatever the depth) and full remat.
-    # Qwen2.5-7B's update at 8192 tokens then needs 8.9 GiB of a v5p chip's 95 (remat "dots":
-    # 37.8 GiB; replicated params: 139 GiB).
+    # Qwen2.5-7B's update at 8192 tokens then needs 9.6 GiB of a v5p chip's 95 with splash
+    # attention (remat "dots": 37.8 GiB; replicated params: 139 GiB).
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.model.dtype = "bfloat16"
     c.model.scan_layers = True
     c.model.remat = "full"
     # Splash attention (a Pallas kernel) on TPU, the blocked einsum elsewhere: Qwen2.5-1.5B's
-    # score pass on a v5e-16 needs 1.4 GiB a chip with it, 8.4 without (docs/scaling.md).
+    # score pass on a v5e-16 needs 1.4 GiB a chip with it, 8.1 without (docs/scaling.md).
     c.model.attention_impl = "splash"
     # Micro-batches and sampler rows from token budgets, so a short early bucket runs whole
-    # and the 8192-token one a row a chip (Qwen2.5-1.5B on a v5e-16: at most 8.4 GiB of 16).
+    # and the 8192-token one a row a chip (Qwen2.5-1.5B on a v5e-16: at most 4.9 GiB of 16).
     c.train.tokens_per_device = 8192
     c.train.score_tokens_per_device = 16384
     c.rollout.kv_tokens_per_device = 32768
