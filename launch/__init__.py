@@ -24,11 +24,11 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rl_tpu", "jax_compilation_cache
 # What a command line can get wrong while the flags are parsed and the config finished: absl's
 # flag errors, ml_collections' (an unknown key is an AttributeError, a bad value a TypeError or
 # ValueError, a config file that cannot be read an OSError) and check's ValueErrors.
-_START_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError,
+START_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError,
                  ImportError)
 # What a setup can get wrong once the run has started: a path that is not there, a package
 # that is not installed. Anything else is a bug and keeps its traceback.
-_RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError)
+RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError)
 
 
 def run(main, prepare=None) -> None:
@@ -43,8 +43,8 @@ def run(main, prepare=None) -> None:
         start(argv)
         return main(argv)
 
-    app.run(lambda argv: _one_line_errors(_RUN_ERRORS, start_and_main, argv),
-            flags_parser=lambda argv: _one_line_errors(_START_ERRORS, parse, argv))
+    app.run(lambda argv: one_line_errors(RUN_ERRORS, start_and_main, argv),
+            flags_parser=lambda argv: one_line_errors(START_ERRORS, parse, argv))
 
 
 def start(argv) -> None:
@@ -120,18 +120,18 @@ def finish_config(flag_values: flags.FlagValues = flags.FLAGS, prepare=None):
     return config
 
 
-def _one_line_errors(errors: tuple, fn, argv):
+def one_line_errors(errors: tuple, fn, argv):
     """fn(argv); an exception in `errors` becomes one line on stderr and exit status 2."""
     try:
         return fn(argv)
     except errors as e:
         if os.environ.get(DEBUG_ENV) == "1":
             raise
-        print(f"error: {_message(e)}  ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        print(f"error: {error_message(e)}  ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
 
 
-def _message(e: BaseException) -> str:
+def error_message(e: BaseException) -> str:
     # ml_collections raises AttributeError(KeyError("'key'\nDid you mean ...")) for an unknown
     # key: the KeyError's text, naming the override it came from.
     while e.args and isinstance(e.args[0], BaseException):

@@ -52,7 +52,7 @@ FLAGS = flags.FLAGS
 
 def plan_runs(argv) -> list:
     """The runs the flags ask for, each config built and checked as launch.train will; a
-    mistake raises (one line: launch._one_line_errors)."""
+    mistake raises (one line: launch.one_line_errors)."""
     if len(argv) > 1:
         raise sweep.SweepError(f"unexpected arguments {argv[1:]}: quote a --sweep or --set "
                                "whose values hold spaces")
@@ -81,8 +81,8 @@ def plan_runs(argv) -> list:
         for run in runs:
             try:
                 launch.finish_config(_parse(FLAGS.config, {**fixed, **dict(run.overrides)}))
-            except launch._START_ERRORS as e:
-                raise sweep.SweepError(f"run {run.name}: {launch._message(e)}") from e
+            except launch.START_ERRORS as e:
+                raise sweep.SweepError(f"run {run.name}: {launch.error_message(e)}") from e
     finally:
         logging.set_verbosity(verbosity)
     return runs
@@ -100,7 +100,7 @@ def _parse(config_arg: str, overrides: dict) -> flags.FlagValues:
 
 
 def main(argv):
-    runs = launch._one_line_errors(launch._START_ERRORS, plan_runs, argv)
+    runs = launch.one_line_errors(launch.START_ERRORS, plan_runs, argv)
     if FLAGS.print:
         for run in runs:
             print(run.command(FLAGS.python))
@@ -118,5 +118,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=lambda argv: launch._one_line_errors(
-        launch._START_ERRORS, FLAGS, argv))
+    app.run(main, flags_parser=lambda argv: launch.one_line_errors(
+        launch.START_ERRORS, FLAGS, argv))

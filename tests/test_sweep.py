@@ -12,6 +12,7 @@ import ml_collections
 import pytest
 
 from rl_tpu import sweep
+from rl_tpu.recipes import rl
 from rl_tpu.sweep import Run, SweepError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -333,7 +334,10 @@ def test_a_2x2_smoke_sweep_runs_summarises_and_a_rerun_skips_or_resumes(tmp_path
         log = (tmp_path / name / sweep.LOG_FILE).read_text()
         assert sum(line.startswith("# ") for line in log.splitlines()) == 1
 
-    os.remove(tmp_path / names[2] / sweep.DONE_FILE)  # as if killed before it finished
+    # As if killed after its last checkpoint, before launch.train had finished (no
+    # W/finished.json) and so before the sweep's marker: the rerun resumes it.
+    os.remove(tmp_path / names[2] / sweep.DONE_FILE)
+    os.remove(tmp_path / names[2] / rl.FINISHED_FILE)
     resumed = launch_sweep(*args, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"{names[2]}: resuming" in resumed.stdout

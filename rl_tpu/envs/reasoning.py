@@ -45,7 +45,9 @@ def _import_reasoning_gym():
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError("the reasoning envs need reasoning-gym: pip install reasoning-gym") from e
+        # ModuleNotFoundError: the launchers report it in one line (launch/__init__.py)
+        raise ModuleNotFoundError("the reasoning envs need reasoning-gym: "
+                                  "pip install reasoning-gym") from e
     return reasoning_gym
 
 

@@ -157,8 +157,8 @@ def _import_scienceworld():
     try:
         from scienceworld import ScienceWorldEnv
     except ImportError as e:
-        raise ImportError("the sciworld env needs ScienceWorld: pip install scienceworld "
-                          "(and a Java runtime)") from e
+        raise ModuleNotFoundError("the sciworld env needs ScienceWorld: pip install scienceworld "
+                                  "(and a Java runtime)") from e
     return ScienceWorldEnv
 
 

@@ -60,7 +60,8 @@ def _import_textworld():
         import textworld
         import textworld.generator  # noqa: F401 - loads the generator submodule
     except ImportError as e:
-        raise ImportError("the textworld env needs the textworld package: pip install textworld") from e
+        raise ModuleNotFoundError("the textworld env needs the textworld package: "
+                                  "pip install textworld") from e
     return textworld
 
 

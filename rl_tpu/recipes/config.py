@@ -29,7 +29,7 @@ from ml_collections import config_dict
 from rl_tpu import branching, schedules
 from rl_tpu.envs import base as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
-from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config
+from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, loss_config
 
 
 def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
@@ -534,6 +534,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.algo.name not in ALGORITHMS:
         raise ValueError(f"algo.name={config.algo.name!r}; choose one of {ALGORITHMS}")
     _check_algo_block(config.algo)
+    try:  # the policy loss's own checks (bounds, modes and their combinations), at start-up
+        loss_config(config.algo, config.env.max_new_tokens)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"algo: {e}") from e
     _check_counts(config)
     warmup_shapes(config.rollout.warmup)  # a malformed list fails here, not at start-up
     _check_env(config)

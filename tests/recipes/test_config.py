@@ -87,6 +87,18 @@ def test_check_refuses_an_algo_block_left_from_another_algorithm():
     check(c)
 
 
+@pytest.mark.parametrize("settings,message", [
+    ({"ratio_against": "behaviour", "behaviour_is": "truncate"}, "would correct twice"),
+    ({"dual_clip": 0.5}, "dual_clip=0.5 must be > 1"),
+    ({"behaviour_is": "clip"}, "unknown behaviour_is 'clip'")])
+def test_check_runs_the_policy_loss_checks_at_start_up(settings, message):
+    c = base_config("grpo")
+    for key, value in settings.items():
+        c.algo[key] = value
+    with pytest.raises(ValueError, match=f"^algo: .*{message}"):
+        check(c)
+
+
 @pytest.mark.parametrize("key,value", [
     ("train.steps", -5), ("train.tasks_per_step", 0), ("train.samples_per_task", 0),
     ("train.epochs", 0), ("train.minibatches", 0), ("train.micro_batches", 0),
