@@ -35,8 +35,8 @@ class SamplingParams:
         if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}]"
                              f", got {self.min_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 <= self.temperature < float("inf")):  # NaN fails too: it samples NaNs
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

@@ -8,11 +8,14 @@ sampler; concurrent requests queue on the sampler.
 Endpoints: POST /generate, /update_weights_from_disk, /flush_cache, /abort_request,
 /pause_generation, /continue_generation; GET /health, /health_generate, /model_info,
 /get_model_info. Malformed requests get HTTP 400 `{"error": {"message": ...}}` and never take
-the server down.
+the server down; so does a request over one of the server's `ServerLimits` (samples per
+prompt, rows, prompt + new tokens against the context, tokens a request may hold), checked
+before it reaches the sampler, whose memory and time such a request could otherwise take.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -49,17 +52,52 @@ def sampling_from_json(raw: Any) -> SamplingParams:
             stop=tuple(str(s) for s in stop), ignore_eos=bool(raw.get("ignore_eos", False)),
             n=int(raw.get("n", 1)),
             seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]))
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise BadRequest(f"bad sampling_params: {err}") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one /generate request may ask for; over any of them it is answered 400, naming the
+    limit and the flag of `launch.serve_rollout` that sets it."""
+
+    max_n: int = 64  # samples per prompt (--max_n)
+    max_rows: int = 1024  # prompts x n (--max_rows)
+    max_context_tokens: int = 0  # prompt + max_new_tokens a row; 0 = the model's positions
+    max_request_tokens: int = 1 << 22  # rows x (prompt + max_new_tokens) (--max_request_tokens)
+
+    def check(self, prompts: list[list[int]], sampling: list[SamplingParams],
+              context: int) -> None:
+        context = min(self.max_context_tokens or context, context)
+        rows = tokens = 0
+        for prompt, s in zip(prompts, sampling):
+            if s.n > self.max_n:
+                raise BadRequest(f"n={s.n} is over this server's limit of {self.max_n} samples "
+                                 "a prompt (--max_n)")
+            if len(prompt) + s.max_new_tokens > context:
+                raise BadRequest(f"a prompt of {len(prompt)} tokens + max_new_tokens="
+                                 f"{s.max_new_tokens} is over the context length of {context} "
+                                 "tokens (--max_context_tokens, at most the model's positions)")
+            rows += s.n
+            tokens += s.n * (len(prompt) + s.max_new_tokens)
+        if rows > self.max_rows:
+            raise BadRequest(f"{rows} rows (prompts x n) are over this server's limit of "
+                             f"{self.max_rows} a request (--max_rows); split the request")
+        if tokens > self.max_request_tokens:
+            raise BadRequest(f"{tokens} tokens (rows x (prompt + max_new_tokens)) are over this "
+                             f"server's limit of {self.max_request_tokens} a request "
+                             "(--max_request_tokens); split the request or ask for fewer tokens")
 
 
 class RolloutService:
     """The server's state and logic, separate from HTTP so it can be tested directly."""
 
-    def __init__(self, sampler: JaxSampler, model_path: str, tokenizer: Optional[ChatTokenizer]):
+    def __init__(self, sampler: JaxSampler, model_path: str, tokenizer: Optional[ChatTokenizer],
+                 limits: ServerLimits = ServerLimits()):
         self.sampler = sampler
         self.model_path = model_path
         self.tokenizer = tokenizer
+        self.limits = limits
 
     # -- /generate -----------------------------------------------------------------------
 
@@ -78,6 +116,7 @@ class RolloutService:
         rids = body.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
         rids = [r or uuid.uuid4().hex for r in rids]
+        self.limits.check(prompts, sampling, self.sampler.cfg.max_position_embeddings)
         requests = [GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)]
 
         try:

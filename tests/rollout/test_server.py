@@ -72,6 +72,46 @@ def test_bad_requests_get_400_and_the_server_lives(server):
     assert call(server, "/health_generate")[0] == 200
 
 
+@pytest.mark.parametrize("params,limit", [
+    ({"n": 1_000_000_000}, "n=1000000000 is over this server's limit of 64 samples a prompt"),
+    ({"max_new_tokens": 1e9}, "max_new_tokens=1000000000 is over the context length of 2048"),
+    ({"max_new_tokens": 1e12}, "max_new_tokens=1000000000000 is over the context length"),
+    ({"max_new_tokens": float("inf")}, "bad sampling_params: cannot convert float infinity"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+    ({"n": 64}, "2560 rows (prompts x n) are over this server's limit of 1024 a request"),
+])
+def test_requests_over_a_limit_get_400_naming_it_and_the_next_one_is_served(server, params,
+                                                                            limit):
+    # 40 prompts of n=64: 2,560 rows
+    prompts = [[5, 6, 7]] * (40 if params.get("n") == 64 else 1)
+    body = json.dumps({"input_ids": prompts, "sampling_params": params})
+    # json.dumps writes NaN and Infinity, as Python's and SGLang's JSON readers accept them
+    status, reply = call(server, "/generate", raw=body.encode())
+    assert status == 400, reply
+    assert limit in reply["error"]["message"]
+    status, reply = call(server, "/generate", {"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and len(reply["output_ids"]) == 2
+
+
+def test_limits_of_rows_context_and_tokens():
+    from rl_tpu.rollout.engine import SamplingParams
+    from rl_tpu.rollout.server import BadRequest, ServerLimits
+    limits = ServerLimits(max_n=8, max_rows=10, max_context_tokens=16)
+    limits.check([[1, 2]] * 2, [SamplingParams(max_new_tokens=14, n=5)] * 2, context=2048)
+    with pytest.raises(BadRequest, match=r"11 rows \(prompts x n\) are over .* 10 a request"):
+        limits.check([[1]] * 11, [SamplingParams(max_new_tokens=1)] * 11, context=2048)
+    with pytest.raises(BadRequest, match="over the context length of 16 tokens"):
+        limits.check([[1, 2]], [SamplingParams(max_new_tokens=15)], context=2048)
+    with pytest.raises(BadRequest, match="over the context length of 8 tokens"):
+        limits.check([[1, 2]], [SamplingParams(max_new_tokens=7)], context=8)  # the model's
+    tokens = ServerLimits(max_request_tokens=100)
+    tokens.check([[1] * 10], [SamplingParams(max_new_tokens=10, n=5)], context=2048)  # 100
+    with pytest.raises(BadRequest, match=r"101 tokens .* over this server's limit of 100"):
+        tokens.check([[1] * 10, [1]], [SamplingParams(max_new_tokens=10, n=5),
+                                       SamplingParams(max_new_tokens=0)], context=2048)
+
+
 def test_update_weights_from_disk(server):
     status, reply = call(server, "/update_weights_from_disk",
                          {"model_path": str(server["root"] / "deep"), "weight_version": "x"})
