@@ -12,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -237,6 +238,15 @@ def test_free_running_resume_loses_and_repeats_no_task(tmp_path):
 # ---------------------------------------------------------------- the producer alone
 
 
+def wait_until(p, condition, what, timeout_s=120.0):
+    """The producer's condition wait, bounded: a test that would hang fails naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    with p._cond:
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            p._cond.wait(timeout=0.5)
+
+
 def test_free_running_resume_keeps_chunk_numbers_in_step_with_the_stream():
     """Chunk c holds the tasks of stream step c (those step c trains on, when nothing is
     dropped); its number seeds its sampling and sets its horizon (schedules.horizon_turns).
@@ -247,16 +257,24 @@ def test_free_running_resume_keeps_chunk_numbers_in_step_with_the_stream():
     run (one more per such resume)."""
     from test_producer import Engine, G, PER_STEP, make_play, producer
 
+    def publish_loaded(p, version):
+        """Publishes `version` and waits for the engine to hold it, so that every chunk is
+        played within the staleness bound and none is dropped: a dropped chunk makes the
+        learner read the next one and shifts the chunks this test follows."""
+        p.publish({"w": version}, version)
+        wait_until(p, lambda: p._published >= version, f"version {version} loaded")
+
     k, step = 1, 3
     engine = Engine()
     p = producer(engine, make_play(engine), k, deterministic=False)
     p.start()
     try:
         for s in range(1, step + 1):
-            p.next_batch(s)
+            _, metrics = p.next_batch(s)
+            assert metrics["rollout/dropped_stale"] == 0
             if s < step:
-                p.publish({"w": s}, s)
-        p._wait_for(lambda: step + 1 in p._ready, step)
+                publish_loaded(p, s)
+        wait_until(p, lambda: step + 1 in p._ready, f"chunk {step + 1} played")
         state = p.state(step)
     finally:
         p.close()
@@ -271,9 +289,10 @@ def test_free_running_resume_keeps_chunk_numbers_in_step_with_the_stream():
     chunks = {}
     try:
         for s in range(step + 1, step + 5):
-            trajectories, _ = q.next_batch(s)
+            trajectories, metrics = q.next_batch(s)
+            assert metrics["rollout/dropped_stale"] == 0
             chunks.update({t.group_id: t.info["chunk"] for t in trajectories[::G]})
-            q.publish({"w": s}, s)
+            publish_loaded(q, s)
     finally:
         q.close()
     assert sorted(chunks) == list(range(step * PER_STEP, (step + 4) * PER_STEP))
