@@ -1,9 +1,9 @@
 """`HttpTransport`: JSON API calls to a pool of rollout servers, with retries and fail-over.
 
-The part of the SGLang client that knows nothing of SGLang: stdlib HTTP (keep-alive, one
-connection per thread and server), the retry/backoff/fail-over policy, and the choice of the
-least-loaded server. `SGLangEngine` (sglang.py) and the weight sync (weight_sync.py) speak to
-their servers only through it.
+The part of the SGLang client that knows nothing of SGLang: HTTP on one pooled `httpx.Client`
+(keep-alive connections shared by every thread, per-call timeouts), the retry/backoff/fail-over
+policy, and the choice of the least-loaded server. `SGLangEngine` (sglang.py) and the weight
+sync (weight_sync.py) speak to their servers only through it.
 
 Failures never hang the caller; each ends in a `RolloutError` naming the server and what went
 wrong, or in a fail-over:
@@ -15,29 +15,34 @@ wrong, or in a fail-over:
 - no reply within the timeout: fails over at once (a hung server is not helped by waiting
   longer on it);
 - HTTP 4xx, or HTTP 200 with a body that is not JSON: raised at once with the server's message
-  (the request is wrong; every server would say so).
+  (the request is wrong; every server would say so). Calls that expect plain text (sglang-
+  router's `/health` answers `OK`) say so with `text_ok=True`.
 
 A server that failed is tried last for `failover_cooldown_s`. With one URL, the worst case
 before the error is `(connect_retries + 1)` attempts of at most the timeout each plus the
-backoff sleeps.
+backoff sleeps. The timeout bounds each step of a call (connecting, sending, each wait for
+bytes of the reply), as a socket timeout does, not the whole transfer.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
-import socket
 import threading
 import time
 import urllib.parse
 from typing import Any, Optional, Sequence
+
+import httpx
 
 from rl_tpu.rollout.engine import RolloutError
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+# Idle keep-alive connections kept per transport: enough for one per in-flight batch of a
+# large `max_concurrency`; more only costs a reconnect.
+MAX_IDLE_CONNECTIONS = 64
 
 
 class ServerDown(Exception):
@@ -90,37 +95,32 @@ class HttpTransport:
         self.request_timeout_s = float(request_timeout_s)
         self.connect_retries, self.backoff_s = int(connect_retries), float(backoff_s)
         self.failover_cooldown_s = float(failover_cooldown_s)
-        self._headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
+        # One pooled client for every thread (httpx's pool is thread-safe). No limit on
+        # connections: the caller's thread pool already bounds the calls in flight, and a wait
+        # for a free connection would read as a server timeout. trust_env=False: rollout
+        # servers sit on the cluster's own network, and an HTTP(S)_PROXY meant for the internet
+        # must not carry the trainer's traffic (the stdlib client this replaces used none).
+        self._client = httpx.Client(
+            headers=headers, timeout=self.request_timeout_s, trust_env=False,
+            limits=httpx.Limits(max_connections=None,
+                                max_keepalive_connections=MAX_IDLE_CONNECTIONS))
         self._lock = threading.Lock()
         self._inflight = {u: 0 for u in self.urls}
         self._down_until = {u: 0.0 for u in self.urls}
         self._turn = 0
-        self._local = threading.local()  # per-thread keep-alive connections (http.client is not
-        # thread-safe)
 
-    def _connection(self, url: str, timeout: float) -> http.client.HTTPConnection:
-        conns = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(url)
-        if conn is None:
-            parts = urllib.parse.urlsplit(url)
-            https = parts.scheme == "https"
-            cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
-            conn = conns[url] = cls(parts.hostname, parts.port, timeout=timeout)
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        return conn
-
-    def _drop_connection(self, url: str) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(url, None)
-        if conn is not None:
-            conn.close()
+    def close(self) -> None:
+        """Closes the pooled connections (later calls fail)."""
+        self._client.close()
 
     def call_one(self, url: str, method: str, path: str, body: Any = None,
-                 timeout: Optional[float] = None, retries: Optional[int] = None) -> Any:
-        """One API call to one server with retries; the decoded JSON reply (None if empty).
+                 timeout: Optional[float] = None, retries: Optional[int] = None,
+                 text_ok: bool = False) -> Any:
+        """One API call to one server with retries; the decoded JSON reply (None if empty), or
+        with `text_ok` a 200 reply that is not JSON as text.
 
         Raises RolloutError for answers no other server would change (4xx, a reply that is
         not JSON) and ServerDown when this server cannot answer."""
@@ -128,32 +128,27 @@ class HttpTransport:
         what = f"{method} {url}{path}"
         timeout = self.request_timeout_s if timeout is None else timeout
         retries = self.connect_retries if retries is None else retries
-        attempt, stale_retry_used = 0, False
+        attempt = 0
         while True:
-            conn = self._connection(url, timeout)
-            reused = conn.sock is not None
             try:
-                conn.request(method, path, body=data, headers=self._headers)
-                response = conn.getresponse()
-                raw, status = response.read(), response.status
-            except TimeoutError as e:  # socket.timeout is TimeoutError on 3.10+
-                self._drop_connection(url)
+                response = self._client.request(method, url + path, content=data,
+                                                timeout=timeout)
+                raw, status = response.content, response.status_code
+            except httpx.TimeoutException as e:  # connect, write or read: no retry here
                 raise ServerDown(f"{what}: no reply within {timeout:g}s (server hung or "
                                  "overloaded)") from e
-            except (http.client.HTTPException, OSError) as e:
-                self._drop_connection(url)
-                if reused and not stale_retry_used:  # keep-alive closed by the server: redo now
-                    stale_retry_used = True
-                    continue
-                failure = (f"{what}: {type(e).__name__}: {e}" if not isinstance(
-                    e, (ConnectionRefusedError, socket.gaierror)) else
-                    f"{what}: cannot connect ({type(e).__name__}: {e})")
+            except httpx.ConnectError as e:
+                failure = f"{what}: cannot connect ({e})"
+            except httpx.TransportError as e:  # dropped mid-call, or a reply that is not HTTP
+                failure = f"{what}: {type(e).__name__}: {e}"
             else:
                 try:
                     payload = json.loads(raw) if raw else None
                 except ValueError:
                     payload = None
                     if status == 200:
+                        if text_ok:
+                            return raw.decode("utf-8", "replace")
                         raise RolloutError(f"{what}: HTTP 200 with a reply that is not JSON: "
                                            f"{raw[:200]!r}", url, status)
                 if status == 200:
