@@ -150,7 +150,7 @@ class DecodeState:
     """Everything the decode loop carries, per row r of the batch: the sampling settings, the
     KV cache, the output so far. Lives on device between chunks."""
 
-    step: jax.Array  # next output index (all rows advance together)
+    step: jax.Array  # decode iterations run + 1 (a batch's next output index; see `decode`)
     token: jax.Array  # [B] last sampled token
     cache: dict  # {'k', 'v'} [L, B, K, S, H]
     tokens: jax.Array  # [B, L] output ids
@@ -169,14 +169,17 @@ class DecodeState:
     keys: jax.Array  # [B] PRNG keys
 
 
-def _emit(model: Transformer, params, hidden, state: DecodeState, step):
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(state.keys)
+def _emit(model: Transformer, params, hidden, state: DecodeState, index):
+    """The next token of each row at output index `index` [B] (its own count: rows of a
+    continuous batch are at different indices; the key of a row's token depends on its index
+    alone, so a row draws the same tokens whatever batch it runs in)."""
+    keys = jax.vmap(jax.random.fold_in)(state.keys, index)
     logits = logits_from_hidden(model.cfg, params, hidden)
     # min_new_tokens as SGLang's MinNewTokensPenalizer: the stop ids' logits are -inf until
     # `min_new` tokens exist, so the reported logprob is then that of the penalised
     # distribution, exactly as SGLang reports it (the trainer, which applies no penalty, sees a
     # ratio != 1 on those tokens: the price of the constraint).
-    logits = ban_tokens(logits, state.ban_ids, step < state.min_new)
+    logits = ban_tokens(logits, state.ban_ids, index < state.min_new)
     token, logprob = sample_next(logits, state.temperature, state.top_p, state.top_k, keys)
     is_stop = jnp.any(token[:, None] == state.stop_ids, axis=-1)
     return token, logprob, is_stop
@@ -254,7 +257,7 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
         done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
         max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
         stop_ids=stop_ids, ban_ids=ban_ids, keys=keys)
-    token, logprob, is_stop = _emit(model, params, last, state, 0)
+    token, logprob, is_stop = _emit(model, params, last, state, jnp.zeros((b,), jnp.int32))
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
                          done=is_stop | (max_new <= 1))
@@ -264,29 +267,36 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
 def decode(model: Transformer, params, state: DecodeState, chunk: int) -> DecodeState:
     """Up to `chunk` more tokens per live row; returns early once every row is done.
 
-    Decoding in chunks lets the host look in between (aborts, pauses, a weight swap) at the
-    cost of one tiny device->host read per chunk.
+    Each row advances from its own output index, `count` (its token at index count - 1 sits
+    at position prompt_len + count - 1): rows admitted at different times decode side by side
+    (continuous.py); in a batch that started together every live row's count is `step`.
+    Decoding in chunks lets the host look in between (aborts, pauses, a weight swap, rows
+    joining and leaving) at the cost of one tiny device->host read per chunk.
     """
     capacity = state.tokens.shape[1]
-    end = jnp.minimum(state.step + chunk, capacity)
+    rows = jnp.arange(state.tokens.shape[0])
 
-    def cond(st: DecodeState):
-        return (st.step < end) & ~jnp.all(st.done)
+    def cond(carry):
+        i, st = carry
+        return (i < chunk) & ~jnp.all(st.done)
 
-    def body(st: DecodeState):
-        pos = (st.prompt_lens + st.step - 1)[:, None]
+    def body(carry):
+        i, st = carry
+        pos = (st.prompt_lens + st.count - 1)[:, None]
         hidden, cache = model.apply({"params": params}, st.token[:, None], pos, cache=st.cache,
                                     return_hidden=True)
-        new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.step)
+        new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.count)
         live = ~st.done
+        at = jnp.where(live, st.count, capacity)  # done rows write nothing (dropped)
         count = st.count + live
-        return st.replace(
-            step=st.step + 1, token=new, cache=cache,
-            tokens=st.tokens.at[:, st.step].set(jnp.where(live, new, 0)),
-            logprobs=st.logprobs.at[:, st.step].set(jnp.where(live, logprob, 0.0)),
+        return i + 1, st.replace(
+            step=st.step + 1, token=jnp.where(live, new, st.token), cache=cache,
+            tokens=st.tokens.at[rows, at].set(new, mode="drop"),
+            logprobs=st.logprobs.at[rows, at].set(logprob, mode="drop"),
             count=count, stopped=st.stopped | (live & is_stop),
-            done=st.done | (live & (is_stop | (count >= st.max_new))))
+            # max_new <= capacity (the sampler's bucket, the pool's slots); the capacity term
+            # keeps a row that asked for more from writing past its buffer all the same
+            done=st.done | (live & (is_stop | (count >= jnp.minimum(st.max_new, capacity)))))
 
-    state = jax.lax.while_loop(cond, body, state)
-    # Rows cut by capacity (the bucket of max_new) count as done too.
-    return state.replace(done=state.done | (state.step >= capacity))
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state

@@ -9,6 +9,7 @@ decoding.py).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -121,6 +122,7 @@ class JaxSampler(RolloutEngine):
         self._resume.set()
         self._control_lock = threading.Lock()
         self._aborted_ids: set[str] = set()
+        self._running_ids: collections.Counter = collections.Counter()  # ids in generate()
         self._abort_epoch = 0  # batches admitted in an earlier epoch are aborted
         default_stops = tuple(cfg.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -207,23 +209,33 @@ class JaxSampler(RolloutEngine):
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
             self._check(req)
+        ids = [req.request_id for req in requests if req.request_id is not None]
         with self._control_lock:
             epoch = self._abort_epoch
-        results: list[GenerateResult] = []
-        for batch in self._batches(rows):
-            results.extend(self._generate_batch(batch, epoch))
-        with self._control_lock:  # these requests are over: forget their abort marks
-            self._aborted_ids.difference_update(req.request_id for req in requests)
+            self._running_ids.update(ids)
+        try:
+            results: list[GenerateResult] = []
+            for batch in self._batches(rows):
+                results.extend(self._generate_batch(batch, epoch))
+        finally:
+            with self._control_lock:  # these requests are over: forget them and their aborts
+                self._running_ids.subtract(ids)
+                for rid in ids:
+                    if self._running_ids[rid] <= 0:
+                        self._running_ids.pop(rid, None)
+                        self._aborted_ids.discard(rid)
         return results
 
     # -- control (between decode chunks) --------------------------------------------------
 
     def abort(self, request_id: Optional[str] = None) -> None:
-        """Ends the request with this id, or every request admitted so far (None)."""
+        """Ends the running request with this id, or every request admitted so far (None).
+        An id that is not running is ignored, as SGLang does: it must not end a later
+        request that happens to reuse it."""
         with self._control_lock:
             if request_id is None:
                 self._abort_epoch += 1
-            else:
+            elif str(request_id) in self._running_ids:
                 self._aborted_ids.add(str(request_id))
 
     def pause(self) -> None:
@@ -323,35 +335,13 @@ class JaxSampler(RolloutEngine):
         n = len(rows)
         b, p, steps = self._batch_shape(n, max(len(req.prompt_ids) for req, _ in rows),
                                         max(req.sampling.max_new_tokens for req, _ in rows))
-        ids = np.zeros((b, p), np.int32)
-        lens = np.ones((b,), np.int32)
-        max_new = np.ones((b,), np.int32)
-        min_new = np.zeros((b,), np.int32)
-        temperature = np.zeros((b,), np.float32)
-        top_p = np.ones((b,), np.float32)
-        top_k = np.full((b,), -1, np.int32)
-        stops = [self._stop_ids(req) for req, _ in rows]
-        bans = [self._ban_ids(req) for req, _ in rows]
-        # One width for both; bans are empty without min_new_tokens and otherwise the stop ids
-        # (plus eos under ignore_eos), so min_new_tokens adds no compiled shape of its own; a
-        # power of two from 4, so eos ids, a few stop ids or none share one program.
-        width = _next_power_of_two(max(1, max(len(s) for s in stops + bans)), STOP_WIDTH)
-        stop_ids = np.full((b, width), -1, np.int32)
-        ban_ids = np.full((b, width), -1, np.int32)
-        seeds = np.zeros((b,), np.uint32)
-        for i, (req, k) in enumerate(rows):
-            s = req.sampling
-            ids[i, :len(req.prompt_ids)] = req.prompt_ids
-            lens[i], max_new[i] = len(req.prompt_ids), max(s.max_new_tokens, 1)
-            min_new[i] = s.min_new_tokens
-            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
-            stop_ids[i, :len(stops[i])] = stops[i]
-            ban_ids[i, :len(bans[i])] = bans[i]
-            seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
-            seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
-        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        # One stop width for the batch: a power of two from 4, so eos ids, a few stop ids or
+        # none share one program (bans are the stop ids too, or nothing; see `_ban_ids`).
+        width = _next_power_of_two(max(1, *(max(len(self._stop_ids(req)), len(
+            self._ban_ids(req))) for req, _ in rows)), STOP_WIDTH)
+        ids, lens, sampling = self.row_arrays(rows, b, p, width)
+        stop_ids = sampling[5]
         aborted = np.zeros((b,), bool)
-        sampling = (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
         with self._device_lock:
             self._resume.wait()
             with self._weights_lock:  # the cache's generation goes with the weights
@@ -384,6 +374,38 @@ class JaxSampler(RolloutEngine):
                 self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation)
         return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
+
+    def row_arrays(self, rows, b: int, p: int, width: int):
+        """(ids [B, P] right-padded, lens [B], the per-row sampling arrays `prefill` takes:
+        max_new, min_new, temperature, top_p, top_k [B], stop_ids, ban_ids [B, X], keys [B])
+        of `rows`, (request, sample index) pairs, padded to B rows (padding rows end at their
+        first token). A sample's key depends on its request's seed and its index alone."""
+        ids = np.zeros((b, p), np.int32)
+        lens = np.ones((b,), np.int32)
+        max_new = np.ones((b,), np.int32)
+        min_new = np.zeros((b,), np.int32)
+        temperature = np.zeros((b,), np.float32)
+        top_p = np.ones((b,), np.float32)
+        top_k = np.full((b,), -1, np.int32)
+        stop_ids = np.full((b, width), -1, np.int32)
+        ban_ids = np.full((b, width), -1, np.int32)
+        seeds = np.zeros((b,), np.uint32)
+        for i, (req, k) in enumerate(rows):
+            s = req.sampling
+            stops, bans = self._stop_ids(req), self._ban_ids(req)
+            if max(len(stops), len(bans)) > width:
+                raise ValueError(f"{len(stops)} stop token ids (eos included) are more than the "
+                                 f"{width} a row may have here; send fewer stop_token_ids")
+            ids[i, :len(req.prompt_ids)] = req.prompt_ids
+            lens[i], max_new[i] = len(req.prompt_ids), max(s.max_new_tokens, 1)
+            min_new[i] = s.min_new_tokens
+            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
+            stop_ids[i, :len(stops)] = stops
+            ban_ids[i, :len(bans)] = bans
+            seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
+            seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
+        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
 
     def _prefill(self, params, n: int, ids, lens, sampling, steps: int):
         """(`prefill`, from the prefix pool when some of the n real rows of ids [B, P] have a

@@ -1,0 +1,396 @@
+"""Continuous batching over the embedded sampler's programs: a fixed pool of KV slots that
+requests join and leave between decode chunks.
+
+`JaxSampler.generate` (the trainer's path) runs a call's rows as whole batches: a batch decodes
+until its longest row ends and a request arriving meanwhile waits for the device. A server
+with many clients wants the opposite, and `ContinuousBatcher` does it:
+
+- the pool is one `DecodeState` of B rows (`slots`) x S cache slots (`slot_tokens`), allocated
+  once: its memory is fixed, so no request can make the server run out of it (one whose
+  prompt + max_new_tokens exceeds S is refused at submission, one that finds no free row
+  waits in the queue);
+- between decode chunks the scheduler thread prefills waiting rows into free pool rows (with
+  prefix reuse when the sampler has a prefix cache) and scatters them in; every row then
+  decodes from its own output index (`decoding.decode`); a row that ends leaves at once, its
+  slot is free for the next, and its request is answered as soon as its last row ends;
+- aborts (a request id, everything, a client gone: `Ticket.cancel`), pause / resume and weight
+  updates (`JaxSampler.update_weights`, picked up at the next chunk, recorded per row as
+  SGLang's weight_versions spans) act between chunks, as in the batch path.
+
+Log-probs and draws are the batch path's exactly: the same prefill, the same decode body, and
+a row's random key depends on its request's seed and its own output index only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rl_tpu.models.transformer import Transformer, init_cache
+from rl_tpu.rollout.decoding import DecodeState, decode
+from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
+from rl_tpu.rollout.prefix_cache import _next_power_of_two
+from rl_tpu.rollout.sampler import JaxSampler
+
+log = logging.getLogger(__name__)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "rows", "slots", "width"))
+def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeState:
+    """A pool of `rows` free rows (done) of `slots` cache slots; X = width stop ids a row."""
+    i32 = jnp.int32
+    zeros = lambda dtype: jnp.zeros((rows,), dtype)  # noqa: E731
+    return DecodeState(
+        step=i32(1), token=zeros(i32), cache=init_cache(model.cfg, rows, slots),
+        tokens=jnp.zeros((rows, slots), i32), logprobs=jnp.zeros((rows, slots), jnp.float32),
+        count=jnp.ones((rows,), i32), done=jnp.ones((rows,), bool), stopped=zeros(bool),
+        prompt_lens=jnp.ones((rows,), i32), max_new=jnp.ones((rows,), i32), min_new=zeros(i32),
+        temperature=zeros(jnp.float32), top_p=jnp.ones((rows,), jnp.float32),
+        top_k=jnp.full((rows,), -1, i32), stop_ids=jnp.full((rows, width), -1, i32),
+        ban_ids=jnp.full((rows, width), -1, i32),
+        keys=jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32)))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def scatter_rows(pool: DecodeState, new: DecodeState, rows) -> DecodeState:
+    """`pool` with the A prefilled rows of `new` written at pool rows `rows` [A] (a row index
+    past the pool, a padding row, is dropped). new's cache has the pool's S slots; its output
+    buffer [A, S - P] is padded to the pool's [B, S]."""
+    put = lambda p, n: p.at[rows].set(n, mode="drop")  # noqa: E731
+    out_pad = pool.tokens.shape[1] - new.tokens.shape[1]
+    fields = {f.name: put(getattr(pool, f.name), getattr(new, f.name))
+              for f in dataclasses.fields(DecodeState)
+              if f.name not in ("step", "cache", "tokens", "logprobs")}
+    return pool.replace(
+        cache=jax.tree.map(put, pool.cache, new.cache),
+        tokens=put(pool.tokens, jnp.pad(new.tokens, ((0, 0), (0, out_pad)))),
+        logprobs=put(pool.logprobs, jnp.pad(new.logprobs, ((0, 0), (0, out_pad)))), **fields)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def end_rows(pool: DecodeState, ended) -> DecodeState:
+    """`pool` with the rows where ended [B] marks done (aborted, or freed)."""
+    return pool.replace(done=pool.done | ended)
+
+
+class Ticket:
+    """One submitted call: its rows' results, in submission order, once all have ended."""
+
+    def __init__(self, num_rows: int, batcher: "ContinuousBatcher"):
+        self.results: list[Optional[GenerateResult]] = [None] * num_rows
+        self.error: Optional[BaseException] = None
+        self._left = num_rows
+        self._batcher = batcher
+        self._done = threading.Event()
+        self._callbacks: list[Callable[["Ticket"], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> list[GenerateResult]:
+        """The results; TimeoutError after `timeout` s, or the scheduler's error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"no result within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.results)
+
+    def add_done_callback(self, fn: Callable[["Ticket"], None]) -> None:
+        """fn(ticket) once it is done, on the scheduler thread (at once if done already)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def cancel(self) -> None:
+        """Aborts every row still running (a client that went away): they end with what they
+        have, finish 'abort'."""
+        self._batcher._abort(lambda row: row.ticket is self)
+
+    def _set(self, index: int, result: GenerateResult) -> None:
+        self.results[index] = result
+        self._left -= 1
+        if self._left == 0:
+            self._finish()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._done.is_set():
+            self.error = error
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    request: GenerateRequest
+    sample: int  # k of the request's n samples
+    ticket: Ticket
+    index: int  # its place in the ticket's results
+    aborted: bool = False
+    slot: int = -1
+    spans: list = dataclasses.field(default_factory=list)  # [(version, first output index)]
+    generation: int = 0  # the prefix cache's, at prefill
+    hashes: Optional[list] = None  # the prompt's chain hashes (prefix reuse), at prefill
+
+
+class ContinuousBatcher:
+    """Continuous batching of `sampler`'s requests in a pool of `slots` rows x `slot_tokens`
+    KV slots (see the module doc). `submit` is thread-safe and returns a `Ticket`; a
+    scheduler thread does all device work. `stalled_for()` is how long work has waited on a
+    decode chunk that has not come back (the server's /health)."""
+
+    def __init__(self, sampler: JaxSampler, slots: int = 64, slot_tokens: int = 2048,
+                 decode_chunk: int = 16, stop_width: int = 16):
+        page = sampler._prefix.page if sampler._prefix is not None else 1
+        if slots < 1 or slot_tokens < 2 or slot_tokens % max(page, sampler.min_prompt_bucket):
+            raise ValueError(
+                f"slots={slots}, slot_tokens={slot_tokens}: need at least one row of at least "
+                f"two tokens, slot_tokens a multiple of the prompt bucket "
+                f"({sampler.min_prompt_bucket}) and of the prefix-cache page ({page})")
+        self.sampler, self.slots, self.slot_tokens = sampler, slots, slot_tokens
+        self.decode_chunk, self.stop_width = decode_chunk, _next_power_of_two(stop_width, 4)
+        self._cond = threading.Condition()
+        self._waiting: list[_Row] = []
+        self._active: dict[int, _Row] = {}  # pool row -> its row
+        self._pool: Optional[DecodeState] = None
+        self._counts = np.ones((slots,), np.int32)  # each pool row's count, as last read
+        self._stop = False
+        self._busy_since: Optional[float] = None  # a device call in flight since
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="continuous-batcher", daemon=True)
+        self._thread.start()
+
+    # -- callers ---------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> Ticket:
+        """Queues every sample of `requests`; ValueError (nothing queued) for a row the pool
+        cannot hold or the sampler refuses."""
+        rows = [(req, k) for req in requests for k in range(req.sampling.n)]
+        for req, _ in rows:
+            self.sampler._check(req)
+            need = len(req.prompt_ids) + max(req.sampling.max_new_tokens, 1)
+            if need > self.slot_tokens:
+                raise ValueError(f"a prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
+                                 f"{req.sampling.max_new_tokens} needs {need} KV slots; a row "
+                                 f"of this server holds {self.slot_tokens}")
+            if max(len(self.sampler._stop_ids(req)), len(self.sampler._ban_ids(req))) > \
+                    self.stop_width:
+                raise ValueError(f"more than {self.stop_width} stop token ids (eos included)")
+        ticket = Ticket(len(rows), self)
+        if not rows:
+            ticket._finish()
+            return ticket
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the batcher is closed")
+            self._waiting += [_Row(req, k, ticket, i) for i, (req, k) in enumerate(rows)]
+            self._cond.notify_all()
+        return ticket
+
+    def generate(self, requests: Sequence[GenerateRequest],
+                 timeout: Optional[float] = None) -> list[GenerateResult]:
+        return self.submit(requests).wait(timeout)
+
+    def abort(self, request_id: Optional[str] = None) -> None:
+        """Ends the rows of the request with this id (queued or running), or of every request
+        submitted so far (None). Nothing is remembered for later requests."""
+        if request_id is None:
+            self._abort(lambda row: True)
+        else:
+            self._abort(lambda row: row.request.request_id == str(request_id))
+
+    def stalled_for(self) -> float:
+        """Seconds the current device call has run (0 when none runs)."""
+        busy = self._busy_since
+        return 0.0 if busy is None else time.monotonic() - busy
+
+    def load(self) -> dict:
+        with self._cond:
+            return {"running_rows": len(self._active), "queued_rows": len(self._waiting),
+                    "slots": self.slots, "slot_tokens": self.slot_tokens}
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    # -- scheduler thread ------------------------------------------------------------------
+
+    def _abort(self, which: Callable[[_Row], bool]) -> None:
+        with self._cond:
+            for row in self._waiting + list(self._active.values()):
+                if which(row):
+                    row.aborted = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._waiting or self._active):
+                    self._cond.wait()
+                if self._stop:
+                    break
+            try:
+                self._step()
+            except Exception as err:  # noqa: BLE001 - fail what runs, keep serving the rest
+                log.exception("continuous batcher step failed")
+                self._fail_all(err, queued_too=False)
+            finally:
+                self._busy_since = None
+        self._fail_all(RuntimeError("the rollout server is shutting down"), queued_too=True)
+
+    def _step(self) -> None:
+        self._end_aborted_queued()
+        if not self.sampler._resume.is_set():  # paused: aborts still end rows, nothing decodes
+            self._end_aborted_running()
+            self.sampler._resume.wait(timeout=0.05)
+            return
+        self._admit()
+        self._end_aborted_running()
+        if not self._active:
+            return
+        params, version = self.sampler._weights()
+        for row in self._active.values():
+            if row.spans[-1][0] != version:
+                row.spans.append((version, self._counts[row.slot]))
+        self.sampler._note_program("decode", self.slots, self.slot_tokens, self.slot_tokens,
+                                   self.stop_width)
+        self._busy_since = time.monotonic()
+        self._pool = decode(self.sampler.model, params, self._pool, chunk=self.decode_chunk)
+        self._collect(force_aborted=False)
+
+    def _end_aborted_running(self) -> None:
+        with self._cond:
+            any_aborted = any(row.aborted for row in self._active.values())
+        if any_aborted:
+            self._collect(force_aborted=True)
+
+    def _end_aborted_queued(self) -> None:
+        with self._cond:
+            ended = [row for row in self._waiting if row.aborted]
+            self._waiting = [row for row in self._waiting if not row.aborted]
+        for row in ended:
+            row.spans = [(self.sampler.weight_version, 0)]
+            row.ticket._set(row.index, self.sampler._result(
+                row.request, np.zeros((0,), np.int32), np.zeros((0,), np.float32), False, True,
+                row.spans))
+
+    def _admit(self) -> None:
+        """Prefills as many queued rows as there are free pool rows, in arrival order."""
+        with self._cond:
+            free = [r for r in range(self.slots) if r not in self._active]
+            take, self._waiting = self._waiting[:len(free)], self._waiting[len(free):]
+        if not take:
+            return
+        if self._pool is None:
+            self._pool = self._new_pool()
+        sampler = self.sampler
+        n = len(take)
+        b = _next_power_of_two(n, 1)
+        p = _next_power_of_two(max(len(row.request.prompt_ids) for row in take),
+                               sampler.min_prompt_bucket)
+        ids, lens, sampling = sampler.row_arrays([(row.request, row.sample) for row in take], b,
+                                                 p, self.stop_width)
+        with sampler._weights_lock:  # the prefix cache's generation goes with the weights
+            params, version = sampler._params, sampler._version
+            generation = sampler._prefix.generation if sampler._prefix is not None else 0
+        self._busy_since = time.monotonic()
+        try:
+            new, matches = sampler._prefill(params, n, ids, lens, sampling,
+                                            self.slot_tokens - p)
+            targets = np.full((b,), self.slots, np.int32)  # padding rows: dropped
+            targets[:n] = free[:n]
+            self._pool = scatter_rows(self._pool, new, jnp.asarray(targets))
+        except Exception as err:  # these rows are in neither list: answer them here
+            for row in take:
+                row.ticket._fail(err)
+            raise
+        with self._cond:
+            for i, row in enumerate(take):
+                row.slot, row.spans, row.generation = free[i], [(version, 0)], generation
+                row.hashes = None if matches is None else matches[i].hashes
+                self._active[row.slot] = row
+        self._counts = np.asarray(self._pool.count)
+
+    def _collect(self, force_aborted: bool) -> None:
+        """Answers the rows that ended (and, with force_aborted, those aborted) and frees
+        their pool rows."""
+        pool = self._pool
+        done, self._counts = (np.asarray(x) for x in (pool.done, pool.count))
+        self._busy_since = None
+        with self._cond:
+            rows = list(self._active.values())
+        aborted = [row for row in rows if row.aborted and not done[row.slot]] \
+            if force_aborted else []
+        ended = [row for row in rows if done[row.slot]] + aborted
+        if not ended:
+            return
+        slots = np.array([row.slot for row in ended])
+        tokens, logprobs, stopped = (np.asarray(x) for x in (
+            pool.tokens[slots], pool.logprobs[slots], pool.stopped[slots]))
+        if aborted:
+            mask = np.zeros((self.slots,), bool)
+            mask[[row.slot for row in aborted]] = True
+            self._pool = end_rows(pool, jnp.asarray(mask))
+        self._save_prefixes(ended, tokens)
+        with self._cond:
+            for row in ended:
+                del self._active[row.slot]
+        for i, row in enumerate(ended):
+            count = int(self._counts[row.slot])
+            row.ticket._set(row.index, self.sampler._result(
+                row.request, tokens[i, :count], logprobs[i, :count],
+                bool(stopped[i]) and row not in aborted, row in aborted, row.spans))
+
+    def _save_prefixes(self, ended: list[_Row], tokens: np.ndarray) -> None:
+        """Ended rows' K/V into the prefix cache: slots 0..len+count-2 hold the prompt and
+        every output id but the last (sampled, never fed back)."""
+        prefix = self.sampler._prefix
+        if prefix is None:
+            return
+        for generation in {row.generation for row in ended}:
+            seqs: list = [None] * self.slots
+            hashes: list = [[] for _ in range(self.slots)]
+            for i, row in enumerate(ended):
+                if row.generation == generation and len(row.spans) == 1:
+                    count = int(self._counts[row.slot])
+                    seqs[row.slot] = np.concatenate([np.asarray(row.request.prompt_ids),
+                                                     tokens[i, :count - 1]]).astype(np.int32)
+                    hashes[row.slot] = row.hashes or []
+            if any(s is not None for s in seqs):
+                prefix.insert(seqs, hashes, self._pool.cache, generation)
+
+    def _new_pool(self) -> DecodeState:
+        pool = empty_pool(self.sampler.model, self.slots, self.slot_tokens, self.stop_width)
+        replicated = NamedSharding(self.sampler.mesh, PartitionSpec())
+        return jax.device_put(pool, replicated)
+
+    def _fail_all(self, error: BaseException, queued_too: bool) -> None:
+        """Fails the running rows' tickets (their K/V is suspect: a fresh pool is built at the
+        next admission) and, on shutdown, the queued ones."""
+        with self._cond:
+            rows = list(self._active.values()) + (self._waiting if queued_too else [])
+            self._active = {}
+            if queued_too:
+                self._waiting = []
+        self._pool = None
+        for row in rows:
+            row.ticket._fail(error)
