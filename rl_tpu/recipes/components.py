@@ -219,7 +219,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         urls = [u.strip() for u in r.urls.split(",") if u.strip()]
         engine = SGLangEngine(urls, model_config=model_cfg,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, router_url=r.router_url or None)
         engine.update_weights(parallel.host_copies(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler

@@ -62,6 +62,9 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # jax (embedded sampler) | sglang (urls below)
     c.rollout.urls = ""  # comma-separated SGLang-compatible servers, for engine=sglang
+    # An sglang-router in front of those servers: generation goes through it, weight updates,
+    # abort and pause still go to each of rollout.urls (docs/rollout_servers.md).
+    c.rollout.router_url = ""
     c.rollout.weights_dir = ""  # where HF exports for SGLang go ("" = <workdir>/sync)
     c.rollout.temperature = 1.0  # ONE temperature: the engine samples with it, the trainer
     c.rollout.top_p = 1.0        # recomputes log-probs with it
@@ -546,6 +549,9 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; choose 'jax' or 'sglang'")
     if config.rollout.engine == "sglang" and not config.rollout.urls:
         raise ValueError("rollout.engine='sglang' needs rollout.urls (or --rollout_urls)")
+    if config.rollout.router_url and config.rollout.engine != "sglang":
+        raise ValueError("rollout.router_url needs rollout.engine='sglang' and rollout.urls "
+                         "(the router's workers, which get weight updates directly)")
     if config.rollout.max_staleness < 0:
         raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} must be >= 0 "
                          "(0 = on-policy)")

@@ -43,6 +43,14 @@ MAX_BACKOFF_S = 30.0
 # Idle keep-alive connections kept per transport: enough for one per in-flight batch of a
 # large `max_concurrency`; more only costs a reconnect.
 MAX_IDLE_CONNECTIONS = 64
+# Idle connections are dropped here before uvicorn's default 5 s keep-alive closes them at the
+# server (SGLang and rl_tpu's servers run on uvicorn), so a request rarely meets a connection
+# the server is closing at that moment (that rare drop is retried like any other).
+KEEPALIVE_S = 4.0
+
+# httpx logs every request at INFO; under absl's INFO default that is one line per batch.
+if logging.getLogger("httpx").level == logging.NOTSET:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class ServerDown(Exception):
@@ -105,7 +113,7 @@ class HttpTransport:
         # must not carry the trainer's traffic (the stdlib client this replaces used none).
         self._client = httpx.Client(
             headers=headers, timeout=self.request_timeout_s, trust_env=False,
-            limits=httpx.Limits(max_connections=None,
+            limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S,
                                 max_keepalive_connections=MAX_IDLE_CONNECTIONS))
         self._lock = threading.Lock()
         self._inflight = {u: 0 for u in self.urls}

@@ -1,8 +1,8 @@
 """`SGLangEngine`: a `RolloutEngine` over the SGLang native HTTP API, with weight sync by disk.
 
 Works against real SGLang servers and against rl_tpu's own SGLang-compatible JAX server
-(`launch.serve_rollout`); the trainer cannot tell them apart. Stdlib HTTP only. The engine is
-three parts, one file each: the transport (http_transport.py: retries, backoff, fail-over,
+(`launch.serve_rollout`); the trainer cannot tell them apart. The engine is three parts, one
+file each: the transport (http_transport.py, on httpx: retries, backoff, fail-over,
 least-loaded server, timeouts), the weight sync (weight_sync.py: HF export +
 `/update_weights_from_disk`), and this file (generation, health, and what the logprobs mean).
 
@@ -13,6 +13,11 @@ logprobs only). At most `max_concurrency` batches are in flight, each to the ser
 fewest in flight. Replies come back flat and prompt-major (p0s0, p0s1, p1s0, ...). A batch that
 fails on one server fails over to the next (see http_transport.py); every failure ends in a
 `RolloutError` naming the server and what went wrong.
+
+Behind SGLang's router (`router_url`; router.py has what the router does and does not
+forward): generation goes to the router, grouped by identical sampling params (its /generate
+takes one dict and a string rid), and weight updates, abort, pause/continue and flush go to
+each worker of `urls` directly, since the router forwards none of them to every worker.
 
 Logprobs under top-p / top-k. Read in SGLang 0.5.23's installed source,
 `sglang/srt/layers/sampler.py`, `Sampler.forward` (line 148): the standard path divides the
@@ -65,6 +70,8 @@ from rl_tpu.rollout.engine import (FINISH_REASONS, GenerateRequest, GenerateResu
                                    RolloutEngine, RolloutError, SamplingParams)
 from rl_tpu.rollout.http_transport import HttpTransport, ServerDown
 from rl_tpu.rollout.logprob_probe import ServerLogprobs
+from rl_tpu.rollout.router import (agreed_logprobs, check_workers, generate_body,
+                                   group_by_params)
 from rl_tpu.rollout.weight_sync import (EXPORT_MARKER, DiskWeightSync,  # noqa: F401 (re-exported)
                                         shape_mismatches, tensor_shapes)
 
@@ -96,6 +103,8 @@ class SGLangEngine(RolloutEngine):
       failover_cooldown_s: how long a failed server is tried last.
       logprob_convention: "auto" (probe each server at first contact), or "full" /
         "truncated" to declare what every server reports for truncated samples (module doc).
+      router_url: an sglang-router in front of the workers `urls` (router.py): generation
+        goes through it; weight updates, abort, pause and flush go to each worker directly.
     """
 
     def __init__(self, urls: Sequence[str], *, tokenizer=None, weights_dir: Optional[str] = None,
@@ -105,13 +114,21 @@ class SGLangEngine(RolloutEngine):
                  health_timeout_s: float = 300.0, api_key: Optional[str] = None,
                  update_timeout_s: float = 600.0, served_model_path: Optional[str] = None,
                  export_dtype: Optional[str] = None, failover_cooldown_s: float = 30.0,
-                 logprob_convention: str = "auto"):
+                 logprob_convention: str = "auto", router_url: Optional[str] = None):
         if max_concurrency < 1 or batch_size < 1:
             raise ValueError(f"max_concurrency and batch_size must be >= 1, got "
                              f"{max_concurrency} and {batch_size}")
         self.transport = HttpTransport(
             urls, request_timeout_s=request_timeout_s, connect_retries=connect_retries,
             backoff_s=backoff_s, failover_cooldown_s=failover_cooldown_s, api_key=api_key)
+        # The router is one more endpoint with the same retry policy; it does its own
+        # fail-over among workers, so it is the only url of its transport.
+        self.router = None if not router_url else HttpTransport(
+            [router_url], request_timeout_s=request_timeout_s, connect_retries=connect_retries,
+            backoff_s=backoff_s, failover_cooldown_s=failover_cooldown_s, api_key=api_key)
+        if self.router is not None and self.router.urls[0] in self.transport.urls:
+            raise ValueError(f"router_url {router_url!r} is also in urls: list the workers in "
+                             "urls, the router alone in router_url")
         self.weight_sync = DiskWeightSync(
             self.transport, weights_dir=weights_dir, model_config=model_config,
             tokenizer=tokenizer, served_model_path=served_model_path, export_dtype=export_dtype,
@@ -123,12 +140,22 @@ class SGLangEngine(RolloutEngine):
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
                                                            thread_name_prefix="sglang-client")
         self._logprobs: dict[str, ServerLogprobs] = {}  # url -> what its logprobs mean
-        self._probe_locks = {u: threading.Lock() for u in self.urls}
+        self._probe_locks = {u: threading.Lock() for u in self.urls + self.router_urls}
         self._version: Optional[str] = None
 
     @property
     def urls(self) -> list[str]:
         return self.transport.urls
+
+    @property
+    def router_urls(self) -> list[str]:
+        """[the router's url] in router mode, else []."""
+        return self.router.urls if self.router is not None else []
+
+    @property
+    def _generation(self) -> HttpTransport:
+        """Where `/generate` goes: the router, else the workers (least loaded first)."""
+        return self.router if self.router is not None else self.transport
 
     @property
     def model_config(self) -> Optional[ModelConfig]:
@@ -171,10 +198,14 @@ class SGLangEngine(RolloutEngine):
             for url, known in list(self._logprobs.items()):
                 if known.refuses(r.sampling):
                     raise ValueError(self._temperature_message(url, r.sampling, f"request {k}"))
-        by_n: dict[int, list[int]] = {}
-        for k, r in enumerate(requests):
-            by_n.setdefault(r.sampling.n, []).append(k)
-        chunks = [idx[s:s + self.batch_size] for idx in by_n.values()
+        if self.router is not None:
+            groups = group_by_params(requests, self.sampling_params_json)
+        else:
+            by_n: dict[int, list[int]] = {}
+            for k, r in enumerate(requests):
+                by_n.setdefault(r.sampling.n, []).append(k)
+            groups = list(by_n.values())
+        chunks = [idx[s:s + self.batch_size] for idx in groups
                   for s in range(0, len(idx), self.batch_size)]
         futures = {self._pool.submit(self._generate_batch, [requests[k] for k in chunk]): chunk
                    for chunk in chunks}
@@ -197,12 +228,15 @@ class SGLangEngine(RolloutEngine):
 
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
         n = requests[0].sampling.n
-        body = {"input_ids": [[int(t) for t in r.prompt_ids] for r in requests],
-                "sampling_params": [self.sampling_params_json(r.sampling) for r in requests],
-                "return_logprob": True, "logprob_start_len": -1}
-        if n == 1 and all(r.request_id for r in requests):
-            body["rid"] = [str(r.request_id) for r in requests]
-        url, reply = self.transport.call("POST", "/generate", body)
+        if self.router is not None:  # one params dict for the whole group (generate())
+            body = generate_body(requests, self.sampling_params_json(requests[0].sampling))
+        else:
+            body = {"input_ids": [[int(t) for t in r.prompt_ids] for r in requests],
+                    "sampling_params": [self.sampling_params_json(r.sampling) for r in requests],
+                    "return_logprob": True, "logprob_start_len": -1}
+            if n == 1 and all(r.request_id for r in requests):
+                body["rid"] = [str(r.request_id) for r in requests]
+        url, reply = self._generation.call("POST", "/generate", body)
         if isinstance(reply, dict):
             reply = [reply]
         if not isinstance(reply, list) or len(reply) != len(requests) * n:
@@ -278,6 +312,14 @@ class SGLangEngine(RolloutEngine):
         answer now is tried again at the next contact."""
         if self._declared is not None:
             return self._declared
+        if url in self.router_urls:
+            # A reply through the router does not say which worker drew it: ask each worker
+            # (the router refuses the probe's per-row params), and require them to agree.
+            meanings = {u: self.server_logprobs(u) for u in self.urls}
+            meaning = agreed_logprobs(url, meanings)
+            if all(u in self._logprobs for u in self.urls):  # keep only a measured answer
+                self._logprobs[url] = meaning
+            return meaning
         with self._probe_locks[url]:  # concurrent batches on a new server probe it once
             if url not in self._logprobs:
                 vocab = self._vocab_size()
@@ -299,11 +341,13 @@ class SGLangEngine(RolloutEngine):
     # -- control ----------------------------------------------------------------------------
 
     def _health_problem(self, url: str) -> Optional[str]:
-        """None when the server can generate now, else why not (one attempt, no retries)."""
-        timeout = min(self.transport.request_timeout_s, 60.0)
+        """None when the server (or the router: it has a healthy worker) can generate now,
+        else why not (one attempt, no retries). The router answers in plain text."""
+        transport = self.router if url in self.router_urls else self.transport
+        timeout = min(transport.request_timeout_s, 60.0)
         for path in ("/health_generate", "/health"):
             try:
-                self.transport.call_one(url, "GET", path, None, timeout, retries=0)
+                transport.call_one(url, "GET", path, None, timeout, retries=0, text_ok=True)
                 return None
             except RolloutError as e:
                 if e.status != 404:
@@ -313,16 +357,17 @@ class SGLangEngine(RolloutEngine):
         return f"{url}: neither /health_generate nor /health answers"
 
     def health(self) -> bool:
-        """True when at least one server answers `/health_generate` (a 1-token generation)."""
-        return any(self._health_problem(u) is None for u in self.urls)
+        """True when at least one server answers `/health_generate` (a 1-token generation);
+        in router mode, when the router does (it has a healthy worker to route to)."""
+        return any(self._health_problem(u) is None for u in self.router_urls or self.urls)
 
     def wait_healthy(self, timeout: Optional[float] = None, poll_s: float = 1.0) -> None:
-        """Blocks until every server is healthy, then reads what each serves (model path,
-        tensor shapes when readable, weight version, what its logprobs mean). Raises
-        RolloutError after `timeout`."""
+        """Blocks until every server (and the router) is healthy, then reads what each serves
+        (model path, tensor shapes when readable, weight version, what its logprobs mean) and
+        that the router routes only to `urls`. Raises RolloutError after `timeout`."""
         timeout = self.health_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        pending = {u: "not polled yet" for u in self.urls}
+        pending = {u: "not polled yet" for u in self.urls + self.router_urls}
         while pending:
             for url in list(pending):
                 why = self._health_problem(url)
@@ -346,6 +391,9 @@ class SGLangEngine(RolloutEngine):
             except RolloutError as e:
                 log.info("%s (checked again at update_weights)", e)
             self.server_logprobs(url)
+        if self.router is not None:
+            check_workers(self.router, self.urls, min(self.router.request_timeout_s, 60.0))
+            self.server_logprobs(self.router.urls[0])
         if self._version is None and len(versions) == 1:
             self._version = versions.pop()
 
@@ -368,12 +416,45 @@ class SGLangEngine(RolloutEngine):
                 failed.append(url)
         return failed
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """`POST /pause_generation {mode}` to every worker ("abort": running requests end now
+        with finish type `abort`; "retract" / "in_place": they wait and finish after
+        `continue_generation`, on the weights loaded meanwhile)."""
+        self._every_worker("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        """`POST /continue_generation` to every worker."""
+        self._every_worker("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        """`POST /flush_cache` to every worker (SGLang answers 400 while requests run)."""
+        self._every_worker("/flush_cache", None)
+
+    def _every_worker(self, path: str, body: Optional[dict]) -> None:
+        """One control call to each worker directly (never through a router, which forwards
+        none of them to every worker); RolloutError naming every worker that failed."""
+        timeout = min(self.transport.request_timeout_s, 60.0)
+        failures = []
+        for url in self.urls:
+            try:
+                # SGLang answers /flush_cache in plain text ("Cache flushed...")
+                self.transport.call_one(url, "POST", path, body, timeout, text_ok=True)
+            except (RolloutError, ServerDown) as e:
+                failures.append(str(e))
+        if failures:
+            raise RolloutError(f"POST {path} failed on {len(failures)} of {len(self.urls)} "
+                               "workers: " + "; ".join(failures),
+                               self.urls[0] if len(self.urls) == 1 else None)
+
     @property
     def weight_version(self) -> Optional[str]:
         return self._version
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+        if self.router is not None:
+            self.router.close()
 
     def __enter__(self):
         return self

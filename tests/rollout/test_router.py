@@ -1,0 +1,217 @@
+"""SGLangEngine behind a real sglang-router in front of two `launch.serve_rollout` workers.
+
+The slow tests start three subprocesses (two JAX workers on a tiny random Qwen2, then the
+router, from the `sglang-router` pip package of the dev extra) and check what router mode
+promises (rl_tpu/rollout/router.py): generation through the router is what a worker gives
+directly, token for token; a weight update reaches both workers and every later sample reports
+it; abort and pause reach the worker that runs the request. The router itself forwards none of
+the control calls (checked here too, so a router release that starts to forward them, or to
+accept per-prompt params, shows up). The fast tests check the request grouping alone.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from rl_tpu.models import hf, tiny
+from rl_tpu.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from rl_tpu.rollout.logprob_probe import ServerLogprobs
+from rl_tpu.rollout.router import agreed_logprobs, generate_body, group_by_params
+from rl_tpu.rollout.sglang import SGLangEngine
+
+from sglang_server import ServerProcess, free_port  # noqa: E402  (tests/rollout is on sys.path)
+
+VOCAB = 320
+
+
+def _req(prompt, rid=None, **sampling):
+    return GenerateRequest(list(prompt), SamplingParams(**sampling), request_id=rid)
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_prompts_are_grouped_by_identical_sampling_params():
+    reqs = [_req([1], max_new_tokens=4, seed=0), _req([2], max_new_tokens=4, seed=1),
+            _req([3], max_new_tokens=4, seed=0), _req([4], max_new_tokens=4, seed=0, n=2),
+            _req([5], max_new_tokens=4, seed=1)]
+    assert group_by_params(reqs, SGLangEngine.sampling_params_json) == [[0, 2], [1, 4], [3]]
+
+
+def test_router_body_has_one_params_dict_and_a_rid_only_for_a_single_prompt():
+    params = SGLangEngine.sampling_params_json(SamplingParams(max_new_tokens=3))
+    body = generate_body([_req([1, 2], "a"), _req([3], "b")], params)
+    assert body["input_ids"] == [[1, 2], [3]] and body["sampling_params"] == params
+    assert "rid" not in body and body["return_logprob"] and body["logprob_start_len"] == -1
+    one = generate_body([_req([1, 2], "a")], params)
+    assert one["input_ids"] == [1, 2] and one["rid"] == "a"  # a single request, not a batch
+    n2 = SGLangEngine.sampling_params_json(SamplingParams(max_new_tokens=3, n=2))
+    assert "rid" not in generate_body([_req([1, 2], "a", n=2)], n2)
+
+
+def test_workers_that_disagree_on_logprobs_are_refused():
+    full, trunc = ServerLogprobs(), ServerLogprobs(top_p="truncated", source="probed")
+    assert agreed_logprobs("r", {"a": full, "b": ServerLogprobs(source="probed")}) == full
+    with pytest.raises(RolloutError, match="report different logprobs"):
+        agreed_logprobs("r", {"a": full, "b": trunc})
+
+
+def test_router_url_may_not_be_a_worker():
+    with pytest.raises(ValueError, match="also in urls"):
+        SGLangEngine(["http://127.0.0.1:1"], router_url="127.0.0.1:1")
+
+
+# ----------------------------------------------------------------------------- real router
+
+
+def _worker(model_dir: str) -> ServerProcess:
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)  # the test process's fake device count is not the worker's
+    return ServerProcess([sys.executable, "-m", "launch.serve_rollout", "--model_path",
+                          model_dir, "--port", str(port)], port, env=env, name="serve_rollout")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    pytest.importorskip("sglang_router", reason="pip install -e '.[dev]' (sglang-router)")
+    root = tmp_path_factory.mktemp("router")
+    tiny.write_tiny_model(str(root / "a"), "qwen2", vocab_size=VOCAB, seed=0)
+    tiny.write_tiny_model(str(root / "b"), "qwen2", vocab_size=VOCAB, seed=1)
+    started = []
+    try:
+        workers = [_worker(str(root / "a")) for _ in range(2)]  # both start at once
+        started += workers
+        for w in workers:
+            w.wait_ready(300)
+        port = free_port()
+        # --prometheus-port: its default (29000) is one port for every router on the machine
+        router = ServerProcess(
+            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
+             *[w.url for w in workers], "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--log-level", "warn"], port, name="sglang_router")
+        started.append(router)
+        router.wait_ready(120)  # /health_generate: 200 once it has a healthy worker
+        yield dict(workers=[w.url for w in workers], router=router.url, root=root)
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _engine(fleet, **kwargs):
+    return SGLangEngine(fleet["workers"], router_url=fleet["router"], request_timeout_s=120,
+                        batch_size=4, max_concurrency=4, **kwargs)
+
+
+def _mixed_requests():
+    """Two seeds, two budgets and an n=2 prompt: four groups of sampling params."""
+    return [_req([5, 6, k], f"q{k}", max_new_tokens=6 + k % 2, temperature=1.0, seed=k % 2,
+                 n=1 + (k == 3)) for k in range(7)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")  # one pytest worker starts servers at a time
+def test_generation_through_the_router_is_what_a_worker_gives(fleet):
+    engine = _engine(fleet)
+    engine.wait_healthy(timeout=60)
+    assert engine.weight_version == "0" and engine.health()
+    routed = engine.generate(_mixed_requests())
+    for worker in fleet["workers"]:
+        direct = SGLangEngine([worker], request_timeout_s=120).generate(_mixed_requests())
+        assert [r.output_ids for r in routed] == [d.output_ids for d in direct]
+        for r, d in zip(routed, direct):
+            np.testing.assert_allclose(r.logprobs, d.logprobs, atol=1e-5)
+    assert len(routed) == 8 and all(r.weight_version == "0" for r in routed)
+    assert all(r.finish_reason == "length" and r.info["url"] == fleet["router"] for r in routed)
+    assert [len(r.output_ids) for r in routed] == [6, 7, 6, 7, 7, 6, 7, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_what_the_router_refuses_and_does_not_forward(fleet):
+    """Why router mode exists: the router's schema and its missing control endpoints."""
+    with httpx.Client(base_url=fleet["router"], timeout=60) as http:
+        params = {"max_new_tokens": 2}
+        listed = http.post("/generate", json={"input_ids": [[5], [6]],
+                                              "sampling_params": [params, params]})
+        assert listed.status_code == 422 and "sampling_params" in listed.text
+        rids = http.post("/generate", json={"input_ids": [[5], [6]], "sampling_params": params,
+                                            "rid": ["a", "b"]})
+        assert rids.status_code == 422 and "rid" in rids.text
+        for path in ("/update_weights_from_disk", "/abort_request", "/pause_generation",
+                     "/continue_generation"):
+            assert http.post(path, json={}).status_code == 404, path
+        assert http.get("/model_info").status_code == 404
+        assert http.get("/health_generate").headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_a_router_worker_missing_from_urls_is_refused(fleet):
+    engine = SGLangEngine(fleet["workers"][:1], router_url=fleet["router"],
+                          logprob_convention="full")
+    with pytest.raises(RolloutError, match="not in rollout.urls"):
+        engine.wait_healthy(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_pause_and_abort_reach_the_worker_that_runs_the_request(fleet):
+    engine = _engine(fleet, logprob_convention="full")
+    out = {}
+
+    def generate(key, n, new_tokens):
+        out[key] = engine.generate([_req([5, 6, 9], n=n, max_new_tokens=new_tokens,
+                                         ignore_eos=True)])
+
+    # Paused workers hold a new request until continue_generation.
+    engine.pause_generation("in_place")
+    held = threading.Thread(target=generate, args=("held", 1, 8))
+    try:
+        held.start()
+        held.join(3.0)
+        assert held.is_alive(), "a request finished while every worker was paused"
+    finally:
+        engine.continue_generation()
+    held.join(60)
+    assert not held.is_alive() and out["held"][0].finish_reason == "length"
+
+    # 32 rows of 2000 tokens take ~30 s here; the abort ends them within a decode chunk. It is
+    # repeated until the request ends, since the first may come before the worker has it.
+    long = threading.Thread(target=generate, args=("long", 32, 2000))
+    start = time.monotonic()
+    long.start()
+    time.sleep(1.0)
+    while long.is_alive() and time.monotonic() - start < 120:
+        assert engine.abort_all() == []
+        long.join(0.5)
+    assert not long.is_alive()
+    assert {r.finish_reason for r in out["long"]} == {"abort"}
+    assert all(len(r.output_ids) < 2000 for r in out["long"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_a_weight_update_reaches_both_workers_and_every_later_sample(fleet, tmp_path):
+    cfg, params = hf.load(str(fleet["root"] / "b"))
+    engine = _engine(fleet, model_config=cfg, weights_dir=str(tmp_path / "sync"))
+    engine.wait_healthy(timeout=60)
+    before = engine.generate(_mixed_requests())
+    engine.update_weights(params, "1")
+    for worker in fleet["workers"]:
+        assert engine.model_info(worker)["weight_version"] == "1"
+    after = [engine.generate(_mixed_requests()) for _ in range(3)]  # whichever worker serves
+    assert all(r.weight_version == "1" for batch in after for r in batch)
+    assert all([r.output_ids for r in batch] == [r.output_ids for r in after[0]]
+               for batch in after)
+    assert [r.output_ids for r in after[0]] != [r.output_ids for r in before]
+    for worker in fleet["workers"]:  # the router's replies are each worker's on the new weights
+        direct = SGLangEngine([worker], request_timeout_s=120).generate(_mixed_requests())
+        assert [d.output_ids for d in direct] == [r.output_ids for r in after[0]]
+        assert {d.weight_version for d in direct} == {"1"}
