@@ -44,8 +44,11 @@ setup(
         # libtpu compiles for TPU slices on any machine (launch.compile_check); its version is
         # the one jax's own `tpu` extra pins.
         "tpu-aot": ["libtpu==0.0.42.*"],
-        # nbclient + ipykernel run the notebooks (tests/test_notebooks.py).
+        # nbclient + ipykernel run the notebooks (tests/test_notebooks.py). sglang-router runs
+        # in front of rollout servers in tests/rollout/test_router.py, pinned to the release
+        # whose behaviour rl_tpu/rollout/router.py describes.
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0",
-                "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6"] + ENVS,
+                "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6",
+                "sglang-router==0.3.2"] + ENVS,
     },
 )
