@@ -64,6 +64,8 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
+import jax
+
 from rl_tpu.models.transformer import ModelConfig
 from rl_tpu.rollout import logprob_probe
 from rl_tpu.rollout.engine import (FINISH_REASONS, GenerateRequest, GenerateResult,
@@ -471,6 +473,9 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, params, version: str) -> None:
         """Exports `params` to `weights_dir/<version>` and has every server load them
         (weight_sync.py). Refuses (ValueError / RolloutError, before any request that could
-        change a server) when the export would not match what a server serves."""
+        change a server) when the export would not match what a server serves, or when the
+        router routes to a worker not in `urls` (it would keep the old weights)."""
+        if self.router is not None and jax.process_index() == 0:
+            check_workers(self.router, self.urls, min(self.router.request_timeout_s, 60.0))
         self.weight_sync.update(params, version)
         self._version = str(version)

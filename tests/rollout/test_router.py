@@ -153,11 +153,17 @@ def test_what_the_router_refuses_and_does_not_forward(fleet):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
-def test_a_router_worker_missing_from_urls_is_refused(fleet):
-    engine = SGLangEngine(fleet["workers"][:1], router_url=fleet["router"],
-                          logprob_convention="full")
+def test_a_router_worker_missing_from_urls_is_refused(fleet, tmp_path):
+    """It would never get weight updates: refused at start and before every update."""
+    cfg, params = hf.load(str(fleet["root"] / "a"))
+    engine = SGLangEngine(fleet["workers"][:1], router_url=fleet["router"], model_config=cfg,
+                          weights_dir=str(tmp_path), logprob_convention="full")
     with pytest.raises(RolloutError, match="not in rollout.urls"):
         engine.wait_healthy(timeout=60)
+    with pytest.raises(RolloutError, match="not in rollout.urls"):
+        engine.update_weights(params, "x")
+    assert engine.model_info(fleet["workers"][0])["weight_version"] == "0"
+    assert os.listdir(tmp_path) == []  # refused before the export
 
 
 @pytest.mark.slow
