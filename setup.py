@@ -36,6 +36,9 @@ setup(
         "tqdm>=4.66",
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
         "matplotlib>=3.8",  # W/curves.png
+        "fastapi>=0.110",  # the env and rollout servers
+        "uvicorn>=0.29",
+        "httpx>=0.27",  # their clients
     ],
     extras_require={
         # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (8 or newer).

