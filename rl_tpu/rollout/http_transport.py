@@ -40,9 +40,9 @@ from rl_tpu.rollout.engine import RolloutError
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
-# Idle keep-alive connections kept per transport: enough for one per in-flight batch of a
-# large `max_concurrency`; more only costs a reconnect.
-MAX_IDLE_CONNECTIONS = 64
+# Idle keep-alive connections kept per transport: one per request in flight behind a router
+# (SGLangEngine's default 8 x 16); more only costs a reconnect.
+MAX_IDLE_CONNECTIONS = 256
 # Idle connections are dropped here before uvicorn's default 5 s keep-alive closes them at the
 # server (SGLang and rl_tpu's servers run on uvicorn), so a request rarely meets a connection
 # the server is closing at that moment (that rare drop is retried like any other).

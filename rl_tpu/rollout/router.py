@@ -118,7 +118,8 @@ def check_workers(router: HttpTransport, urls: Sequence[str], timeout: float) ->
         raise RolloutError(
             f"the router {router.urls[0]} routes generation to {unknown}, which are not in "
             f"rollout.urls {list(urls)}: they would never get weight updates, aborts or "
-            "pauses. List every worker of the router in rollout.urls.", router.urls[0])
+            "pauses. List every worker of the router in rollout.urls, written as in its "
+            "--worker-urls (host names are compared as written).", router.urls[0])
     idle = sorted(set(urls) - set(routed))
     if idle:
         log.warning("the router %s does not (yet) route to %s: they get weight updates but no "

@@ -91,7 +91,8 @@ class SGLangEngine(RolloutEngine):
         version). Needed by `update_weights`.
       model_config: the trainer's `ModelConfig` of the params `update_weights` receives.
         Needed by `update_weights`; also bounds prompt token ids before they are sent.
-      max_concurrency: batches in flight at once (threads).
+      max_concurrency: batches in flight at once (threads); behind a router, up to
+        `max_concurrency * batch_size` requests (see `router_url`).
       batch_size: prompts per `/generate` request.
       request_timeout_s: seconds to wait for one reply.
       connect_retries: extra attempts on one server after a failure (http_transport.py).
@@ -107,6 +108,10 @@ class SGLangEngine(RolloutEngine):
         "truncated" to declare what every server reports for truncated samples (module doc).
       router_url: an sglang-router in front of the workers `urls` (router.py): generation
         goes through it; weight updates, abort, pause and flush go to each worker directly.
+        Its requests carry one set of sampling params each, and RL gives every episode its
+        own seed, so most are one prompt: the client then keeps as many prompts in flight as
+        direct mode would (`max_concurrency * batch_size` requests), which also lets the
+        router place each episode's turns by their own prefix.
     """
 
     def __init__(self, urls: Sequence[str], *, tokenizer=None, weights_dir: Optional[str] = None,
@@ -139,7 +144,8 @@ class SGLangEngine(RolloutEngine):
                           else logprob_probe.declared(logprob_convention))
         self.max_concurrency, self.batch_size = int(max_concurrency), int(batch_size)
         self.health_timeout_s = float(health_timeout_s)
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
+        in_flight = self.max_concurrency * (self.batch_size if self.router is not None else 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(in_flight,
                                                            thread_name_prefix="sglang-client")
         self._logprobs: dict[str, ServerLogprobs] = {}  # url -> what its logprobs mean
         self._probe_locks = {u: threading.Lock() for u in self.urls + self.router_urls}
