@@ -4,7 +4,8 @@
 router, which picks a worker (cache-aware by default), and everything that must reach *every*
 worker to each of `urls` directly. The facts below were measured against sglang-router 0.3.2
 (`python -m sglang_router.launch_router --worker-urls ...`) in front of two
-`launch.serve_rollout` workers (tests/rollout/test_router.py runs the real thing):
+`launch.serve_rollout` workers, and in front of a real SGLang 0.5.23 worker
+(tests/rollout/test_router.py runs both):
 
 Forwarded to one worker (the one the router picks):
 - `POST /generate`, but parsed into the router's own request schema first, which takes
@@ -12,7 +13,8 @@ Forwarded to one worker (the one the router picks):
   text, "Failed to deserialize the JSON body..."). The router re-serialises the body: unknown
   sampling-param keys are dropped, and it adds its own defaults (`model: null`, `stream`,
   `return_text_in_logprobs`, `log_metrics`, `return_hidden_states`, `background`, `no_logs`,
-  `return_bytes`, `return_entropy`), which a worker must accept. `Authorization` passes through.
+  `return_bytes`, `return_entropy`), which a worker must accept (SGLang and rl_tpu's server
+  do). `Authorization` passes through.
   A batch (`input_ids` list of lists) with one dict and `n` works: the reply is the worker's.
 - `GET /get_model_info` (the worker's reply); `/model_info` is 404 at the router.
 

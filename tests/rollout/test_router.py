@@ -6,7 +6,9 @@ promises (rl_tpu/rollout/router.py): generation through the router is what a wor
 directly, token for token; a weight update reaches both workers and every later sample reports
 it; abort and pause reach the worker that runs the request. The router itself forwards none of
 the control calls (checked here too, so a router release that starts to forward them, or to
-accept per-prompt params, shows up). The fast tests check the request grouping alone.
+accept per-prompt params, shows up). One more slow test puts a real SGLang 0.5.23 worker (its
+own venv, tests/rollout/sglang_server.py) behind the router. The fast tests check the request
+grouping alone and start no server.
 """
 
 import os
@@ -24,7 +26,8 @@ from rl_tpu.rollout.logprob_probe import ServerLogprobs
 from rl_tpu.rollout.router import agreed_logprobs, generate_body, group_by_params
 from rl_tpu.rollout.sglang import SGLangEngine
 
-from sglang_server import ServerProcess, free_port  # noqa: E402  (tests/rollout is on sys.path)
+from sglang_server import (ServerProcess, free_port,  # noqa: E402  (tests/rollout on sys.path)
+                           start_sglang_server)
 
 VOCAB = 320
 
@@ -77,6 +80,18 @@ def _worker(model_dir: str) -> ServerProcess:
                           model_dir, "--port", str(port)], port, env=env, name="serve_rollout")
 
 
+def _router(worker_urls) -> ServerProcess:
+    pytest.importorskip("sglang_router", reason="pip install -e '.[dev]' (sglang-router)")
+    port = free_port()
+    # --prometheus-port: its default (29000) is one port for every router on the machine
+    router = ServerProcess(
+        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+         "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(free_port()), "--log-level", "warn"], port,
+        name="sglang_router")
+    return router.wait_ready(120)  # /health_generate: 200 once it has a healthy worker
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     pytest.importorskip("sglang_router", reason="pip install -e '.[dev]' (sglang-router)")
@@ -89,16 +104,8 @@ def fleet(tmp_path_factory):
         started += workers
         for w in workers:
             w.wait_ready(300)
-        port = free_port()
-        # --prometheus-port: its default (29000) is one port for every router on the machine
-        router = ServerProcess(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
-             *[w.url for w in workers], "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-             "--log-level", "warn"], port, name="sglang_router")
-        started.append(router)
-        router.wait_ready(120)  # /health_generate: 200 once it has a healthy worker
-        yield dict(workers=[w.url for w in workers], router=router.url, root=root)
+        started.append(_router([w.url for w in workers]))
+        yield dict(workers=[w.url for w in workers], router=started[-1].url, root=root)
     finally:
         for server in started:
             server.stop()
@@ -221,3 +228,25 @@ def test_a_weight_update_reaches_both_workers_and_every_later_sample(fleet, tmp_
         direct = SGLangEngine([worker], request_timeout_s=120).generate(_mixed_requests())
         assert [d.output_ids for d in direct] == [r.output_ids for r in after[0]]
         assert {d.weight_version for d in direct} == {"1"}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_real_sglang_behind_the_router(tmp_path):
+    """The router is built for SGLang workers: the same client calls work with a real SGLang
+    0.5.23 (CPU, its own venv, installed on first use) in place of launch.serve_rollout."""
+    tiny.write_tiny_model(str(tmp_path / "m"), "qwen2", vocab_size=VOCAB, seed=0)
+    with start_sglang_server(str(tmp_path / "m")) as worker, _router([worker.url]) as router:
+        engine = SGLangEngine([worker.url], router_url=router.url, request_timeout_s=120)
+        engine.wait_healthy(timeout=120)
+        requests = [_req([5, 6, k], f"s{k}", max_new_tokens=5, temperature=0.0, n=1 + k % 2)
+                    for k in range(4)]
+        routed = engine.generate(requests)
+        direct = SGLangEngine([worker.url], request_timeout_s=120).generate(requests)
+        assert [r.output_ids for r in routed] == [d.output_ids for d in direct]
+        assert len(routed) == 6 and {r.weight_version for r in routed} == {"default"}
+        engine.flush_cache()  # SGLang answers it in plain text
+        engine.pause_generation("abort")
+        engine.continue_generation()
+        assert engine.abort_all() == []
+        assert engine.server_logprobs(router.url).source == "probed"  # measured on the worker
