@@ -62,6 +62,11 @@ class FakeSGLang:
                 if self.path == "/health_generate":
                     status = fake.health.pop(0) if fake.health else 200
                     self._reply(status, {})
+                elif self.path == "/plain":  # as sglang-router answers its health checks
+                    self.send_response(200)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"OK")
                 elif self.path == "/model_info":
                     self._reply(200, {"model_path": fake.model_path, "weight_version":
                                       fake.version if fake.report_version else "default"})
@@ -285,6 +290,14 @@ def test_4xx_is_raised_at_once_with_the_servers_message(fake):
         _engine(fake.url).generate([_req(5)])
     assert err.value.status == 400 and err.value.url == fake.url
     assert len(fake.posts("/generate")) == 1
+
+
+def test_a_plain_text_reply_is_read_only_where_text_is_expected(fake):
+    transport = http_transport.HttpTransport([fake.url], connect_retries=0)
+    with pytest.raises(RolloutError, match="HTTP 200 with a reply that is not JSON: b'OK'"):
+        transport.call_one(fake.url, "GET", "/plain")
+    assert transport.call_one(fake.url, "GET", "/plain", text_ok=True) == "OK"
+    transport.close()
 
 
 def test_unreachable_server_raises_quickly_naming_it():
