@@ -43,9 +43,10 @@ MAX_BACKOFF_S = 30.0
 # Idle keep-alive connections kept per transport: one per request in flight behind a router
 # (SGLangEngine's default 8 x 16); more only costs a reconnect.
 MAX_IDLE_CONNECTIONS = 256
-# Idle connections are dropped here before uvicorn's default 5 s keep-alive closes them at the
-# server (SGLang and rl_tpu's servers run on uvicorn), so a request rarely meets a connection
-# the server is closing at that moment (that rare drop is retried like any other).
+# Idle connections are dropped here before SGLang's server (uvicorn, 5 s keep-alive) closes
+# them, so a request never goes out on a connection the server is closing at that moment (such
+# a drop would cost a retry's backoff). rl_tpu's servers keep theirs 75 s; a reconnect is one
+# TCP handshake, nothing next to a generation.
 KEEPALIVE_S = 4.0
 
 # httpx logs every request at INFO; under absl's INFO default that is one line per batch.
