@@ -11,9 +11,12 @@ error counts as an error.
 
     python benchmarks/env_server.py                      # babyai, 1/16/256 episodes, 15 s each
     python benchmarks/env_server.py --root /tmp/old      # the same load on another checkout
+    python benchmarks/env_server.py --root /tmp/old,. --repeats 2   # both, taking turns
 
 Rows: steps/s (steps only; the resets between episodes are counted apart), step latency
-median and 99th percentile, errors. Load generator and server share the machine's cores.
+median and 99th percentile, errors, and the CPU the server and the load generator used (in
+cores): steps per server CPU-second is what a server costs per step, whatever else runs on
+the machine. Load generator and server share the machine's cores.
 """
 
 from __future__ import annotations
@@ -163,37 +166,50 @@ async def measure(url: str, server_pid: int, concurrency: int, seconds: float, w
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--env", default="babyai")
-    parser.add_argument("--root", default=ROOT, help="checkout whose launch.serve_env to run")
+    parser.add_argument("--root", default=ROOT, help="checkout whose launch.serve_env to run; "
+                        "several, comma-separated, are measured in turns, row by row")
     parser.add_argument("--concurrency", default="1,16,256")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured time per row")
     parser.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per row "
                         "after every episode has started")
+    parser.add_argument("--repeats", type=int, default=1, help="rows per server and level")
     parser.add_argument("--horizon", type=int, default=20, help="steps before a reset "
                         "(AgentGym-RL's BabyAI turn limit)")
     parser.add_argument("--server_args", default="", help="more flags for launch.serve_env, "
                         "e.g. '--threads 4'")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    proc, url = start_server(args.root, args.env, max(levels) + 8, args.server_args.split())
+    roots = [os.path.abspath(r) for r in args.root.split(",")]
+    servers = []
     rows = []
     try:
+        for root in roots:
+            servers.append(start_server(root, args.env, max(levels) + 8,
+                                        args.server_args.split()))
+        # Servers take turns row by row, so a machine whose load changes (a shared one) weighs
+        # on each alike; the steps per server CPU-second do not depend on that load at all.
         for concurrency in levels:
-            rows.append(asyncio.run(measure(url, proc.pid, concurrency, args.seconds, args.warmup,
-                                            args.horizon)))
+            for _ in range(args.repeats):
+                for root, (proc, url) in zip(roots, servers):
+                    row = asyncio.run(measure(url, proc.pid, concurrency, args.seconds,
+                                              args.warmup, args.horizon))
+                    rows.append(dict(row, root=root))
     finally:
-        proc.terminate()
-        proc.wait()
-    print(f"env {args.env}, server from {args.root} {args.server_args}")
-    print("| episodes in flight | steps/s | step p50 ms | step p99 ms | steps | resets | errors "
-          "| server CPU | load CPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait()
+    print(f"env {args.env} {args.server_args}")
+    print("| server | episodes in flight | steps/s | step p50 ms | step p99 ms | steps | resets "
+          "| errors | server CPU | steps per server CPU-s | load CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['steps_per_s']:.0f} | {r['p50_ms']:.1f} | "
-              f"{r['p99_ms']:.1f} | {r['steps']} | {r['resets']} | {r['errors']} | "
-              f"{r['server_cpu']:.2f} | {r['client_cpu']:.2f} |")
+        per_cpu = r["steps_per_s"] / r["server_cpu"] if r["server_cpu"] else float("nan")
+        print(f"| {r['root']} | {r['concurrency']} | {r['steps_per_s']:.0f} | {r['p50_ms']:.1f} "
+              f"| {r['p99_ms']:.1f} | {r['steps']} | {r['resets']} | {r['errors']} | "
+              f"{r['server_cpu']:.2f} | {per_cpu:.0f} | {r['client_cpu']:.2f} |")
     for r in rows:
         if r["errors"]:
-            print(f"first error at {r['concurrency']}: {r['first_error']}")
+            print(f"first error, {r['root']} at {r['concurrency']}: {r['first_error']}")
 
 
 if __name__ == "__main__":

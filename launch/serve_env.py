@@ -33,8 +33,8 @@ flags.DEFINE_float("idle_timeout_s", 600.0, "Close an env instance after this ma
 flags.DEFINE_enum("error_style", "rl_tpu", server.ERROR_STYLES, "rl_tpu: errors are HTTP "
                   "4xx/5xx {\"error\": {\"message\"}}; agentgym: HTTP 200 {\"error\": msg}, as "
                   "AgentGym's own servers answer.")
-flags.DEFINE_integer("threads", 32, "Threads that run env calls (requests on different "
-                     "instances run in parallel on them).")
+flags.DEFINE_integer("threads", 0, "Threads that run env calls, so requests on different "
+                     "instances run in parallel; 0 = one per instance (--max_instances).")
 flags.DEFINE_string("env_kwargs", "{}", "JSON object of keyword arguments for the env.")
 flags.DEFINE_multi_string("env_module", [], "Python module to import first, e.g. my_envs: one "
                           "that registers envs defined outside rl_tpu (repeatable).")
@@ -64,13 +64,13 @@ def main(argv):
         base.check_kwargs(f.env, env_kwargs)  # an unknown env name or kwarg: fail by name
     except ValueError as e:  # one line, not the flag help: the flags were fine
         sys.exit(f"launch.serve_env: {e}")
-    if f.idle_timeout_s < 0 or f.threads < 1 or f.max_instances < 1:
-        raise app.UsageError("--idle_timeout_s must be >= 0, --threads and --max_instances "
+    if f.idle_timeout_s < 0 or f.threads < 0 or f.max_instances < 1:
+        raise app.UsageError("--idle_timeout_s and --threads must be >= 0, --max_instances "
                              ">= 1")
     try:
         server.serve(f.env, host=f.host, port=f.port, max_instances=f.max_instances,
                      env_kwargs=env_kwargs, ready=ready, error_style=f.error_style,
-                     idle_timeout_s=f.idle_timeout_s or None, threads=f.threads)
+                     idle_timeout_s=f.idle_timeout_s or None, threads=f.threads or None)
     except ModuleNotFoundError as e:  # the env's package, named with its pip extra
         sys.exit(f"launch.serve_env: {e}")
     except (TypeError, ValueError) as e:  # a kwarg value the env refuses, at construction

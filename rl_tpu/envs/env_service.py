@@ -155,7 +155,7 @@ class EnvService:
             raise self._gone(env_id)
         return instance
 
-    def _locked(self, env_id: int, instance: _Instance) -> None:
+    def _check_open(self, env_id: int, instance: _Instance) -> None:
         """Checks, with `instance.lock` held, that it was not closed or expired meanwhile."""
         if instance.closed:
             raise self._gone(env_id)
@@ -256,7 +256,7 @@ class EnvService:
         instance = self._instance(env_id)
         task, client_task = self.task_for(data_idx, split, task)
         with instance.lock:
-            self._locked(env_id, instance)
+            self._check_open(env_id, instance)
             try:
                 instance.observation = instance.env.reset(task)
             except Exception as e:
@@ -269,7 +269,7 @@ class EnvService:
         never prefixed (rl_tpu's own protocol)."""
         instance = self._instance(env_id)
         with instance.lock:
-            self._locked(env_id, instance)
+            self._check_open(env_id, instance)
             with self._lock:
                 self.steps += 1
             prefix = "" if raw else self.action_prefix

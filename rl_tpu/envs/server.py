@@ -51,9 +51,10 @@ instead HTTP 200 `{"error": "..."}`, as AgentGym's BabyAI, TextCraft and SciWorl
 answer; `RemoteEnv` raises a `RemoteEnvError` either way, but only the status codes let it
 re-create an instance the server dropped or expired.
 
-Env calls are synchronous: they run on a thread pool (`threads`), never on the event loop, so
-requests on different instances run in parallel and the server keeps accepting connections
-while envs step; requests on one instance are serialised by its lock (env_service.py).
+Env calls are synchronous: they run on a thread pool (`threads`, by default one per instance
+allowed), never on the event loop, so requests on different instances run in parallel and the
+server keeps accepting connections while envs step; requests on one instance are serialised
+by its lock (env_service.py).
 Instances idle for `idle_timeout_s` are closed (see env_service.py).
 
 Bind address defaults to loopback: an env server executes whatever actions it is sent, so
@@ -94,11 +95,15 @@ _POST = ("/close", "/create", "/reset", "/step")
 _GET = ("/", "/health", "/info", "/observation", "/task")
 
 
-def build_app(service: EnvService, error_style: str = "rl_tpu", threads: int = 32,
+def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optional[int] = None,
               body_timeout_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app serving `service`; see the module docstring for the routes and errors."""
+    """The ASGI app serving `service`; see the module docstring for the routes and errors.
+    `threads` run env calls; None: one per instance the service may hold, so a call never
+    waits for a thread while another instance's env is busy (a thread is started only when
+    calls overlap that much)."""
     if error_style not in ERROR_STYLES:
         raise ValueError(f"error_style must be one of {ERROR_STYLES}, got {error_style!r}")
+    threads = service.max_instances if threads is None else threads
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
@@ -312,7 +317,7 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
                 max_instances: int = 256, env_kwargs: Optional[dict] = None,
                 action_prefix: Optional[str] = None, dialect: Optional[str] = None, *,
                 error_style: str = "rl_tpu", idle_timeout_s: Optional[float] = 600.0,
-                threads: int = 32, body_timeout_s: float = 10.0) -> EnvServer:
+                threads: Optional[int] = None, body_timeout_s: float = 10.0) -> EnvServer:
     """A bound (not yet serving) server for `make(env, **env_kwargs)`, or for envs built by
     `env()` when it is a factory; port 0 picks a free port (`server.url`). Serve it with
     `start()` (a background thread) or `serve_forever()`, stop it with `shutdown()`.
@@ -320,7 +325,7 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
     PARSING_ENVS' AgentGym names, "" otherwise), `dialect` is "searchqa" (the default for
     AgentGym's SearchQA) or "agentgym", `error_style` "rl_tpu" or "agentgym"; an instance
     idle for `idle_timeout_s` seconds is closed (None: never); env calls run on `threads`
-    threads; see the module docstring."""
+    threads (None: one per instance); see the module docstring."""
     if isinstance(env, str):
         env_kwargs = dict(env_kwargs or {})
         base.check_kwargs(env, env_kwargs)  # unknown env or kwarg: one line naming the valid
