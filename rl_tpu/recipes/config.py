@@ -549,9 +549,15 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; choose 'jax' or 'sglang'")
     if config.rollout.engine == "sglang" and not config.rollout.urls:
         raise ValueError("rollout.engine='sglang' needs rollout.urls (or --rollout_urls)")
-    if config.rollout.router_url and config.rollout.engine != "sglang":
-        raise ValueError("rollout.router_url needs rollout.engine='sglang' and rollout.urls "
-                         "(the router's workers, which get weight updates directly)")
+    if config.rollout.router_url:
+        if config.rollout.engine != "sglang":
+            raise ValueError("rollout.router_url needs rollout.engine='sglang' and rollout.urls "
+                             "(the router's workers, which get weight updates directly)")
+        from rl_tpu.rollout.http_transport import normalise_url
+        try:
+            normalise_url(config.rollout.router_url)
+        except ValueError as e:
+            raise ValueError(f"rollout.router_url: {e}") from e
     if config.rollout.max_staleness < 0:
         raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} must be >= 0 "
                          "(0 = on-policy)")

@@ -136,3 +136,15 @@ def test_an_env_whose_package_is_missing_names_the_extra(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r"'babyai' needs the Python package "
                                                   r"'minigrid'.*pip install 'rl_tpu\[envs\]'"):
         envs.make("babyai")
+
+
+def test_a_router_url_needs_sglang_workers_and_a_url():
+    c = base_config()
+    c.rollout.router_url = "http://127.0.0.1:30000"
+    with pytest.raises(ValueError, match="router_url needs rollout.engine='sglang'"):
+        check(c)
+    c.rollout.engine, c.rollout.urls = "sglang", "http://127.0.0.1:30001"
+    check(c)
+    c.rollout.router_url = "http://router"  # no port
+    with pytest.raises(ValueError, match="rollout.router_url: .*http://host:port"):
+        check(c)
