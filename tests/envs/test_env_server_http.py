@@ -149,3 +149,17 @@ def test_serve_env_help_lists_the_envs_and_bad_kwargs_are_one_line():
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, lines
     assert "takes no keyword argument nope (its kwargs:" in lines[0]
+
+
+def test_a_factory_reuses_one_pooled_connection_across_episodes(server):
+    from rl_tpu.envs.remote import RemoteEnvFactory
+
+    factory = RemoteEnvFactory(Sleepy(), [server.url], timeout=5)
+    for i in range(5):  # one episode after another, each on a new RemoteEnv
+        env = factory()
+        env.reset(base.Task(f"t{i}", {}))
+        env.step("hi")
+        env.close()
+        assert len(server._uvicorn.server_state.connections) == 1
+    assert env._request("GET", "/health")["created"] == 5
+    factory.close()
