@@ -64,6 +64,7 @@ exposing it beyond the host is an explicit choice (`--host 0.0.0.0`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -120,7 +121,8 @@ def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optiona
             yield
         finally:
             reaper.cancel()
-            await run(service.shutdown)
+            # On this thread, not the pool: at interpreter exit the pool takes no new work.
+            service.shutdown()
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"rl_tpu env server: {service.env_name}", lifespan=lifespan,
@@ -295,6 +297,9 @@ class EnvServer:
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         name="env-server")
         self._thread.start()
+        # A script that ends without shutdown() would otherwise tear the interpreter down
+        # under a running event loop (seen once as a segfault at exit).
+        atexit.register(self.shutdown, 5.0)
         for _ in range(int(timeout / 0.01)):
             if self._uvicorn.started or self._done.is_set():
                 break
@@ -305,6 +310,7 @@ class EnvServer:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops serving (waiting up to `timeout` s for requests in flight) and closes envs."""
+        atexit.unregister(self.shutdown)
         self._uvicorn.should_exit = True
         if self._uvicorn.started or self._thread is not None:
             self._done.wait(timeout)
