@@ -165,7 +165,7 @@ def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optiona
         @app.post("/close")
         async def close_searchqa(body: SearchQAClose) -> Any:
             await run(service.close, body.env_idx)
-            return {"env_idx": body.env_idx, "closed": True}
+            return {"id": body.env_idx, "closed": True}  # the reply rl_tpu always sent
     else:
         @app.post("/create")
         async def create(body: Optional[Create] = None) -> Any:
