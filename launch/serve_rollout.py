@@ -3,9 +3,11 @@
   python -m launch.serve_rollout --model_path /tmp/rl_tpu_tiny --port 30000
 
 Answers /generate, /update_weights_from_disk, /model_info, /health_generate... as SGLang does
-(docs/architecture.md, "SGLang native API"), so the trainer's SGLang client drives it
-unchanged. Binds 127.0.0.1 unless --host says otherwise. A request over a limit (--max_n,
---max_rows, --max_context_tokens, --max_request_tokens) is answered 400 naming it.
+(docs/rollout_servers.md), so the trainer's SGLang client drives it unchanged. Requests are
+batched continuously in a fixed pool of --max_batch rows of --max_context_tokens KV slots
+each: its memory is set at start, and a request waits for a free row rather than running the
+server out of memory. Binds 127.0.0.1 unless --host says otherwise. A request over a limit
+(--max_n, --max_rows, --max_context_tokens, --max_request_tokens) is answered 400 naming it.
 """
 
 import logging
@@ -16,6 +18,7 @@ from absl import app, flags
 from rl_tpu import parallel
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import load_tokenizer
+from rl_tpu.rollout.continuous import ContinuousBatcher
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.server import RolloutService, ServerLimits, serve
 
@@ -23,19 +26,42 @@ flags.DEFINE_string("model_path", None, "HF model directory to serve.", required
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes it to the network).")
 flags.DEFINE_integer("port", 30000, "Port.")
 flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer <key>'.")
-flags.DEFINE_integer("max_batch", 64, "Rows decoded together.")
+flags.DEFINE_integer("max_batch", 64, "Rows decoded together: the KV pool's rows.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_string("weight_version", "0", "Version reported for the initial weights.")
 flags.DEFINE_bool("skip_tokenizer_init", False, "Serve input_ids only (no tokenizer needed).")
-flags.DEFINE_integer("kv_tokens", 0, "KV-cache tokens a decode batch may hold (rows x (prompt + "
-                     "new)); 0 = --max_batch rows whatever their length.")
+flags.DEFINE_integer("kv_tokens", 0, "KV slots the whole pool may hold (rows x "
+                     "--max_context_tokens); fewer rows than --max_batch when it says so. "
+                     "0 = --max_batch rows.")
+flags.DEFINE_integer("decode_chunk", 16, "Tokens decoded between two looks by the scheduler "
+                     "(rows join and leave, aborts and weight updates land, at chunk ends).")
+flags.DEFINE_integer("prefix_cache_tokens", 65536, "Tokens of K/V kept for prompts that "
+                     "extend an earlier request's prompt + output (multi-turn); 0 = off.")
+flags.DEFINE_float("stall_timeout_s", 300.0, "/health fails once one device call has run "
+                   "this long (a wedged sampler).")
+flags.DEFINE_float("health_timeout_s", 20.0, "/health_generate fails when its one-token "
+                   "generation has not come back in this long.")
 _LIMITS = ServerLimits()
 flags.DEFINE_integer("max_n", _LIMITS.max_n, "Samples per prompt a request may ask for.")
 flags.DEFINE_integer("max_rows", _LIMITS.max_rows, "Prompts x n in one request.")
-flags.DEFINE_integer("max_context_tokens", _LIMITS.max_context_tokens, "Prompt + max_new_tokens "
-                     "of a row; 0 = the model's max_position_embeddings (never more).")
+flags.DEFINE_integer("max_context_tokens", 0, "KV slots of one row: prompt + max_new_tokens "
+                     "of a sample; 0 = min(the model's max_position_embeddings, 4096).")
 flags.DEFINE_integer("max_request_tokens", _LIMITS.max_request_tokens, "Rows x (prompt + "
                      "max_new_tokens) in one request.")
+
+
+def pool_shape(max_batch: int, kv_tokens: int, context: int, positions: int
+               ) -> tuple[int, int]:
+    """(rows, slots a row) of the KV pool: slots a multiple of 16 (the prompt bucket and the
+    prefix cache's page), at most the model's positions."""
+    slots = min(context or 4096, positions) // 16 * 16
+    if slots < 16:
+        raise app.UsageError(f"--max_context_tokens={context}: a row needs at least 16 slots")
+    rows = max_batch if not kv_tokens else min(max_batch, kv_tokens // slots)
+    if rows < 1:
+        raise app.UsageError(f"--kv_tokens={kv_tokens} holds no row of {slots} slots; raise it "
+                             "or lower --max_context_tokens")
+    return rows, slots
 
 
 def main(argv):
@@ -45,17 +71,21 @@ def main(argv):
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
+    rows, slots = pool_shape(f.max_batch, f.kv_tokens, f.max_context_tokens,
+                             cfg.max_position_embeddings)
     tokenizer = None if f.skip_tokenizer_init else load_tokenizer(f.model_path)
-    sampler = JaxSampler(cfg, params, tokenizer=tokenizer, max_batch=f.max_batch,
-                         kv_tokens=f.kv_tokens,
+    sampler = JaxSampler(cfg, params, tokenizer=tokenizer, max_batch=rows,
                          mesh=parallel.sampler_mesh(jax.local_devices(), cfg.num_kv_heads),
-                         version=f.weight_version)
-    limits = ServerLimits(max_n=f.max_n, max_rows=f.max_rows,
-                          max_context_tokens=f.max_context_tokens,
+                         version=f.weight_version, prefix_cache_tokens=f.prefix_cache_tokens)
+    batcher = ContinuousBatcher(sampler, slots=rows, slot_tokens=slots,
+                                decode_chunk=f.decode_chunk)
+    limits = ServerLimits(max_n=f.max_n, max_rows=f.max_rows, max_context_tokens=slots,
                           max_request_tokens=f.max_request_tokens)
-    server = serve(RolloutService(sampler, f.model_path, tokenizer, limits), f.host, f.port,
-                   f.api_key)
-    print(f"serving {f.model_path} on http://{f.host}:{f.port}", flush=True)
+    service = RolloutService(sampler, f.model_path, tokenizer, limits, batcher=batcher,
+                             stall_timeout_s=f.stall_timeout_s)
+    server = serve(service, f.host, f.port, f.api_key, health_timeout_s=f.health_timeout_s)
+    print(f"serving {f.model_path} on http://{f.host}:{f.port} ({rows} rows x {slots} KV "
+          "slots)", flush=True)
     server.serve_forever()
 
 

@@ -5,10 +5,12 @@ requests join and leave between decode chunks.
 until its longest row ends and a request arriving meanwhile waits for the device. A server
 with many clients wants the opposite, and `ContinuousBatcher` does it:
 
-- the pool is one `DecodeState` of B rows (`slots`) x S cache slots (`slot_tokens`), allocated
-  once: its memory is fixed, so no request can make the server run out of it (one whose
-  prompt + max_new_tokens exceeds S is refused at submission, one that finds no free row
-  waits in the queue);
+- the pool is one `DecodeState` of at most B rows (`slots`) x S cache slots (`slot_tokens`):
+  its memory is bounded at construction, so no request can make the server run out of it (one
+  whose prompt + max_new_tokens exceeds S is refused at submission, one that finds no free row
+  waits in the queue). Below that bound it is as big as its rows need (rows and slots in
+  powers of two), growing while rows run and dropped when none does: each decode step computes
+  every pool row over every slot, so one short request runs in a small pool;
 - between decode chunks the scheduler thread prefills waiting rows into free pool rows (with
   prefix reuse when the sampler has a prefix cache) and scatters them in; every row then
   decodes from its own output index (`decoding.decode`); a row that ends leaves at once, its
@@ -76,10 +78,39 @@ def scatter_rows(pool: DecodeState, new: DecodeState, rows) -> DecodeState:
         logprobs=put(pool.logprobs, jnp.pad(new.logprobs, ((0, 0), (0, out_pad)))), **fields)
 
 
+@jax.jit
+def take_rows(cache: dict, rows) -> dict:
+    """The cache's rows `rows` [F] (a copy)."""
+    return jax.tree.map(lambda x: x[rows], cache)
+
+
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def end_rows(pool: DecodeState, ended) -> DecodeState:
     """`pool` with the rows where ended [B] marks done (aborted, or freed)."""
     return pool.replace(done=pool.done | ended)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "width"))
+def grow_pool(pool: DecodeState, rows: int, slots: int, width: int) -> DecodeState:
+    """`pool` grown to `rows` rows (free: done), `slots` cache slots and output positions a
+    row, and `width` stop ids a row; what it held stays where it was."""
+    r = rows - pool.tokens.shape[0]
+    s = slots - pool.tokens.shape[1]
+    x = width - pool.stop_ids.shape[1]
+
+    def pad(a, value=0, cols=0):
+        return jnp.pad(a, ((0, r),) + ((0, cols),) * (a.ndim - 1), constant_values=value)
+
+    fresh_keys = jax.vmap(jax.random.key)(jnp.arange(r, dtype=jnp.uint32))
+    return pool.replace(
+        cache=jax.tree.map(lambda c: jnp.pad(c, ((0, r), (0, 0), (0, s), (0, 0))), pool.cache),
+        tokens=pad(pool.tokens, cols=s), logprobs=pad(pool.logprobs, cols=s),
+        token=pad(pool.token), count=pad(pool.count, 1), done=pad(pool.done, True),
+        stopped=pad(pool.stopped, False), prompt_lens=pad(pool.prompt_lens, 1),
+        max_new=pad(pool.max_new, 1), min_new=pad(pool.min_new),
+        temperature=pad(pool.temperature), top_p=pad(pool.top_p, 1.0),
+        top_k=pad(pool.top_k, -1), stop_ids=pad(pool.stop_ids, -1, x),
+        ban_ids=pad(pool.ban_ids, -1, x), keys=jnp.concatenate([pool.keys, fresh_keys]))
 
 
 class Ticket:
@@ -157,7 +188,7 @@ class ContinuousBatcher:
     decode chunk that has not come back (the server's /health)."""
 
     def __init__(self, sampler: JaxSampler, slots: int = 64, slot_tokens: int = 2048,
-                 decode_chunk: int = 16, stop_width: int = 16):
+                 decode_chunk: int = 16, stop_width: int = 8):
         page = sampler._prefix.page if sampler._prefix is not None else 1
         if slots < 1 or slot_tokens < 2 or slot_tokens % max(page, sampler.min_prompt_bucket):
             raise ValueError(
@@ -165,6 +196,9 @@ class ContinuousBatcher:
                 f"two tokens, slot_tokens a multiple of the prompt bucket "
                 f"({sampler.min_prompt_bucket}) and of the prefix-cache page ({page})")
         self.sampler, self.slots, self.slot_tokens = sampler, slots, slot_tokens
+        # a prompt bucket that is not a power of two is a multiple of this (prefill chunks
+        # must divide it)
+        self._unit = max(sampler.min_prompt_bucket, sampler.prefill_chunk)
         self.decode_chunk, self.stop_width = decode_chunk, _next_power_of_two(stop_width, 4)
         self._cond = threading.Condition()
         self._waiting: list[_Row] = []
@@ -185,14 +219,13 @@ class ContinuousBatcher:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
             self.sampler._check(req)
-            need = len(req.prompt_ids) + max(req.sampling.max_new_tokens, 1)
+            prompt = -(-len(req.prompt_ids) // self._unit) * self._unit
+            need = prompt + max(req.sampling.max_new_tokens, 1)
             if need > self.slot_tokens:
-                raise ValueError(f"a prompt of {len(req.prompt_ids)} tokens + max_new_tokens="
-                                 f"{req.sampling.max_new_tokens} needs {need} KV slots; a row "
-                                 f"of this server holds {self.slot_tokens}")
-            if max(len(self.sampler._stop_ids(req)), len(self.sampler._ban_ids(req))) > \
-                    self.stop_width:
-                raise ValueError(f"more than {self.stop_width} stop token ids (eos included)")
+                raise ValueError(f"a prompt of {len(req.prompt_ids)} tokens (padded to "
+                                 f"{prompt}) + max_new_tokens={req.sampling.max_new_tokens} "
+                                 f"needs {need} KV slots; a row of this server holds "
+                                 f"{self.slot_tokens} (--max_context_tokens)")
         ticket = Ticket(len(rows), self)
         if not rows:
             ticket._finish()
@@ -220,6 +253,9 @@ class ContinuousBatcher:
         """Seconds the current device call has run (0 when none runs)."""
         busy = self._busy_since
         return 0.0 if busy is None else time.monotonic() - busy
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
 
     def load(self) -> dict:
         with self._cond:
@@ -271,7 +307,7 @@ class ContinuousBatcher:
         for row in self._active.values():
             if row.spans[-1][0] != version:
                 row.spans.append((version, self._counts[row.slot]))
-        self.sampler._note_program("decode", self.slots, self.slot_tokens, self.slot_tokens,
+        self.sampler._note_program("decode", self._rows(), self._width(), self._width(),
                                    self.stop_width)
         self._busy_since = time.monotonic()
         self._pool = decode(self.sampler.model, params, self._pool, chunk=self.decode_chunk)
@@ -293,30 +329,50 @@ class ContinuousBatcher:
                 row.request, np.zeros((0,), np.int32), np.zeros((0,), np.float32), False, True,
                 row.spans))
 
+    def _prompt_bucket(self, prompt_len: int, fit_to: int) -> int:
+        """The prompt bucket P of an admission: a power of two, or, when that would leave
+        too few slots under `fit_to`, the prompt rounded up to the prompt unit."""
+        sampler = self.sampler
+        p = _next_power_of_two(prompt_len, sampler.min_prompt_bucket)
+        return p if p <= fit_to else -(-prompt_len // self._unit) * self._unit
+
     def _admit(self) -> None:
-        """Prefills as many queued rows as there are free pool rows, in arrival order."""
+        """Prefills queued rows into the lowest free pool rows, in arrival order, as many as
+        there are free rows and as fit one prefill (P + the most new tokens <= slot_tokens);
+        the pool grows to the rows and slots they need."""
+        sampler = self.sampler
         with self._cond:
             free = [r for r in range(self.slots) if r not in self._active]
-            take, self._waiting = self._waiting[:len(free)], self._waiting[len(free):]
+            take, longest, most_new = [], 0, 0
+            for row in self._waiting[:len(free)]:
+                grown = (max(longest, len(row.request.prompt_ids)),
+                         max(most_new, row.request.sampling.max_new_tokens, 1))
+                p = self._prompt_bucket(grown[0], self.slot_tokens - grown[1])
+                if take and p + grown[1] > self.slot_tokens:
+                    break  # the next admission takes it
+                take.append(row)
+                longest, most_new = grown
+            self._waiting = self._waiting[len(take):]
         if not take:
             return
-        if self._pool is None:
-            self._pool = self._new_pool()
-        sampler = self.sampler
         n = len(take)
         b = _next_power_of_two(n, 1)
-        p = _next_power_of_two(max(len(row.request.prompt_ids) for row in take),
-                               sampler.min_prompt_bucket)
-        ids, lens, sampling = sampler.row_arrays([(row.request, row.sample) for row in take], b,
-                                                 p, self.stop_width)
-        with sampler._weights_lock:  # the prefix cache's generation goes with the weights
-            params, version = sampler._params, sampler._version
-            generation = sampler._prefix.generation if sampler._prefix is not None else 0
+        p = self._prompt_bucket(longest, self.slot_tokens - most_new)
+        rows = min(self.slots, max(self._rows(), _next_power_of_two(free[n - 1] + 1, 1)))
+        slots = min(self.slot_tokens, max(self._width(), _next_power_of_two(p + most_new, 16)))
+        width = max(max(len(sampler._stop_ids(row.request)), len(sampler._ban_ids(row.request)))
+                    for row in take)
+        self.stop_width = max(self.stop_width, _next_power_of_two(width, 4))
         self._busy_since = time.monotonic()
         try:
-            new, matches = sampler._prefill(params, n, ids, lens, sampling,
-                                            self.slot_tokens - p)
-            targets = np.full((b,), self.slots, np.int32)  # padding rows: dropped
+            self._reshape_pool(rows, slots)
+            ids, lens, sampling = sampler.row_arrays(
+                [(row.request, row.sample) for row in take], b, p, self.stop_width)
+            with sampler._weights_lock:  # the prefix cache's generation goes with the weights
+                params, version = sampler._params, sampler._version
+                generation = sampler._prefix.generation if sampler._prefix is not None else 0
+            new, matches = sampler._prefill(params, n, ids, lens, sampling, slots - p)
+            targets = np.full((b,), rows, np.int32)  # padding rows: past the pool, dropped
             targets[:n] = free[:n]
             self._pool = scatter_rows(self._pool, new, jnp.asarray(targets))
         except Exception as err:  # these rows are in neither list: answer them here
@@ -329,6 +385,24 @@ class ContinuousBatcher:
                 row.hashes = None if matches is None else matches[i].hashes
                 self._active[row.slot] = row
         self._counts = np.asarray(self._pool.count)
+
+    def _rows(self) -> int:
+        return 0 if self._pool is None else self._pool.tokens.shape[0]
+
+    def _width(self) -> int:
+        return 0 if self._pool is None else self._pool.tokens.shape[1]
+
+    def _reshape_pool(self, rows: int, slots: int) -> None:
+        """Makes the pool at least rows x slots with stop_width stop ids a row. It only
+        grows while rows run (their K/V stays where it is) and is dropped when none runs:
+        decode works on the whole pool, so it is kept no bigger than what runs needs."""
+        if self._pool is None:
+            self._pool = empty_pool(self.sampler.model, rows, slots, self.stop_width)
+            self._pool = jax.device_put(self._pool,
+                                        NamedSharding(self.sampler.mesh, PartitionSpec()))
+        elif (rows, slots, self.stop_width) != (self._rows(), self._width(),
+                                                self._pool.stop_ids.shape[1]):
+            self._pool = grow_pool(self._pool, rows, slots, self.stop_width)
 
     def _collect(self, force_aborted: bool) -> None:
         """Answers the rows that ended (and, with force_aborted, those aborted) and frees
@@ -347,13 +421,15 @@ class ContinuousBatcher:
         tokens, logprobs, stopped = (np.asarray(x) for x in (
             pool.tokens[slots], pool.logprobs[slots], pool.stopped[slots]))
         if aborted:
-            mask = np.zeros((self.slots,), bool)
+            mask = np.zeros((self._rows(),), bool)
             mask[[row.slot for row in aborted]] = True
             self._pool = end_rows(pool, jnp.asarray(mask))
         self._save_prefixes(ended, tokens)
         with self._cond:
             for row in ended:
                 del self._active[row.slot]
+            if not self._active:
+                self._pool = None  # the next admission starts one sized to what it needs
         for i, row in enumerate(ended):
             count = int(self._counts[row.slot])
             row.ticket._set(row.index, self.sampler._result(
@@ -367,21 +443,25 @@ class ContinuousBatcher:
         if prefix is None:
             return
         for generation in {row.generation for row in ended}:
-            seqs: list = [None] * self.slots
-            hashes: list = [[] for _ in range(self.slots)]
-            for i, row in enumerate(ended):
-                if row.generation == generation and len(row.spans) == 1:
-                    count = int(self._counts[row.slot])
-                    seqs[row.slot] = np.concatenate([np.asarray(row.request.prompt_ids),
-                                                     tokens[i, :count - 1]]).astype(np.int32)
-                    hashes[row.slot] = row.hashes or []
-            if any(s is not None for s in seqs):
-                prefix.insert(seqs, hashes, self._pool.cache, generation)
-
-    def _new_pool(self) -> DecodeState:
-        pool = empty_pool(self.sampler.model, self.slots, self.slot_tokens, self.stop_width)
-        replicated = NamedSharding(self.sampler.mesh, PartitionSpec())
-        return jax.device_put(pool, replicated)
+            # rows decoded under one set of weights only (a weight update mid-row mixes K/V)
+            saved = [(i, row) for i, row in enumerate(ended)
+                     if row.generation == generation and len(row.spans) == 1]
+            if not saved:
+                continue
+            # the saved rows alone, padded to a power of two (one program per bucket): the
+            # save copies the rows it is given, and the pool is far bigger than what ended
+            f = _next_power_of_two(len(saved), 1)
+            take = np.full((f,), saved[0][1].slot, np.int32)
+            take[:len(saved)] = [row.slot for _, row in saved]
+            seqs: list = [None] * f
+            hashes: list = [[] for _ in range(f)]
+            for j, (i, row) in enumerate(saved):
+                count = int(self._counts[row.slot])
+                seqs[j] = np.concatenate([np.asarray(row.request.prompt_ids),
+                                          tokens[i, :count - 1]]).astype(np.int32)
+                hashes[j] = row.hashes or []
+            prefix.insert(seqs, hashes, take_rows(self._pool.cache, jnp.asarray(take)),
+                          generation)
 
     def _fail_all(self, error: BaseException, queued_too: bool) -> None:
         """Fails the running rows' tickets (their K/V is suspect: a fresh pool is built at the

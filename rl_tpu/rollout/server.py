@@ -1,37 +1,44 @@
-"""An SGLang-compatible HTTP server around the embedded JAX sampler.
+"""An SGLang-compatible HTTP server around the embedded JAX sampler, with continuous batching.
 
 For rollout hosts where real SGLang does not run (TPU): it answers SGLang's native requests
-(docs/architecture.md, "SGLang native API") with the same reply shapes, so `SGLangEngine`
-(and any SGLang client) cannot tell it from the real thing. Standard library only (ThreadingHTTPServer): one process, one
-sampler; concurrent requests queue on the sampler.
+(docs/rollout_servers.md) with the same reply shapes, so `SGLangEngine` (and any SGLang client)
+cannot tell it from the real thing. FastAPI + uvicorn; generation goes through a
+`ContinuousBatcher` (continuous.py), so concurrent requests share decode chunks: a request
+arriving while others decode joins at the next chunk, a finished row leaves at once and its
+request is answered as soon as its last row ends, and a client that disconnects aborts its rows.
 
 Endpoints: POST /generate, /update_weights_from_disk, /flush_cache, /abort_request,
 /pause_generation, /continue_generation; GET /health, /health_generate, /model_info,
-/get_model_info. Malformed requests get HTTP 400 `{"error": {"message": ...}}` and never take
-the server down; so does a request over one of the server's `ServerLimits` (samples per
-prompt, rows, prompt + new tokens against the context, tokens a request may hold), checked
-before it reaches the sampler, whose memory and time such a request could otherwise take.
+/get_model_info, /load. Every error is `{"error": {"message": ...}}` (rl_tpu/serving.py): 400
+for a malformed request and for one over a `ServerLimits` limit (samples per prompt, rows,
+prompt + new tokens against the context, tokens a request may hold), checked before admission,
+so no request can take the sampler's memory or time; 503 from /health while a device call has
+run past `stall_timeout_s`, and from /health_generate when no token comes within its timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict
 
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
+from rl_tpu.serving import (BadRequest, Server, bearer_auth, error_response,
+                            install_error_handlers, read_json)
 
 log = logging.getLogger(__name__)
-
-
-class BadRequest(ValueError):
-    """The client's fault: answered with HTTP 400 and the message."""
 
 
 def sampling_from_json(raw: Any) -> SamplingParams:
@@ -89,19 +96,70 @@ class ServerLimits:
                              "(--max_request_tokens); split the request or ask for fewer tokens")
 
 
+class GenerateBody(BaseModel):
+    """SGLang's /generate body: the fields rl_tpu reads (others are accepted and ignored, as
+    SGLang ignores what a backend does not use)."""
+
+    model_config = ConfigDict(extra="allow")
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[Optional[str]]]] = None
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+
+class WeightsBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model_path: str
+    weight_version: Optional[str] = None
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    rid: Optional[str] = None
+    abort_all: bool = False
+
+
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    mode: str = "abort"
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A /generate body checked and turned into sampler requests."""
+
+    requests: list[GenerateRequest]
+    raw_params: list[dict]
+    single: bool
+
+
 class RolloutService:
-    """The server's state and logic, separate from HTTP so it can be tested directly."""
+    """The server's state and logic, separate from HTTP so it can be tested directly.
+
+    Args:
+      sampler: the engine whose programs and weights serve the requests.
+      batcher: the continuous batcher over it (default: 64 rows of min(2048, model
+        positions) slots).
+      stall_timeout_s: /health fails once a device call has run this long.
+    """
 
     def __init__(self, sampler: JaxSampler, model_path: str, tokenizer: Optional[ChatTokenizer],
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(),
+                 batcher: Optional[ContinuousBatcher] = None, stall_timeout_s: float = 300.0):
         self.sampler = sampler
+        self.batcher = batcher or ContinuousBatcher(
+            sampler, slot_tokens=min(2048, sampler.cfg.max_position_embeddings // 16 * 16))
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.limits = limits
+        self.stall_timeout_s = stall_timeout_s
 
     # -- /generate -----------------------------------------------------------------------
 
-    def generate(self, body: dict) -> Any:
+    def prepare(self, body: dict) -> Prepared:
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
@@ -115,17 +173,30 @@ class RolloutService:
         sampling = [sampling_from_json(p) for p in raw]
         rids = body.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        if len(rids) != len(prompts):
+            raise BadRequest(f"{len(rids)} rids for {len(prompts)} prompts")
         rids = [r or uuid.uuid4().hex for r in rids]
-        self.limits.check(prompts, sampling, self.sampler.cfg.max_position_embeddings)
-        requests = [GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)]
+        context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
+        self.limits.check(prompts, sampling, context)
+        return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
+                        [r or {} for r in raw], single)
 
+    def submit(self, prepared: Prepared) -> Ticket:
         try:
-            results = self.sampler.generate(requests)
+            return self.batcher.submit(prepared.requests)
         except ValueError as err:
             raise BadRequest(str(err)) from err
-        expanded = [(req, r or {}) for req, r in zip(requests, raw) for _ in range(req.sampling.n)]
+
+    def generate(self, body: dict, timeout: Optional[float] = None) -> Any:
+        """/generate, blocking (tests and in-process callers)."""
+        prepared = self.prepare(body)
+        return self.replies(prepared, body, self.submit(prepared).wait(timeout))
+
+    def replies(self, prepared: Prepared, body: dict, results: list[GenerateResult]) -> Any:
+        expanded = [(req, r) for req, r in zip(prepared.requests, prepared.raw_params)
+                    for _ in range(req.sampling.n)]
         replies = [self._reply(req, res, body, r) for (req, r), res in zip(expanded, results)]
-        return replies[0] if single and len(replies) == 1 else replies
+        return replies[0] if prepared.single and len(replies) == 1 else replies
 
     def _prompts(self, body) -> tuple[list[list[int]], bool]:
         if body.get("input_ids") is not None:
@@ -200,17 +271,31 @@ class RolloutService:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "is_generation": True, "weight_version": self.sampler.weight_version}
 
-    def health_generate(self) -> bool:
+    def health(self) -> Optional[str]:
+        """None when healthy, else what is wrong (the scheduler died, or a device call has run
+        past stall_timeout_s: a wedged sampler answers no request, so /health must not say
+        it is fine)."""
+        if not self.batcher.alive():
+            return f"the batcher stopped: {self.batcher.error or 'closed'}"
+        stalled = self.batcher.stalled_for()
+        if stalled > self.stall_timeout_s:
+            return (f"the sampler has been inside one device call for {stalled:.0f} s (over "
+                    f"--stall_timeout_s={self.stall_timeout_s:g}); restart the server")
+        return None
+
+    def health_probe(self) -> Ticket:
+        """A one-token generation that queues behind what runs (/health_generate)."""
         token = 0 if self.tokenizer is None else (self.tokenizer.eos_token_id or 0)
-        result = self.sampler.generate([GenerateRequest([token], SamplingParams(max_new_tokens=1))])
-        return len(result) == 1
+        return self.batcher.submit([GenerateRequest([token], SamplingParams(max_new_tokens=1),
+                                                    "health-" + uuid.uuid4().hex)])
 
     def abort(self, body: dict):
-        """Ends requests between decode chunks; they return what they have (finish abort)."""
+        """Ends requests between decode chunks; they return what they have (finish abort).
+        An id that is not running is ignored (nothing sticks for a later request)."""
         if body.get("abort_all"):
-            self.sampler.abort()
+            self.batcher.abort()
         elif body.get("rid"):
-            self.sampler.abort(str(body["rid"]))
+            self.batcher.abort(str(body["rid"]))
         else:
             raise BadRequest("abort_request needs 'rid' or 'abort_all': true")
 
@@ -223,111 +308,113 @@ class RolloutService:
             raise BadRequest(f"pause mode {mode!r}: use abort, retract or in_place")
         self.sampler.pause()
         if mode == "abort":
-            self.sampler.abort()
+            self.batcher.abort()
 
     def resume(self):
         self.sampler.resume()
 
 
-def make_handler(service: RolloutService, api_key: Optional[str]):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # route access logs through logging, not stderr
-            log.debug("%s - %s", self.address_string(), fmt % args)
-
-        def _send(self, status: int, payload: Any, content_type="application/json"):
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str):
-            self._send(status, {"error": {"message": message}})
-
-        def _authorised(self) -> bool:
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
-                self._error(401, "missing or wrong API key (Authorization: Bearer <key>)")
-                return False
+async def _await_ticket(ticket: Ticket, request: Optional[Request],
+                        timeout_s: Optional[float] = None) -> bool:
+    """Waits for `ticket` without holding a thread; False if the client went away (its rows
+    are then aborted) or `timeout_s` passed first."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    ticket.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
+    waited = 0.0
+    while True:
+        try:
+            await asyncio.wait_for(done.wait(), timeout=0.25)
             return True
+        except asyncio.TimeoutError:
+            waited += 0.25
+        if request is not None and await request.is_disconnected():
+            log.info("client gone: aborting its rows")
+            ticket.cancel()
+            return False
+        if timeout_s is not None and waited >= timeout_s:
+            ticket.cancel()
+            return False
 
-        def _body(self) -> dict:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b"{}"
-            try:
-                body = json.loads(raw or b"{}")
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise BadRequest(f"body is not JSON: {err}") from err
-            if not isinstance(body, dict):
-                raise BadRequest("body must be a JSON object")
-            return body
 
-        def do_GET(self):
-            if not self._authorised():
-                return
-            path = self.path.split("?")[0]
-            try:
-                if path == "/health":
-                    self._send(200, b"", "text/plain")
-                elif path == "/health_generate":
-                    self._send(200 if service.health_generate() else 503, b"", "text/plain")
-                elif path in ("/model_info", "/get_model_info"):
-                    self._send(200, service.model_info())
-                else:
-                    self._error(404, f"no such endpoint: GET {path}")
-            except Exception as err:  # keep serving; the client sees what went wrong
-                log.exception("GET %s failed", path)
-                self._error(500, f"{type(err).__name__}: {err}")
+def make_app(service: RolloutService, api_key: Optional[str] = None,
+             health_timeout_s: float = 20.0) -> FastAPI:
+    app = FastAPI(title="rl_tpu rollout server", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    bearer_auth(app, api_key)
+    text = lambda body="", status=200: Response(body, status, media_type="text/plain")  # noqa
 
-        def do_POST(self):
-            if not self._authorised():
-                return
-            path = self.path.split("?")[0]
-            try:
-                body = self._body()
-                if path == "/generate":
-                    reply = service.generate(body)
-                    if body.get("stream"):
-                        self._stream(reply)
-                    else:
-                        self._send(200, reply)
-                elif path == "/update_weights_from_disk":
-                    self._send(*service.update_weights_from_disk(body))
-                elif path == "/flush_cache":  # the sampler's prefix cache, as SGLang's radix
-                    service.sampler.flush_cache()
-                    self._send(200, b"Cache flushed.", "text/plain")
-                elif path == "/abort_request":
-                    service.abort(body)
-                    self._send(200, b"", "text/plain")
-                elif path == "/pause_generation":
-                    service.pause(body)
-                    self._send(200, {"success": True})
-                elif path == "/continue_generation":
-                    service.resume()
-                    self._send(200, {"success": True})
-                else:
-                    self._error(404, f"no such endpoint: POST {path}")
-            except BadRequest as err:
-                self._error(400, str(err))
-            except Exception as err:  # a bug or a device error: report it, keep serving
-                log.exception("POST %s failed", path)
-                self._error(500, f"{type(err).__name__}: {err}")
+    @app.post("/generate")
+    async def generate(request: Request):
+        raw = (await read_json(request, GenerateBody)).model_dump()
+        prepared = service.prepare(raw)
+        ticket = service.submit(prepared)
+        if not await _await_ticket(ticket, request):
+            return error_response(499, "client closed the request")
+        reply = service.replies(prepared, raw, ticket.wait(0))
+        if raw.get("stream"):  # SSE, cumulative outputs: the whole sample is ready at once
+            events = "".join(f"data: {json.dumps(r)}\n\n"
+                             for r in (reply if isinstance(reply, list) else [reply]))
+            return Response(events + "data: [DONE]\n\n", media_type="text/event-stream")
+        return JSONResponse(reply)
 
-        def _stream(self, reply):
-            """SSE with cumulative outputs; the whole sample is ready at once here, so one
-            event per sample, then [DONE]."""
-            events = b"".join(f"data: {json.dumps(r)}\n\n".encode()
-                              for r in (reply if isinstance(reply, list) else [reply]))
-            self._send(200, events + b"data: [DONE]\n\n", "text/event-stream")
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = (await read_json(request, WeightsBody)).model_dump()
+        # loading blocks: a worker thread, so generation requests go on being served
+        status, reply = await run_in_threadpool(service.update_weights_from_disk, body)
+        return JSONResponse(reply, status_code=status)
 
-    return Handler
+    @app.post("/flush_cache")
+    def flush_cache():  # the sampler's prefix cache, as SGLang's radix cache
+        service.sampler.flush_cache()
+        return text("Cache flushed.")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        service.abort((await read_json(request, AbortBody)).model_dump())
+        return text()
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        service.pause((await read_json(request, PauseBody)).model_dump())
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    def continue_generation():
+        service.resume()
+        return {"success": True}
+
+    @app.get("/health")
+    def health():
+        problem = service.health()
+        return text() if problem is None else error_response(503, problem)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        problem = service.health()
+        if problem is not None:
+            return error_response(503, problem)
+        if not await _await_ticket(service.health_probe(), None, health_timeout_s):
+            return error_response(503, f"no token within {health_timeout_s:g} s: the sampler "
+                                       f"is stalled or has more queued than it can run "
+                                       f"({service.batcher.load()})")
+        return text()
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    def model_info():
+        return service.model_info()
+
+    @app.get("/load")
+    def load():  # rl_tpu's: rows running and queued (for a router or a person)
+        return service.batcher.load()
+
+    return app
 
 
 def serve(service: RolloutService, host: str = "127.0.0.1", port: int = 30000,
-          api_key: Optional[str] = None) -> ThreadingHTTPServer:
-    """Binds (loopback unless told otherwise) and returns the server; call serve_forever()."""
-    server = ThreadingHTTPServer((host, port), make_handler(service, api_key))
-    server.daemon_threads = True
-    return server
+          api_key: Optional[str] = None, health_timeout_s: float = 20.0) -> Server:
+    """Binds (loopback unless told otherwise) and returns the server: `serve_forever()`, or
+    `start()` to serve from a thread."""
+    return Server(make_app(service, api_key, health_timeout_s), host, port)

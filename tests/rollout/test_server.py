@@ -1,7 +1,11 @@
-"""rl_tpu's SGLang-compatible server, in-process over loopback HTTP: shapes, errors, control."""
+"""rl_tpu's SGLang-compatible server, in-process over loopback HTTP: shapes, errors, control,
+continuous batching (rows join and leave between chunks, a client gone aborts its rows), and
+health that tells the truth."""
 
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -11,6 +15,8 @@ from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.server import RolloutService, serve
+
+pytestmark = pytest.mark.slow  # every test here but the limits' starts a server
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +28,10 @@ def server(tmp_path_factory):
     cfg, params = hf.load(str(root / "a"))
     tok = load_tokenizer(str(root / "a"))
     service = RolloutService(JaxSampler(cfg, params, tokenizer=tok), str(root / "a"), tok)
-    http = serve(service, "127.0.0.1", 0, api_key="secret")
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    yield dict(url=f"http://127.0.0.1:{http.server_address[1]}", root=root, tok=tok)
+    http = serve(service, "127.0.0.1", 0, api_key="secret").start()
+    yield dict(url=http.url, root=root, tok=tok, service=service)
     http.shutdown()
+    service.batcher.close()
 
 
 def call(server, path, body=None, key="secret", raw=None):
@@ -94,24 +100,6 @@ def test_requests_over_a_limit_get_400_naming_it_and_the_next_one_is_served(serv
     assert status == 200 and len(reply["output_ids"]) == 2
 
 
-def test_limits_of_rows_context_and_tokens():
-    from rl_tpu.rollout.engine import SamplingParams
-    from rl_tpu.rollout.server import BadRequest, ServerLimits
-    limits = ServerLimits(max_n=8, max_rows=10, max_context_tokens=16)
-    limits.check([[1, 2]] * 2, [SamplingParams(max_new_tokens=14, n=5)] * 2, context=2048)
-    with pytest.raises(BadRequest, match=r"11 rows \(prompts x n\) are over .* 10 a request"):
-        limits.check([[1]] * 11, [SamplingParams(max_new_tokens=1)] * 11, context=2048)
-    with pytest.raises(BadRequest, match="over the context length of 16 tokens"):
-        limits.check([[1, 2]], [SamplingParams(max_new_tokens=15)], context=2048)
-    with pytest.raises(BadRequest, match="over the context length of 8 tokens"):
-        limits.check([[1, 2]], [SamplingParams(max_new_tokens=7)], context=8)  # the model's
-    tokens = ServerLimits(max_request_tokens=100)
-    tokens.check([[1] * 10], [SamplingParams(max_new_tokens=10, n=5)], context=2048)  # 100
-    with pytest.raises(BadRequest, match=r"101 tokens .* over this server's limit of 100"):
-        tokens.check([[1] * 10, [1]], [SamplingParams(max_new_tokens=10, n=5),
-                                       SamplingParams(max_new_tokens=0)], context=2048)
-
-
 def test_update_weights_from_disk(server):
     status, reply = call(server, "/update_weights_from_disk",
                          {"model_path": str(server["root"] / "deep"), "weight_version": "x"})
@@ -163,3 +151,124 @@ def test_min_new_tokens_is_honoured(server):
         assert not set(stops) & set(reply["output_ids"][:5])
     status, reply = call(server, "/generate", body(min_new_tokens=11))
     assert status == 400 and "min_new_tokens" in reply["error"]["message"]
+
+
+def wait_for(condition, what, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def long_request(server, rid, tokens=1500, result=None):
+    """A request that decodes `tokens` tokens in a thread; returns the thread."""
+    result = {} if result is None else result
+    worker = threading.Thread(target=lambda: result.update(reply=call(server, "/generate", {
+        "input_ids": [5, 6], "rid": rid, "sampling_params": {
+            "max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}})))
+    worker.start()
+    batcher = server["service"].batcher
+    wait_for(lambda: batcher.load()["running_rows"] >= 1, "the long request to start")
+    return worker
+
+
+def test_a_request_joins_a_running_batch_and_leaves_as_soon_as_it_ends(server):
+    """The short request arrives while the long one decodes, and is answered while the long
+    one still runs: it joined the running pool at a chunk boundary and left at its end."""
+    result = {}
+    worker = long_request(server, "the-long-one", result=result)
+    status, short = call(server, "/generate", {"input_ids": [7, 8, 9], "sampling_params": {
+        "max_new_tokens": 3, "ignore_eos": True}})
+    assert status == 200 and short["meta_info"]["completion_tokens"] == 3
+    assert worker.is_alive() and "reply" not in result  # the long one is still decoding
+    assert call(server, "/abort_request", {"rid": "the-long-one"})[0] == 200
+    worker.join(timeout=60)
+    status, reply = result["reply"]
+    assert status == 200 and reply["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < reply["meta_info"]["completion_tokens"] < 1500
+
+
+def test_concurrent_requests_get_what_the_batch_path_gives(server):
+    """Samples with a seed are the same whether they run alone in a batch (the trainer's
+    path) or side by side in the continuous pool with others joining: log-probs included."""
+    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+    service = server["service"]
+    requests = [GenerateRequest([5 + i, 6, 7], SamplingParams(
+        max_new_tokens=5 + 3 * i, temperature=1.0, seed=i, ignore_eos=True), f"r{i}")
+        for i in range(6)]
+    expected = service.sampler.generate(requests)
+    tickets = [service.batcher.submit([r]) for r in requests]  # joining one after another
+    got = [t.wait(120)[0] for t in tickets]
+    for want, have in zip(expected, got):
+        assert have.output_ids == want.output_ids
+        assert have.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_an_abort_for_an_id_not_running_does_not_stick(server):
+    assert call(server, "/abort_request", {"rid": "later"})[0] == 200
+    status, reply = call(server, "/generate", {"input_ids": [5], "rid": "later",
+                                               "sampling_params": {"max_new_tokens": 4,
+                                                                   "ignore_eos": True}})
+    assert status == 200 and reply["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_client_that_disconnects_aborts_its_rows(server):
+    batcher = server["service"].batcher
+    host, port = server["url"].removeprefix("http://").split(":")
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 2000, "ignore_eos": True}}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer secret\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        wait_for(lambda: batcher.load()["running_rows"] >= 1, "the request to start")
+    wait_for(lambda: batcher.load()["running_rows"] == 0, "its rows to be aborted", 120)
+    status, reply = call(server, "/generate", {"input_ids": [5], "sampling_params": {
+        "max_new_tokens": 2, "ignore_eos": True}})
+    assert status == 200 and reply["meta_info"]["completion_tokens"] == 2
+
+
+def test_many_stop_ids_widen_the_pool(server):
+    """More stop ids than the pool's rows held: the pool widens, running rows unharmed."""
+    status, reply = call(server, "/generate", {"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 3, "stop_token_ids": list(range(300, 320)), "temperature": 0}})
+    assert status == 200 and server["service"].batcher.stop_width >= 32
+
+
+def test_health_fails_while_the_sampler_is_wedged(tmp_path, monkeypatch):
+    """A device call that never returns (a fault we cannot cause for real: the decode is
+    made to block) turns /health and /health_generate into 503s naming the stall; once it
+    returns, both are 200 again."""
+    from rl_tpu.rollout import continuous
+    tiny.write_tiny_model(str(tmp_path / "m"), "qwen2", vocab_size=320, seed=0)
+    cfg, params = hf.load(str(tmp_path / "m"))
+    sampler = JaxSampler(cfg, params)
+    service = RolloutService(sampler, str(tmp_path / "m"), None, stall_timeout_s=0.5,
+                             batcher=continuous.ContinuousBatcher(sampler, 4, 64))
+    http = serve(service, "127.0.0.1", 0, api_key="secret", health_timeout_s=1.0).start()
+    srv = dict(url=http.url)
+    release = threading.Event()
+    real_decode = continuous.decode
+
+    def wedged(*args, **kwargs):
+        release.wait()
+        return real_decode(*args, **kwargs)
+
+    try:
+        assert call(srv, "/health")[0] == 200
+        monkeypatch.setattr(continuous, "decode", wedged)
+        worker = threading.Thread(target=call, args=(srv, "/generate", {
+            "input_ids": [5], "sampling_params": {"max_new_tokens": 4}}))
+        worker.start()
+        wait_for(lambda: service.batcher.stalled_for() > 0.6, "the stall")
+        status, reply = call(srv, "/health")
+        assert status == 503 and "inside one device call" in reply["error"]["message"]
+        assert call(srv, "/health_generate")[0] == 503
+        release.set()
+        worker.join(timeout=60)
+        wait_for(lambda: call(srv, "/health")[0] == 200, "health again")
+        assert call(srv, "/health_generate")[0] == 200
+    finally:
+        release.set()
+        http.shutdown()
+        service.batcher.close()
