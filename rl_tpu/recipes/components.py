@@ -220,6 +220,10 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         engine = SGLangEngine(urls, model_config=model_cfg,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
                               tokenizer=tokenizer, router_url=r.router_url or None)
+        if engine.router is not None:
+            # The router answers 503 until its own health checks (every 60 s by default) have
+            # marked a worker healthy, which can be a minute after everything started.
+            engine.wait_healthy()
         engine.update_weights(parallel.host_copies(params), version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler

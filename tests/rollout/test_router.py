@@ -6,11 +6,13 @@ promises (rl_tpu/rollout/router.py): generation through the router is what a wor
 directly, token for token; a weight update reaches both workers and every later sample reports
 it; abort and pause reach the worker that runs the request. The router itself forwards none of
 the control calls (checked here too, so a router release that starts to forward them, or to
-accept per-prompt params, shows up). One more slow test puts a real SGLang 0.5.23 worker (its
+accept per-prompt params, shows up), and `configs/math_sglang.py:smoke` trains through the
+router with weight syncs to both workers. One more slow test puts a real SGLang 0.5.23 worker (its
 own venv, tests/rollout/sglang_server.py) behind the router. The fast tests check the request
 grouping alone and start no server.
 """
 
+import importlib
 import os
 import sys
 import threading
@@ -20,13 +22,15 @@ import httpx
 import numpy as np
 import pytest
 
+from rl_tpu.metrics import read_metrics
 from rl_tpu.models import hf, tiny
+from rl_tpu.recipes import rl
 from rl_tpu.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.rollout.logprob_probe import ServerLogprobs
 from rl_tpu.rollout.router import agreed_logprobs, generate_body, group_by_params
 from rl_tpu.rollout.sglang import SGLangEngine
 
-from sglang_server import (ServerProcess, free_port,  # noqa: E402  (tests/rollout on sys.path)
+from sglang_server import (REPO, ServerProcess, free_port,  # noqa: E402  (tests/rollout on path)
                            start_sglang_server)
 
 VOCAB = 320
@@ -228,6 +232,27 @@ def test_a_weight_update_reaches_both_workers_and_every_later_sample(fleet, tmp_
         direct = SGLangEngine([worker], request_timeout_s=120).generate(_mixed_requests())
         assert [d.output_ids for d in direct] == [r.output_ids for r in after[0]]
         assert {d.weight_version for d in direct} == {"1"}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_math_sglang_smoke_trains_through_the_router(fleet, tmp_path):
+    """The trainer end to end, as `--rollout_urls=A,B --rollout_router_url=R` sets it up:
+    every step's rollouts go through the router, every weight sync reaches both workers."""
+    sys.path.insert(0, REPO)
+    try:
+        config = importlib.import_module("configs.math_sglang").get_config("smoke")
+    finally:
+        sys.path.remove(REPO)
+    config.model.path = str(fleet["root"] / "a")  # what the workers were started from
+    config.rollout.urls = ",".join(fleet["workers"])
+    config.rollout.router_url = fleet["router"]
+    rl.run(config, str(tmp_path / "run"))
+    records = [r for r in read_metrics(str(tmp_path / "run")) if "rollout/reward" in r]
+    # step k samples with the weights of step k-1: version 0 (the start), then 1
+    assert [r["rollout/weight_version"] for r in records] == [0, 1]
+    engine = SGLangEngine(fleet["workers"])
+    assert [engine.model_info(w)["weight_version"] for w in fleet["workers"]] == ["2", "2"]
 
 
 @pytest.mark.slow
