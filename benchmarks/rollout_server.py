@@ -2,12 +2,13 @@
 
   python benchmarks/rollout_server.py --clients 1,8,64 --seconds 20
 
-Starts the server (a random-weight tiny model unless --model_path) in a subprocess, then for
+Starts the server (a random-weight model of --shape unless --model_path) in a subprocess, then for
 each client count runs that many threads, each sending single-prompt `/generate` requests back
 to back (a prompt of --prompt_tokens ids, max_new_tokens drawn from [--min_new, --max_new],
 ignore_eos, temperature 1), first for a warm-up round (compiles), then for --seconds. Prints a
 markdown row per client count: requests, errors, generated tokens/s, requests/s and the
-latency percentiles. `--repo DIR` serves from another checkout (e.g. `git worktree add
+latency percentiles, and the CPU the load generator itself used (on a small machine it
+competes with the server for the same cores). `--repo DIR` serves from another checkout (e.g. `git worktree add
 /tmp/before <commit>`) to compare before and after on the same machine.
 """
 
@@ -78,18 +79,19 @@ def run_clients(url: str, clients: int, seconds: float, args, seed: int) -> dict
                 except (httpx.HTTPError, KeyError, ValueError):
                     errors[i] += 1
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start  # includes the requests in flight at the deadline
+    client_cpu = (time.process_time() - cpu) / wall  # the load generator's share of the cores
     lat = np.array([x for per in latencies for x in per] or [float("nan")])
     return dict(clients=clients, requests=int(sum(len(x) for x in latencies)),
                 errors=sum(errors), tok_s=sum(tokens) / wall,
                 req_s=sum(len(x) for x in latencies) / wall, p50=float(np.percentile(lat, 50)),
-                p95=float(np.percentile(lat, 95)))
+                p95=float(np.percentile(lat, 95)), client_cpu=client_cpu)
 
 
 def main():
@@ -101,7 +103,8 @@ def main():
     parser.add_argument("--min_new", type=int, default=32)
     parser.add_argument("--max_new", type=int, default=128)
     parser.add_argument("--model_path", default="")
-    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--shape", default="rl_step", help="benchmarks/common.py SHAPES "
+                        "entry of the random model (rl_step: 3.7M params)")
     parser.add_argument("--repo", default=HERE, help="checkout whose launch.serve_rollout runs")
     parser.add_argument("--label", default="", help="first column of the rows")
     parser.add_argument("server_flags", nargs="*", help="after --: flags for the server")
@@ -109,19 +112,22 @@ def main():
     model_path = args.model_path
     if not model_path:
         sys.path.insert(0, HERE)
+        from benchmarks.common import SHAPES
         from rl_tpu.models import tiny
         model_path = tempfile.mkdtemp(prefix="rl_tpu_bench_model_")
-        tiny.write_tiny_model(model_path, "qwen2", vocab_size=512, seed=0, overwrite=True,
-                              num_layers=args.num_layers)
+        shape = {k: v for k, v in SHAPES[args.shape].items() if k != "arch"}
+        tiny.write_tiny_model(model_path, "qwen2", seed=0, overwrite=True, **shape)
     proc, url = start_server(os.path.abspath(args.repo), model_path, args.server_flags)
     try:
-        print("| server | clients | requests | errors | generated tok/s | req/s | p50 s | p95 s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| server | clients | requests | errors | generated tok/s | req/s | p50 s | p95 s "
+              "| client CPU (cores) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for n in [int(c) for c in args.clients.split(",")]:
             run_clients(url, n, args.warmup_seconds, args, seed=1)  # compiles its shapes
             r = run_clients(url, n, args.seconds, args, seed=2)
             print(f"| {args.label or args.repo} | {n} | {r['requests']} | {r['errors']} | "
-                  f"{r['tok_s']:,.0f} | {r['req_s']:.2f} | {r['p50']:.2f} | {r['p95']:.2f} |",
+                  f"{r['tok_s']:,.0f} | {r['req_s']:.2f} | {r['p50']:.2f} | {r['p95']:.2f} | "
+                  f"{r['client_cpu']:.2f} |",
                   flush=True)
     finally:
         proc.terminate()

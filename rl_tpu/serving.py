@@ -1,4 +1,5 @@
-"""What rl_tpu's HTTP servers share: one error shape, and uvicorn run from a thread or a CLI.
+"""What rl_tpu's HTTP servers (the rollout and env servers) share: one error shape, reading a
+JSON body into a pydantic model, and uvicorn bound to a socket, served from a thread or a CLI.
 
 Every error any rl_tpu server answers is `{"error": {"message": "..."}}` with a 4xx or 5xx
 status, SGLang's shape (and OpenAI's): a request FastAPI cannot validate is a 400 naming the
@@ -8,12 +9,13 @@ message, after which the server goes on serving.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import socket
 import threading
 import time
-from typing import Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import pydantic
 import uvicorn
@@ -103,11 +105,22 @@ def bearer_auth(app: FastAPI, api_key: Optional[str]) -> None:
 
 
 class Server:
-    """uvicorn serving `app` on a socket bound at construction (port 0 picks a free one,
-    `server_address` says which), from the calling thread (`serve_forever`) or a background
-    one (`start`); `shutdown` stops it. Binds loopback unless told otherwise."""
+    """A bound uvicorn server for `app`: `serve_forever()` blocks (Ctrl-C or SIGTERM stop it
+    gracefully), `start()` serves on a background thread and returns the URL, `shutdown()`
+    stops either. The socket is bound on construction, so `server_address` (and the port
+    picked for port 0) is known before serving starts, and a taken port fails right away.
+    Binds loopback unless told otherwise.
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    Args:
+      keep_alive_s: how long an idle client connection stays open (uvicorn's 5 s default
+        would close a trainer's or an agent's connection between two of its calls).
+      on_unserved_close: called by `shutdown()` when the server never served (the app's
+        lifespan, which would clean up otherwise, never ran).
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
+                 keep_alive_s: float = 75.0,
+                 on_unserved_close: Optional[Callable[[], None]] = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -115,37 +128,50 @@ class Server:
             self.socket.bind((host, port))
         except OSError as err:
             self.socket.close()
-            raise OSError(f"cannot bind {host}:{port}: {err.strerror}; is another server on "
-                          "that port? pick another --port") from err
+            raise OSError(err.errno, f"cannot bind {host}:{port}: {err.strerror}; is another "
+                                     "server on that port? pick another --port") from err
         self.server_address = self.socket.getsockname()[:2]
-        # keep-alive a while: trainers reuse their connections between steps
-        config = uvicorn.Config(app, log_level="warning", access_log=False,
-                                timeout_keep_alive=75, lifespan="off")
-        self._server = uvicorn.Server(config)
+        shown = f"[{self.server_address[0]}]" if family == socket.AF_INET6 else \
+            self.server_address[0]
+        self.url = f"http://{shown}:{self.server_address[1]}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_keep_alive=int(keep_alive_s), backlog=2048)
+        self._uvicorn = uvicorn.Server(config)
+        self._on_unserved_close = on_unserved_close
         self._thread: Optional[threading.Thread] = None
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address
-        return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        self._done = threading.Event()
 
     def serve_forever(self) -> None:
-        self._server.run(sockets=[self.socket])
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self.socket.close()
+            self._done.set()
 
-    def start(self, timeout_s: float = 30.0) -> "Server":
-        """Serves from a daemon thread; returns once it accepts connections."""
+    def start(self, timeout: float = 30.0) -> str:
+        """Serves on a daemon thread; returns the URL once requests are answered."""
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         name="http-server")
         self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.01)
-        return self
+        # A script that ends without shutdown() would otherwise tear the interpreter down
+        # under a running event loop (seen once as a segfault at exit).
+        atexit.register(self.shutdown, 5.0)
+        deadline = time.monotonic() + timeout
+        while not (self._uvicorn.started or self._done.is_set()):
+            if time.monotonic() > deadline:
+                break
+            self._done.wait(0.01)
+        if not self._uvicorn.started:
+            raise RuntimeError(f"the server at {self.url} did not start within {timeout}s")
+        return self.url
 
-    def shutdown(self) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self.socket.close()
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops serving, waiting up to `timeout` s for requests in flight."""
+        atexit.unregister(self.shutdown)
+        self._uvicorn.should_exit = True
+        if self._uvicorn.started or self._thread is not None:
+            self._done.wait(timeout)
+        else:  # never served
+            self.socket.close()
+            if self._on_unserved_close is not None:
+                self._on_unserved_close()

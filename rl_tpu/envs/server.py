@@ -64,16 +64,12 @@ exposing it beyond the host is an explicit choice (`--host 0.0.0.0`).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import functools
 import logging
-import socket
-import threading
 from typing import Any, Callable, Optional, Union
 
-import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -84,6 +80,7 @@ from rl_tpu.envs.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestE
 from rl_tpu.envs.server_wire import (ERROR_STYLES, BodyGuard, Close, Create, JSONReply, Reset,
                                      SearchQAClose, SearchQACreate, SearchQAReset, SearchQAStep,
                                      Step, error_reply, validation_message)
+from rl_tpu.serving import Server
 
 __all__ = ["DIALECTS", "ERROR_STYLES", "PARSING_ENVS", "EnvServer", "EnvService",
            "RequestError", "build_app", "make_server", "serve"]
@@ -256,67 +253,16 @@ def _add_error_handlers(app: FastAPI, style: str) -> None:
                            style)
 
 
-class EnvServer:
-    """A bound uvicorn server for `app`: `serve_forever()` blocks (Ctrl-C or SIGTERM stop it
-    gracefully), `start()` serves on a background thread and returns the URL, `shutdown()`
-    stops either. The socket is bound on construction, so `server_address` (and the port
-    picked for port 0) is known before serving starts, and a taken port fails right away."""
+class EnvServer(Server):
+    """`Server` (rl_tpu/serving.py) for an env app: its connections stay open as long as an
+    agent may think between two steps of one episode, and a server that never served still
+    closes its envs on shutdown."""
 
     def __init__(self, app: FastAPI, service: EnvService, host: str = "127.0.0.1",
                  port: int = 0, keep_alive_s: float = 600.0):
+        super().__init__(app, host, port, keep_alive_s=keep_alive_s,
+                         on_unserved_close=service.shutdown)
         self.app, self.service = app, service
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, port))
-        except OSError:
-            self.socket.close()
-            raise
-        self.server_address = self.socket.getsockname()[:2]
-        shown = f"[{self.server_address[0]}]" if family == socket.AF_INET6 else \
-            self.server_address[0]
-        self.url = f"http://{shown}:{self.server_address[1]}"
-        # Keep-alive as long as an agent may think between two steps of one episode (uvicorn's
-        # default of 5 s would close most episodes' connections between turns).
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_keep_alive=int(keep_alive_s), backlog=2048)
-        self._uvicorn = uvicorn.Server(config)
-        self._thread: Optional[threading.Thread] = None
-        self._done = threading.Event()
-
-    def serve_forever(self) -> None:
-        try:
-            self._uvicorn.run(sockets=[self.socket])
-        finally:
-            self.socket.close()
-            self._done.set()
-
-    def start(self, timeout: float = 30.0) -> str:
-        """Serves on a daemon thread; returns the URL once requests are answered."""
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True,
-                                        name="env-server")
-        self._thread.start()
-        # A script that ends without shutdown() would otherwise tear the interpreter down
-        # under a running event loop (seen once as a segfault at exit).
-        atexit.register(self.shutdown, 5.0)
-        for _ in range(int(timeout / 0.01)):
-            if self._uvicorn.started or self._done.is_set():
-                break
-            self._done.wait(0.01)
-        if not self._uvicorn.started:
-            raise RuntimeError(f"the env server at {self.url} did not start within {timeout}s")
-        return self.url
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops serving (waiting up to `timeout` s for requests in flight) and closes envs."""
-        atexit.unregister(self.shutdown)
-        self._uvicorn.should_exit = True
-        if self._uvicorn.started or self._thread is not None:
-            self._done.wait(timeout)
-        else:  # never served: nothing will run the lifespan's cleanup
-            self.socket.close()
-            self.service.shutdown()
 
 
 def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", port: int = 0,

@@ -79,6 +79,13 @@ def scatter_rows(pool: DecodeState, new: DecodeState, rows) -> DecodeState:
 
 
 @jax.jit
+def read_rows(pool: DecodeState, rows):
+    """(tokens, logprobs [F, S], stopped [F]) of the pool rows `rows` [F], in one program
+    (indexing eagerly costs a dispatch and Python work per array)."""
+    return pool.tokens[rows], pool.logprobs[rows], pool.stopped[rows]
+
+
+@jax.jit
 def take_rows(cache: dict, rows) -> dict:
     """The cache's rows `rows` [F] (a copy)."""
     return jax.tree.map(lambda x: x[rows], cache)
@@ -417,9 +424,9 @@ class ContinuousBatcher:
         ended = [row for row in rows if done[row.slot]] + aborted
         if not ended:
             return
-        slots = np.array([row.slot for row in ended])
-        tokens, logprobs, stopped = (np.asarray(x) for x in (
-            pool.tokens[slots], pool.logprobs[slots], pool.stopped[slots]))
+        slots = np.full((_next_power_of_two(len(ended), 1),), ended[0].slot, np.int32)
+        slots[:len(ended)] = [row.slot for row in ended]
+        tokens, logprobs, stopped = (np.asarray(x) for x in read_rows(pool, slots))
         if aborted:
             mask = np.zeros((self._rows(),), bool)
             mask[[row.slot for row in aborted]] = True

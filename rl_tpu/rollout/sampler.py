@@ -38,6 +38,9 @@ def _owned_copy(params, num_layers: int, dtype: Optional[str]):
 
 STOP_WIDTH = 4  # the fewest stop-id slots a row has (more round up to a power of two)
 
+# seeds [B] uint32 -> PRNG keys [B]; jitted, as vmap run eagerly traces anew on every call
+keys_from_seeds = jax.jit(jax.vmap(jax.random.key))
+
 
 class JaxSampler(RolloutEngine):
     """RolloutEngine over `prefill` + chunked `decode`, batching requests into bucketed shapes.
@@ -191,7 +194,7 @@ class JaxSampler(RolloutEngine):
             b, p, steps = self._batch_shape(min(rows, self.max_batch), prompt, new)
             i32 = np.int32
             stop_ids = np.full((b, STOP_WIDTH), -1, i32)
-            keys = jax.vmap(jax.random.key)(jnp.arange(b, dtype=jnp.uint32))
+            keys = keys_from_seeds(np.arange(b, dtype=np.uint32))
             sampling = (np.ones((b,), i32), np.zeros((b,), i32), np.zeros((b,), np.float32),
                         np.ones((b,), np.float32), np.full((b,), -1, i32), stop_ids, stop_ids,
                         keys)
@@ -404,7 +407,7 @@ class JaxSampler(RolloutEngine):
             ban_ids[i, :len(bans)] = bans
             seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
-        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+        keys = keys_from_seeds(seeds)
         return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
 
     def _prefill(self, params, n: int, ids, lens, sampling, steps: int):

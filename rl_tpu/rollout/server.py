@@ -416,5 +416,5 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
 def serve(service: RolloutService, host: str = "127.0.0.1", port: int = 30000,
           api_key: Optional[str] = None, health_timeout_s: float = 20.0) -> Server:
     """Binds (loopback unless told otherwise) and returns the server: `serve_forever()`, or
-    `start()` to serve from a thread."""
+    `start()` to serve from a thread (it returns the URL)."""
     return Server(make_app(service, api_key, health_timeout_s), host, port)

@@ -28,7 +28,8 @@ def server(tmp_path_factory):
     cfg, params = hf.load(str(root / "a"))
     tok = load_tokenizer(str(root / "a"))
     service = RolloutService(JaxSampler(cfg, params, tokenizer=tok), str(root / "a"), tok)
-    http = serve(service, "127.0.0.1", 0, api_key="secret").start()
+    http = serve(service, "127.0.0.1", 0, api_key="secret")
+    http.start()
     yield dict(url=http.url, root=root, tok=tok, service=service)
     http.shutdown()
     service.batcher.close()
@@ -245,7 +246,8 @@ def test_health_fails_while_the_sampler_is_wedged(tmp_path, monkeypatch):
     sampler = JaxSampler(cfg, params)
     service = RolloutService(sampler, str(tmp_path / "m"), None, stall_timeout_s=0.5,
                              batcher=continuous.ContinuousBatcher(sampler, 4, 64))
-    http = serve(service, "127.0.0.1", 0, api_key="secret", health_timeout_s=1.0).start()
+    http = serve(service, "127.0.0.1", 0, api_key="secret", health_timeout_s=1.0)
+    http.start()
     srv = dict(url=http.url)
     release = threading.Event()
     real_decode = continuous.decode
