@@ -313,7 +313,7 @@ class ContinuousBatcher:
         params, version = self.sampler._weights()
         for row in self._active.values():
             if row.spans[-1][0] != version:
-                row.spans.append((version, self._counts[row.slot]))
+                row.spans.append((version, int(self._counts[row.slot])))
         self.sampler._note_program("decode", self._rows(), self._width(), self._width(),
                                    self.stop_width)
         self._busy_since = time.monotonic()
