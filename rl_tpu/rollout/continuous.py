@@ -210,6 +210,7 @@ class ContinuousBatcher:
         self._cond = threading.Condition()
         self._waiting: list[_Row] = []
         self._active: dict[int, _Row] = {}  # pool row -> its row
+        self._admitting: list[_Row] = []  # taken from the queue, being prefilled
         self._pool: Optional[DecodeState] = None
         self._counts = np.ones((slots,), np.int32)  # each pool row's count, as last read
         self._stop = False
@@ -279,7 +280,7 @@ class ContinuousBatcher:
 
     def _abort(self, which: Callable[[_Row], bool]) -> None:
         with self._cond:
-            for row in self._waiting + list(self._active.values()):
+            for row in self._waiting + self._admitting + list(self._active.values()):
                 if which(row):
                     row.aborted = True
             self._cond.notify_all()
@@ -360,6 +361,7 @@ class ContinuousBatcher:
                 take.append(row)
                 longest, most_new = grown
             self._waiting = self._waiting[len(take):]
+            self._admitting = take  # an abort meanwhile marks them (ended after admission)
         if not take:
             return
         n = len(take)
@@ -383,6 +385,8 @@ class ContinuousBatcher:
             targets[:n] = free[:n]
             self._pool = scatter_rows(self._pool, new, jnp.asarray(targets))
         except Exception as err:  # these rows are in neither list: answer them here
+            with self._cond:
+                self._admitting = []
             for row in take:
                 row.ticket._fail(err)
             raise
@@ -391,6 +395,7 @@ class ContinuousBatcher:
                 row.slot, row.spans, row.generation = free[i], [(version, 0)], generation
                 row.hashes = None if matches is None else matches[i].hashes
                 self._active[row.slot] = row
+            self._admitting = []
         self._counts = np.asarray(self._pool.count)
 
     def _rows(self) -> int:

@@ -274,3 +274,21 @@ def test_health_fails_while_the_sampler_is_wedged(tmp_path, monkeypatch):
         release.set()
         http.shutdown()
         service.batcher.close()
+
+
+def test_a_weight_update_mid_request_reports_both_versions(server):
+    """Held between chunks (pause in_place), the request's row sees the weights change, then
+    decodes on: its reply's weight_versions has both spans, as SGLang's retract reports."""
+    result = {}
+    worker = long_request(server, "spans", tokens=1500, result=result)
+    assert call(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+    status, _ = call(server, "/update_weights_from_disk",
+                     {"model_path": str(server["root"] / "a"), "weight_version": "v9"})
+    assert status == 200
+    assert call(server, "/continue_generation", {})[0] == 200
+    worker.join(timeout=120)
+    status, reply = result["reply"]
+    assert status == 200, reply
+    spans = reply["meta_info"]["weight_versions"]
+    assert len(spans) == 2 and spans[1]["version"] == "v9"
+    assert 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 1500
