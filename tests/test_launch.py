@@ -58,6 +58,7 @@ def mistakes(tmp_path_factory):
             for name, (workdir, proc) in runs.items()}
 
 
+@pytest.mark.slow  # the launchers as subprocesses
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_a_users_mistake_is_one_line_and_exit_2(mistakes, name):
     workdir, _, stderr, returncode = mistakes[name]
@@ -70,12 +71,14 @@ def test_a_users_mistake_is_one_line_and_exit_2(mistakes, name):
     assert not os.path.exists(workdir)  # nothing was built or created
 
 
+@pytest.mark.slow  # the launchers as subprocesses
 def test_the_debug_variable_shows_the_traceback(mistakes):
     _, _, stderr, returncode = mistakes["debug"]
     assert returncode != 0
     assert "Traceback (most recent call last)" in stderr and "clip_hgh" in stderr
 
 
+@pytest.mark.slow  # the launchers as subprocesses
 def test_eval_launcher_rebuilds_an_overridden_algo_block_then_needs_a_checkpoint(mistakes):
     workdir, _, stderr, returncode = mistakes["eval"]
     assert "--config.algo.name=ppo: the algo block is rebuilt from ppo's defaults" in stderr
@@ -84,6 +87,7 @@ def test_eval_launcher_rebuilds_an_overridden_algo_block_then_needs_a_checkpoint
     assert not os.path.exists(workdir)  # no workdir, no random model in it
 
 
+@pytest.mark.slow  # the launchers as subprocesses
 def test_make_tiny_model_refuses_a_non_empty_directory(mistakes):
     out, _, stderr, returncode = mistakes["make_tiny_model"]
     assert returncode != 0 and "--overwrite" in stderr

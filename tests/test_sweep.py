@@ -263,6 +263,7 @@ def launched(tmp_path_factory):
 
 
 # The fixture's readers on one xdist worker (--dist loadgroup): its processes start once.
+@pytest.mark.slow  # the sweep launcher as subprocesses
 @pytest.mark.xdist_group("sweep_launcher")
 def test_print_gives_one_command_per_run_and_runs_nothing(launched):
     workdir, out, err, code = launched["print"]
@@ -280,6 +281,7 @@ def test_print_gives_one_command_per_run_and_runs_nothing(launched):
         ["python3", f"{workdir}/optim.lr=2e-5,seed=1"]]
 
 
+@pytest.mark.slow  # the sweep launcher as subprocesses
 @pytest.mark.xdist_group("sweep_launcher")
 @pytest.mark.parametrize("name", [n for n, case in LAUNCHER_CASES.items() if case[1] == 2])
 def test_a_sweep_mistake_is_one_line_exit_2_before_any_run(launched, name):

@@ -142,6 +142,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path):
     hf.load(out)  # still whole
 
 
+@pytest.mark.slow  # two CLI subprocesses
 def test_make_tiny_model_and_generate_clis(tmp_path):
     import subprocess
     import sys

@@ -55,6 +55,7 @@ def test_rows_joining_a_running_pool_sample_what_the_batch_path_samples(batcher)
     assert batcher.load()["running_rows"] == 0 and batcher._pool is None  # dropped when idle
 
 
+@pytest.mark.slow  # test_server.py shows it over HTTP too
 def test_a_short_row_leaves_while_a_long_one_runs(batcher):
     long = batcher.submit([request([1, 2], 200, rid="long")])
     wait_for(lambda: batcher.load()["running_rows"] == 1, "the long row")
