@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import pydantic
 import uvicorn
@@ -36,16 +36,41 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def validation_message(err) -> str:
-    """FastAPI's list of validation errors -> one line naming each bad field."""
+def validation_message(errors: list, where: str) -> str:
+    """One line naming each bad field (at most three) and what was sent, from pydantic's
+    `errors()`, after `where` (e.g. "POST /generate")."""
     parts = []
-    for e in err.errors():
-        if e.get("type") == "json_invalid":
-            return f"body is not JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        where = where.split(".function-after", 1)[0]
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return "bad request: " + "; ".join(parts[:5])
+    for item in errors[:3]:
+        loc = [str(p) for p in item.get("loc", ())]
+        # FastAPI's locations start with where the value came from; pydantic's own do not
+        source, path = (loc[0], loc[1:]) if loc and loc[0] in ("body", "query") else \
+            ("body", loc)
+        if item.get("type") == "json_invalid":
+            reason = (item.get("ctx") or {}).get("error", item.get("msg"))
+            parts.append(f"the body is not valid JSON ({reason})")
+            continue
+        field = ".".join(path)
+        if not field and item.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append(f"the body must be a JSON object (got {_clip(item.get('input'))})")
+            continue
+        name = (f"query parameter '{field}'" if source == "query" else f"'{field}'") if field \
+            else "the body"
+        text = f"{name}: {item.get('msg', 'invalid')}"
+        if item.get("type") != "missing" and "input" in item:
+            text += f" (got {_clip(item['input'])})"
+        parts.append(text)
+    more = len(errors) - len(parts)
+    suffix = f" (and {more} more)" if more > 0 else ""
+    return f"{where}: {'; '.join(parts)}{suffix}"
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def where(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
 
 
 async def read_json(request: Request, model: type[ModelT]) -> ModelT:
@@ -62,7 +87,7 @@ async def read_json(request: Request, model: type[ModelT]) -> ModelT:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as err:
-        raise BadRequest(validation_message(err)) from err
+        raise BadRequest(validation_message(err.errors(), where(request))) from err
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -70,7 +95,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
-        return error_response(400, validation_message(err))
+        return error_response(400, validation_message(err.errors(), where(request)))
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, err: BadRequest):

@@ -79,8 +79,8 @@ from rl_tpu.envs.base import Env
 from rl_tpu.envs.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestError, jsonable
 from rl_tpu.envs.server_wire import (ERROR_STYLES, BodyGuard, Close, Create, JSONReply, Reset,
                                      SearchQAClose, SearchQACreate, SearchQAReset, SearchQAStep,
-                                     Step, error_reply, validation_message)
-from rl_tpu.serving import Server
+                                     Step, error_reply)
+from rl_tpu.serving import Server, validation_message, where
 
 __all__ = ["DIALECTS", "ERROR_STYLES", "PARSING_ENVS", "EnvServer", "EnvService",
            "RequestError", "build_app", "make_server", "serve"]
@@ -229,7 +229,7 @@ def _add_error_handlers(app: FastAPI, style: str) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
-        return error_reply(400, validation_message(request, error), style)
+        return error_reply(400, validation_message(error.errors(), where(request)), style)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):

@@ -13,8 +13,6 @@ import asyncio
 import json
 from typing import Annotated, Any, Optional
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 from starlette.responses import Response
 
@@ -92,36 +90,6 @@ def error_reply(status: int, message: str, style: str, close: bool = False) -> J
     if style == "agentgym":
         return JSONReply({"error": message}, status_code=200, headers=headers)
     return JSONReply({"error": {"message": message}}, status_code=status, headers=headers)
-
-
-def validation_message(request: Request, error: RequestValidationError) -> str:
-    """One line naming each bad field (at most three), from pydantic's errors."""
-    parts = []
-    for item in error.errors()[:3]:
-        loc = [str(p) for p in item.get("loc", ())]
-        where, path = (loc[0], loc[1:]) if loc else ("body", [])
-        if item.get("type") == "json_invalid":
-            reason = (item.get("ctx") or {}).get("error", item.get("msg"))
-            parts.append(f"the body is not valid JSON ({reason})")
-            continue
-        field = ".".join(path)
-        if not field and item.get("type") in ("model_attributes_type", "dict_type"):
-            parts.append(f"the body must be a JSON object (got {_clip(item.get('input'))})")
-            continue
-        name = (f"query parameter '{field}'" if where == "query" else f"'{field}'") if field \
-            else "the body"
-        text = f"{name}: {item.get('msg', 'invalid')}"
-        if item.get("type") != "missing" and "input" in item:
-            text += f" (got {_clip(item['input'])})"
-        parts.append(text)
-    more = len(error.errors()) - len(parts)
-    suffix = f" (and {more} more)" if more > 0 else ""
-    return f"{request.method} {request.url.path}: {'; '.join(parts)}{suffix}"
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # -- the body reader --------------------------------------------------------------------------

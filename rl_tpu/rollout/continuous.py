@@ -48,18 +48,17 @@ log = logging.getLogger(__name__)
 
 @functools.partial(jax.jit, static_argnames=("model", "rows", "slots", "width"))
 def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeState:
-    """A pool of `rows` free rows (done) of `slots` cache slots; X = width stop ids a row."""
-    i32 = jnp.int32
-    zeros = lambda dtype: jnp.zeros((rows,), dtype)  # noqa: E731
-    return DecodeState(
-        step=i32(1), token=zeros(i32), cache=init_cache(model.cfg, rows, slots),
-        tokens=jnp.zeros((rows, slots), i32), logprobs=jnp.zeros((rows, slots), jnp.float32),
-        count=jnp.ones((rows,), i32), done=jnp.ones((rows,), bool), stopped=zeros(bool),
-        prompt_lens=jnp.ones((rows,), i32), max_new=jnp.ones((rows,), i32), min_new=zeros(i32),
-        temperature=zeros(jnp.float32), top_p=jnp.ones((rows,), jnp.float32),
-        top_k=jnp.full((rows,), -1, i32), stop_ids=jnp.full((rows, width), -1, i32),
-        ban_ids=jnp.full((rows, width), -1, i32),
-        keys=jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32)))
+    """A pool of `rows` free rows of `slots` cache slots, X = width stop ids a row: a pool of
+    none, grown (`grow_pool` says what a free row holds)."""
+    none = lambda *shape, dtype=jnp.int32: jnp.zeros((0,) + shape, dtype)  # noqa: E731
+    f32 = jnp.float32
+    return grow_pool(DecodeState(
+        step=jnp.int32(1), token=none(), cache=init_cache(model.cfg, 0, slots),
+        tokens=none(slots), logprobs=none(slots, dtype=f32), count=none(), done=none(dtype=bool),
+        stopped=none(dtype=bool), prompt_lens=none(), max_new=none(), min_new=none(),
+        temperature=none(dtype=f32), top_p=none(dtype=f32), top_k=none(),
+        stop_ids=none(width), ban_ids=none(width),
+        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32))), rows, slots, width)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -369,9 +368,7 @@ class ContinuousBatcher:
         p = self._prompt_bucket(longest, self.slot_tokens - most_new)
         rows = min(self.slots, max(self._rows(), _next_power_of_two(free[n - 1] + 1, 1)))
         slots = min(self.slot_tokens, max(self._width(), _next_power_of_two(p + most_new, 16)))
-        width = max(max(len(sampler._stop_ids(row.request)), len(sampler._ban_ids(row.request)))
-                    for row in take)
-        self.stop_width = max(self.stop_width, _next_power_of_two(width, 4))
+        self.stop_width = max(self.stop_width, sampler.stop_width([row.request for row in take]))
         self._busy_since = time.monotonic()
         try:
             self._reshape_pool(rows, slots)
@@ -396,7 +393,12 @@ class ContinuousBatcher:
                 row.hashes = None if matches is None else matches[i].hashes
                 self._active[row.slot] = row
             self._admitting = []
-        self._counts = np.asarray(self._pool.count)
+        # each prefilled row has its first token (count 1); kept on the host, no device read
+        counts = np.ones((rows,), np.int32)
+        kept = min(rows, len(self._counts))
+        counts[:kept] = self._counts[:kept]
+        counts[free[:n]] = 1
+        self._counts = counts
 
     def _rows(self) -> int:
         return 0 if self._pool is None else self._pool.tokens.shape[0]

@@ -338,10 +338,7 @@ class JaxSampler(RolloutEngine):
         n = len(rows)
         b, p, steps = self._batch_shape(n, max(len(req.prompt_ids) for req, _ in rows),
                                         max(req.sampling.max_new_tokens for req, _ in rows))
-        # One stop width for the batch: a power of two from 4, so eos ids, a few stop ids or
-        # none share one program (bans are the stop ids too, or nothing; see `_ban_ids`).
-        width = _next_power_of_two(max(1, *(max(len(self._stop_ids(req)), len(
-            self._ban_ids(req))) for req, _ in rows)), STOP_WIDTH)
+        width = self.stop_width([req for req, _ in rows])
         ids, lens, sampling = self.row_arrays(rows, b, p, width)
         stop_ids = sampling[5]
         aborted = np.zeros((b,), bool)
@@ -378,6 +375,13 @@ class JaxSampler(RolloutEngine):
         return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
 
+    def stop_width(self, requests) -> int:
+        """X, the stop (and banned) ids a row of these requests holds: a power of two from 4,
+        so eos ids, a few stop ids or none share one program (bans are the stop ids too, or
+        nothing; see `_ban_ids`)."""
+        return _next_power_of_two(max(1, *(max(len(self._stop_ids(req)), len(
+            self._ban_ids(req))) for req in requests)), STOP_WIDTH)
+
     def row_arrays(self, rows, b: int, p: int, width: int):
         """(ids [B, P] right-padded, lens [B], the per-row sampling arrays `prefill` takes:
         max_new, min_new, temperature, top_p, top_k [B], stop_ids, ban_ids [B, X], keys [B])
@@ -395,10 +399,7 @@ class JaxSampler(RolloutEngine):
         seeds = np.zeros((b,), np.uint32)
         for i, (req, k) in enumerate(rows):
             s = req.sampling
-            stops, bans = self._stop_ids(req), self._ban_ids(req)
-            if max(len(stops), len(bans)) > width:
-                raise ValueError(f"{len(stops)} stop token ids (eos included) are more than the "
-                                 f"{width} a row may have here; send fewer stop_token_ids")
+            stops, bans = self._stop_ids(req), self._ban_ids(req)  # at most `width` each
             ids[i, :len(req.prompt_ids)] = req.prompt_ids
             lens[i], max_new[i] = len(req.prompt_ids), max(s.max_new_tokens, 1)
             min_new[i] = s.min_new_tokens

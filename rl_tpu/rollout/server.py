@@ -187,11 +187,6 @@ class RolloutService:
         except ValueError as err:
             raise BadRequest(str(err)) from err
 
-    def generate(self, body: dict, timeout: Optional[float] = None) -> Any:
-        """/generate, blocking (tests and in-process callers)."""
-        prepared = self.prepare(body)
-        return self.replies(prepared, body, self.submit(prepared).wait(timeout))
-
     def replies(self, prepared: Prepared, body: dict, results: list[GenerateResult]) -> Any:
         expanded = [(req, r) for req, r in zip(prepared.requests, prepared.raw_params)
                     for _ in range(req.sampling.n)]
