@@ -16,6 +16,9 @@ from rl_tpu.rollout.sampler import JaxSampler
 pytest.importorskip("minigrid")
 
 
+# slow: 2 BabyAI tasks x 2 samples of 2k-token prompts (~20 s); the fast suite checks the same
+# behaviour == trainer log-probs on one episode in test_trajectory_across_three_weight_versions
+@pytest.mark.slow
 def test_sampled_trajectories_match_the_trainer(tmp_path):
     path = str(tmp_path / "model")
     tiny.write_tiny_model(path, "qwen2", vocab_size=512)

@@ -113,6 +113,7 @@ def test_max_steps_truncates():
         small.close()
 
 
+@pytest.mark.slow  # plays whole demonstrations (~10 s); reset/step are covered in the fast suite
 @needs_java
 def test_demonstration_solves_first_eval_tasks(env):
     """Gold paths on 6 eval tasks (6 families); the 50-task version is marked slow."""

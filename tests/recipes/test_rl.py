@@ -93,7 +93,7 @@ def _config_arg(name, variant="smoke"):
 def _train_smoke(name, workdir, scanned_layers):
     env = dict(os.environ, PYTHONPATH=REPO)  # the suite's fake devices and compile cache
     if scanned_layers:
-        env["XLA_FLAGS"] = xla_flags(1) + " --xla_backend_optimization_level=0"
+        env["XLA_FLAGS"] = xla_flags(1)
     command = [sys.executable, "-m", "launch.train", "--config", _config_arg(name),
                "--workdir", str(workdir)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
