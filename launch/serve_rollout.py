@@ -33,8 +33,9 @@ flags.DEFINE_bool("skip_tokenizer_init", False, "Serve input_ids only (no tokeni
 flags.DEFINE_integer("kv_tokens", 0, "KV slots the whole pool may hold (rows x "
                      "--max_context_tokens); fewer rows than --max_batch when it says so. "
                      "0 = --max_batch rows.")
-flags.DEFINE_integer("decode_chunk", 16, "Tokens decoded between two looks by the scheduler "
-                     "(rows join and leave, aborts and weight updates land, at chunk ends).")
+flags.DEFINE_integer("decode_chunk", 16, "Most tokens decoded between two looks by the "
+                     "scheduler (rows join, aborts and weight updates land, at chunk ends); a "
+                     "chunk also ends at the step any row ends.")
 flags.DEFINE_integer("prefix_cache_tokens", 65536, "Tokens of K/V kept for prompts that "
                      "extend an earlier request's prompt + output (multi-turn); 0 = off.")
 flags.DEFINE_float("stall_timeout_s", 300.0, "/health fails once one device call has run "

@@ -263,9 +263,11 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
                          done=is_stop | (max_new <= 1))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "chunk"), donate_argnames=("state",))
-def decode(model: Transformer, params, state: DecodeState, chunk: int) -> DecodeState:
-    """Up to `chunk` more tokens per live row; returns early once every row is done.
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
+def decode(model: Transformer, params, state: DecodeState, chunk, until_a_row_ends=False
+           ) -> DecodeState:
+    """Up to `chunk` more tokens per live row; returns early once every row is done, or, with
+    `until_a_row_ends`, once any row has ended (both traced: one program serves every value).
 
     Each row advances from its own output index, `count` (its token at index count - 1 sits
     at position prompt_len + count - 1): rows admitted at different times decode side by side
@@ -278,7 +280,8 @@ def decode(model: Transformer, params, state: DecodeState, chunk: int) -> Decode
 
     def cond(carry):
         i, st = carry
-        return (i < chunk) & ~jnp.all(st.done)
+        ended = jnp.any(st.done & ~state.done)  # a row that was live when the chunk began
+        return (i < chunk) & ~jnp.all(st.done) & ~(until_a_row_ends & ended)
 
     def body(carry):
         i, st = carry

@@ -8,6 +8,7 @@ import pytest
 
 from rl_tpu.models import hf, tiny
 from rl_tpu.rollout.continuous import ContinuousBatcher
+from rl_tpu.rollout.decoding import decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
@@ -53,6 +54,19 @@ def test_rows_joining_a_running_pool_sample_what_the_batch_path_samples(batcher)
         assert have.logprobs == pytest.approx(want.logprobs, abs=1e-5)
         assert have.finish_reason == "length"
     assert batcher.load()["running_rows"] == 0 and batcher._pool is None  # dropped when idle
+
+
+def test_a_chunk_ends_with_the_first_row_that_ends(batcher):
+    """The batcher's decode chunks stop at the step a row ends (its reply goes out and its
+    pool row is free at once); the batch path's run on to the chunk's end."""
+    sampler = batcher.sampler
+    requests = [request([5, 6, 7], 3), request([8, 9], 40)]
+    ids, lens, sampling = sampler.row_arrays([(r, 0) for r in requests], 2, 16, 4)
+    for until_a_row_ends, counts in ((True, [3, 3]), (False, [3, 17])):
+        state = prefill(sampler.model, sampler._params, ids, lens, *sampling, max_steps=48)
+        state = decode(sampler.model, sampler._params, state, chunk=16,
+                       until_a_row_ends=until_a_row_ends)
+        assert state.count.tolist() == counts and state.done.tolist() == [True, False]
 
 
 @pytest.mark.slow  # test_server.py shows it over HTTP too
