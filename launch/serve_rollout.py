@@ -35,7 +35,7 @@ flags.DEFINE_integer("kv_tokens", 0, "KV slots the whole pool may hold (rows x "
                      "0 = --max_batch rows.")
 flags.DEFINE_integer("decode_chunk", 16, "Most tokens decoded between two looks by the "
                      "scheduler (rows join, aborts and weight updates land, at chunk ends); a "
-                     "chunk also ends at the step any row ends.")
+                     "chunk also ends at the step a row ends, once a quarter of it has run.")
 flags.DEFINE_integer("prefix_cache_tokens", 65536, "Tokens of K/V kept for prompts that "
                      "extend an earlier request's prompt + output (multi-turn); 0 = off.")
 flags.DEFINE_float("stall_timeout_s", 300.0, "/health fails once one device call has run "

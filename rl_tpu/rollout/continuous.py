@@ -13,9 +13,9 @@ with many clients wants the opposite, and `ContinuousBatcher` does it:
   every pool row over every slot, so one short request runs in a small pool;
 - between decode chunks the scheduler thread prefills waiting rows into free pool rows (with
   prefix reuse when the sampler has a prefix cache) and scatters them in; every row then
-  decodes from its own output index (`decoding.decode`); a chunk ends at the step any row
-  ends, so that row leaves at once, its slot is free for the next, and its request is
-  answered as soon as its last row ends;
+  decodes from its own output index (`decoding.decode`); a chunk ends at the step a row
+  ends (after a quarter of `decode_chunk` at least), so that row leaves then, its slot is
+  free for the next, and its request is answered as soon as its last row ends;
 - aborts (a request id, everything, a client gone: `Ticket.cancel`), pause / resume and weight
   updates (`JaxSampler.update_weights`, picked up at the next chunk, recorded per row as
   SGLang's weight_versions spans) act between chunks, as in the batch path.
@@ -318,10 +318,12 @@ class ContinuousBatcher:
         self.sampler._note_program("decode", self._rows(), self._width(), self._width(),
                                    self.stop_width)
         self._busy_since = time.monotonic()
-        # the chunk ends with the first row that ends: its reply goes out and its pool row
-        # takes the next request now, not up to decode_chunk - 1 steps later
+        # the chunk ends with the first row that ends after a quarter of it: that reply goes
+        # out and its pool row takes the next request then, not at the chunk's end; the
+        # quarter keeps a full pool, where some row ends nearly every step, from paying the
+        # host's look after every step
         self._pool = decode(self.sampler.model, params, self._pool, chunk=self.decode_chunk,
-                            until_a_row_ends=True)
+                            min_chunk=max(1, self.decode_chunk // 4))
         self._collect(force_aborted=False)
 
     def _end_aborted_running(self) -> None:

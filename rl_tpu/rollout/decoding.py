@@ -264,10 +264,11 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def decode(model: Transformer, params, state: DecodeState, chunk, until_a_row_ends=False
+def decode(model: Transformer, params, state: DecodeState, chunk, min_chunk=None
            ) -> DecodeState:
-    """Up to `chunk` more tokens per live row; returns early once every row is done, or, with
-    `until_a_row_ends`, once any row has ended (both traced: one program serves every value).
+    """Up to `chunk` more tokens per live row; returns early once every row is done, and, with
+    `min_chunk`, once a row has ended after at least min_chunk steps (both traced: one program
+    serves every value).
 
     Each row advances from its own output index, `count` (its token at index count - 1 sits
     at position prompt_len + count - 1): rows admitted at different times decode side by side
@@ -278,10 +279,12 @@ def decode(model: Transformer, params, state: DecodeState, chunk, until_a_row_en
     capacity = state.tokens.shape[1]
     rows = jnp.arange(state.tokens.shape[0])
 
+    min_chunk = chunk if min_chunk is None else min_chunk
+
     def cond(carry):
         i, st = carry
         ended = jnp.any(st.done & ~state.done)  # a row that was live when the chunk began
-        return (i < chunk) & ~jnp.all(st.done) & ~(until_a_row_ends & ended)
+        return (i < chunk) & ~jnp.all(st.done) & ~((i >= min_chunk) & ended)
 
     def body(carry):
         i, st = carry

@@ -56,16 +56,15 @@ def test_rows_joining_a_running_pool_sample_what_the_batch_path_samples(batcher)
     assert batcher.load()["running_rows"] == 0 and batcher._pool is None  # dropped when idle
 
 
-def test_a_chunk_ends_with_the_first_row_that_ends(batcher):
-    """The batcher's decode chunks stop at the step a row ends (its reply goes out and its
-    pool row is free at once); the batch path's run on to the chunk's end."""
+def test_a_chunk_ends_with_the_first_row_that_ends_after_min_chunk(batcher):
+    """The batcher's decode chunks stop at the first step >= min_chunk where a row has ended
+    (its reply goes out, its pool row is free); the batch path's run to the chunk's end."""
     sampler = batcher.sampler
-    requests = [request([5, 6, 7], 3), request([8, 9], 40)]
+    requests = [request([5, 6, 7], 3), request([8, 9], 40)]  # row 0 ends after 2 steps
     ids, lens, sampling = sampler.row_arrays([(r, 0) for r in requests], 2, 16, 4)
-    for until_a_row_ends, counts in ((True, [3, 3]), (False, [3, 17])):
+    for min_chunk, counts in ((1, [3, 3]), (2, [3, 3]), (5, [3, 6]), (None, [3, 17])):
         state = prefill(sampler.model, sampler._params, ids, lens, *sampling, max_steps=48)
-        state = decode(sampler.model, sampler._params, state, chunk=16,
-                       until_a_row_ends=until_a_row_ends)
+        state = decode(sampler.model, sampler._params, state, chunk=16, min_chunk=min_chunk)
         assert state.count.tolist() == counts and state.done.tolist() == [True, False]
 
 
