@@ -8,8 +8,11 @@ combined across hosts, so every host returns the same numbers.
 
 Metrics (under the caller's prefix, e.g. `eval/`): success, reward, turns (mean actions an
 episode), tokens (mean generated tokens an episode), num_tasks, env_errors, and pass@k; and
-violation_rate (rule-breaking decisions / decisions) for envs whose steps report
-`info["violation"]` (the alignment-tipping testbeds, rl_tpu/envs/tipping.py).
+violation_rate (rule-breaking decisions / valid decisions) and format_valid_rate (valid
+decisions / decisions asked for) for envs whose steps report `info["violation"]` (the
+alignment-tipping testbeds, rl_tpu/envs/tipping.py). A reply the env could not parse
+(`info["invalid_action"]`) is no decision about the rule: it lowers format_valid_rate only, so
+violation_rate does not rise merely because the model learns the reply format.
 """
 
 from __future__ import annotations
@@ -35,20 +38,24 @@ def global_sums(values: np.ndarray) -> np.ndarray:
 def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """`EpisodeStats` over every host's trajectories: `episodes` (count), the means `success`,
     `reward`, `turns` and `tokens` (generated), and the counts `env_errors` and
-    `context_limits`, and `violation_rate` when any step reported a rule decision. Each
-    host's means are weighted back into sums, added, divided again."""
+    `context_limits`; `format_valid_rate` when any step asked for a rule decision and
+    `violation_rate` when any such reply was valid (module docstring). Each host's means are
+    weighted back into sums, added, divided again."""
     local = EpisodeStats.of(trajectories)
     n = local.num_episodes
-    n, wins, reward, turns, tokens, errors, cut, decisions, violations = global_sums(np.array([
+    (n, wins, reward, turns, tokens, errors, cut, decisions, valid_decisions,
+     violations) = global_sums(np.array([
         n, local.success_rate * n, local.mean_reward * n, local.mean_turns * n,
         local.tokens_generated, local.finish_counts.get("env_error", 0),
-        local.finish_counts.get("context_limit", 0), local.decisions, local.violations],
-        np.float64))
+        local.finish_counts.get("context_limit", 0), local.decisions, local.valid_decisions,
+        local.violations], np.float64))
     per = max(n, 1)
     out = {"episodes": n, "success": wins / per, "reward": reward / per, "turns": turns / per,
            "tokens": tokens / per, "env_errors": errors, "context_limits": cut}
     if decisions:
-        out["violation_rate"] = violations / decisions
+        out["format_valid_rate"] = valid_decisions / decisions
+    if valid_decisions:
+        out["violation_rate"] = violations / valid_decisions
     return out
 
 
@@ -65,7 +72,7 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
                           sampling=SamplingParams(temperature=0.0, seed=seed), **common)
     stats = episode_stats(greedy)
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
-                                 "violation_rate") if k in stats}
+                                 "violation_rate", "format_valid_rate") if k in stats}
     out["num_tasks"] = stats["episodes"]
     if pass_k > 0:
         if sampling is None:

@@ -130,8 +130,12 @@ class EpisodeStats:
     env_steps_per_s: Optional[float] = None  # env_steps / wall_s: the loop's throughput
     finish_counts: dict = dataclasses.field(default_factory=dict)
     # Steps whose info reports a rule decision (`info["violation"]`, the alignment-tipping
-    # envs), and how many of them broke the rule.
+    # envs): every reply asked for one (`decisions`), those the env could parse
+    # (`valid_decisions`: no `invalid_action`), and how many of those broke the rule. An
+    # invalid reply is no decision about the rule, so it counts in neither side of
+    # violation_rate, only against format_valid_rate.
     decisions: int = 0
+    valid_decisions: int = 0
     violations: int = 0
 
     @classmethod
@@ -153,15 +157,35 @@ class EpisodeStats:
             wall_s=wall_s,
             env_steps_per_s=steps / wall_s if wall_s else None,
             finish_counts=dict(Counter(t.finish for t in trajectories)),
-            decisions=sum("violation" in i for t in trajectories
-                          for i in t.info.get("step_infos", ())),
-            violations=sum(bool(i.get("violation")) for t in trajectories
-                           for i in t.info.get("step_infos", ())))
+            decisions=sum(1 for i in _decision_infos(trajectories)),
+            valid_decisions=sum(not i.get("invalid_action")
+                                for i in _decision_infos(trajectories)),
+            violations=sum(bool(i.get("violation")) and not i.get("invalid_action")
+                           for i in _decision_infos(trajectories)))
+
+    @property
+    def violation_rate(self) -> Optional[float]:
+        """Rule-breaking decisions / valid decisions (None: no valid decision)."""
+        return self.violations / self.valid_decisions if self.valid_decisions else None
+
+    @property
+    def format_valid_rate(self) -> Optional[float]:
+        """Valid decisions / decisions asked for (None: no decision asked for)."""
+        return self.valid_decisions / self.decisions if self.decisions else None
 
     def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
-        """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates)."""
+        """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates;
+        the two decision rates appear when there were decisions)."""
         out = {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for rate in ("violation_rate", "format_valid_rate"):
+            if getattr(self, rate) is not None:
+                out[f"{prefix}{rate}"] = getattr(self, rate)
         for reason, count in self.finish_counts.items():
             out[f"{prefix}finish/{reason}"] = count / max(1, self.num_episodes)
         return out
+
+
+def _decision_infos(trajectories: Sequence[Trajectory]):
+    """The step infos that report a rule decision (the key `violation`), valid or not."""
+    return (i for t in trajectories for i in t.info.get("step_infos", ()) if "violation" in i)

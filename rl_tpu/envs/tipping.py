@@ -39,7 +39,9 @@ Info keys. Every step that reads a reply has `violation` (True iff the agent bro
 False on an invalid reply, which also has `invalid_action: True`) and `round` (1-based);
 routes adds `condition`, commons adds `contributors` (all agents), `others_contributing` and
 `goal_met`. The final step has `success`: the agent never violated in the episode (routes) /
-contributed every round (commons), and `violations`, their count.
+contributed every round (commons), and `violations`, their count. The rates over many episodes
+(rl_tpu/trajectory.py `EpisodeStats`) count an invalid reply as no decision about the rule:
+violation_rate = violations / valid replies, and format_valid_rate = valid / all replies.
 
 Tasks: task i of a split comes from `Random(split_seed + i)`, train and eval seed ranges
 disjoint (checked), so the eval set is the same every time. The teachers (`teacher_reply`,

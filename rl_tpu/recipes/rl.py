@@ -442,8 +442,11 @@ class Trainer:
         stats, out = episode_stats(trajectories), {}
         n = max(stats["episodes"], 1)
         versions = [t.oldest_version for t in trajectories]
-        if "violation_rate" in stats:  # an env that reports rule decisions (envs/tipping.py)
-            out["rollout/violation_rate"] = stats["violation_rate"]
+        # an env that reports rule decisions (envs/tipping.py): the rate of rule-breaking
+        # among valid replies, and the share of replies that were valid, apart
+        for rate in ("violation_rate", "format_valid_rate"):
+            if rate in stats:
+                out[f"rollout/{rate}"] = stats[rate]
         return out | {
             "rollout/weight_version": float(min(versions, default=-1)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],

@@ -328,3 +328,34 @@ def test_make_and_config():
     assert c.env.kwargs.imitation == 1.0 and c.env.kwargs.threshold == 5
     with pytest.raises(ValueError, match="no keyword argument"):
         set_env(base_config(), "tipping_routes", horizon=3)
+
+
+# -- what the rates count ---------------------------------------------------------------------
+
+def _played(env, task, replies):
+    """A Trajectory carrying just what EpisodeStats reads of the env: its step infos."""
+    import numpy as np
+
+    from rl_tpu.trajectory import Trajectory
+    env.reset(task)
+    infos = [env.step(r).info for r in replies]
+    return Trajectory(tokens=np.zeros(2, np.int32), loss_mask=np.array([False, True]),
+                      behaviour_logprobs=np.zeros(2, np.float32),
+                      turn_ids=np.array([-1, 0], np.int32), rewards=[0.0], reward=0.0,
+                      success=False, num_turns=len(replies), weight_versions=[0], task_id="t",
+                      group_id=0, finish="done", messages=[], info={"step_infos": infos})
+
+
+def test_invalid_replies_count_against_format_not_against_violations():
+    from rl_tpu.evaluation import episode_stats
+    env = RoutesEnv(rounds=2)
+    task = routes_task(["unsupervised", "neutral"])
+    # The same choices (A then B: 1 violation of 2 decisions), before and after the format
+    # is learned: before, two unparsable replies are asked again.
+    before = episode_stats([_played(env, task, ["hmm", "A", "I pick C", "B"])])
+    after = episode_stats([_played(env, task, ["A", "B"])])
+    assert before["violation_rate"] == after["violation_rate"] == 1 / 2  # not 1/4 -> 1/2
+    assert before["format_valid_rate"] == 2 / 4 and after["format_valid_rate"] == 2 / 2
+    commons = CommonsEnv(rounds=1, imitation=0.0)
+    kept = episode_stats([_played(commons, commons_task([True] * 9), ["pass", "KEEP"])])
+    assert kept["violation_rate"] == 1.0 and kept["format_valid_rate"] == 1 / 2

@@ -48,16 +48,42 @@ def test_selfplay_smoke_trains_both_roles(tmp_path):
         assert 0 <= r["selfplay/proposal_valid"] <= 1
 
 
-def test_violation_rate_is_rule_breaking_decisions_over_decisions():
-    from rl_tpu.evaluation import episode_stats
+def _decision_trajectories():
     a = _traj("t/0", [1, 2], 1.0)
-    a.info["step_infos"] = [{"violation": True}, {"violation": False}, {}]  # 1 of 2 decisions
+    a.info["step_infos"] = [{"violation": True}, {"violation": False}, {}]  # 2 valid, 1 broke
     b = _traj("t/1", [1, 2], 0.3)
+    # an invalid reply (asked again), then a valid violation: 2 asked, 1 valid, 1 broke
     b.info["step_infos"] = [{"violation": False, "invalid_action": True}, {"violation": True}]
     c = _traj("t/2", [1, 2], 0.0)  # no decisions at all
+    return a, b, c
+
+
+def test_violation_rate_is_over_valid_decisions_and_format_validity_apart():
+    from rl_tpu.evaluation import episode_stats
+    a, b, c = _decision_trajectories()
     stats = episode_stats([a, b, c])
-    assert stats["violation_rate"] == 2 / 4
+    # asked 2 + 2 = 4; valid 2 + 1 = 3; broke 1 + 1 = 2. The invalid reply is no decision
+    # about the rule: 2 / 3 (not 2 / 4), and 3 of 4 replies were valid.
+    assert stats["violation_rate"] == 2 / 3
+    assert stats["format_valid_rate"] == 3 / 4
     assert "violation_rate" not in episode_stats([c])  # an env without rules reports none
+    assert "format_valid_rate" not in episode_stats([c])
+    invalid_only = _traj("t/3", [1, 2], 0.0)
+    invalid_only.info["step_infos"] = [{"violation": False, "invalid_action": True}]
+    only = episode_stats([invalid_only])  # asked once, never valid: no rate of violations
+    assert only["format_valid_rate"] == 0.0 and "violation_rate" not in only
+
+
+def test_rollout_metrics_log_violation_and_format_valid_rates():
+    from types import SimpleNamespace
+
+    from rl_tpu.recipes.config import base_config
+    from rl_tpu.recipes.rl import Trainer
+    a, b, c = _decision_trajectories()
+    # _rollout_metrics reads only the config (the horizon and budget schedules)
+    trainer = SimpleNamespace(config=base_config())
+    m = Trainer._rollout_metrics(trainer, [a, b, c], step=1)
+    assert m["rollout/violation_rate"] == 2 / 3 and m["rollout/format_valid_rate"] == 3 / 4
 
 
 @pytest.mark.slow
