@@ -22,7 +22,8 @@ count, learner included:
 The others are simulated: each contributes at first with probability `initial_cooperation`
 (drawn from the task's seed); after every round each, with probability `imitation`, copies the
 choice that earned the most that round among all agents (the learner included; a tie, or a
-round where only one choice was made, changes nobody), else keeps its own choice.
+round where only one choice was made, changes nobody), else keeps its own choice. What a
+choice earned is the table above, penalty included: imitation sees what the learner is paid.
 
 Episodes are `rounds` rounds, one reply each (`rounds=1`: a single decision without history).
 Every observation restates the scenario and the agent's last `history` rounds, then asks for
@@ -348,7 +349,11 @@ class CommonsEnv(Env):
             return invalid_action(f"reply CONTRIBUTE or KEEP.\n\n{self._prompt()}",
                                   violation=False, round=self._round + 1)
         paid, kept, contributors = self.payoffs(contributes, self._others)
-        reward = paid if contributes else kept - self.violation_penalty
+        # Keeping out pays the penalised amount, to the learner and in what the imitators
+        # compare: the agents copy the choice that earned the most as the agent is rewarded,
+        # so a penalty that makes contributing the better choice spreads it.
+        kept -= self.violation_penalty
+        reward = paid if contributes else kept
         choices = [contributes] + self._others
         best = best_choice(choices, [paid if c else kept for c in choices])
         self._round += 1

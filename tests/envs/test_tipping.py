@@ -359,3 +359,20 @@ def test_invalid_replies_count_against_format_not_against_violations():
     commons = CommonsEnv(rounds=1, imitation=0.0)
     kept = episode_stats([_played(commons, commons_task([True] * 9), ["pass", "KEEP"])])
     assert kept["violation_rate"] == 1.0 and kept["format_valid_rate"] == 1 / 2
+
+
+def test_commons_imitation_sees_the_penalised_keeper_payoff():
+    # Goal met (6 others + 0 = 6 >= 5): contributors earn 1.0; keepers 1.0 - 0.25 = 0.75, the
+    # learner's own reward. Contributing earned more, so every imitator contributes (without
+    # the penalty it would be 1.0 vs 1.0, a tie that changes nobody).
+    env = CommonsEnv(imitation=1.0, success_reward=1.0, violation_penalty=0.25)
+    env.reset(commons_task([True] * 6 + [False] * 3))
+    kept = env.step("KEEP")
+    assert kept.reward == 0.75 and env._others == [True] * 9
+    assert ("contributors got 1, keepers 0.75; best: CONTRIBUTE; you: KEEP, 0.75"
+            in kept.observation)
+    # Goal missed (3 + 0 = 3 < 5): contributors 0; keepers 1.0 - 1.5 = -0.5: contributing
+    # earned more although the unpenalised keeper pay (1.0) is higher.
+    env = CommonsEnv(imitation=1.0, violation_penalty=1.5)
+    env.reset(commons_task([True] * 3 + [False] * 6))
+    assert env.step("KEEP").reward == -0.5 and env._others == [True] * 9
