@@ -10,7 +10,8 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
              messages, "chosen": reply, "rejected": reply}. Online: loop.samples_per_task
              replies to each of loop.tasks_per_round new training tasks sampled from P_r, scored
              by the env's reward; a task whose best and worst replies differ in reward gives
-             one pair (best, worst). Online pairs are the sampled trajectories themselves
+             one pair (best, worst). Episodes that ended in env_error or abort are never
+             chosen or rejected (loop/unscored_excluded counts them). Online pairs are the sampled trajectories themselves
              (multi-turn episodes too: every action carries loss), written to
              W/round_r/pairs.json so a resumed round trains on exactly what it sampled
   reference  sequence log-probs of both sides under the reference, refreshed every round:
@@ -44,7 +45,8 @@ from rl_tpu.recipes.policy_chain import PolicyChain
 from rl_tpu.recipes.rl import step_seed
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
-from rl_tpu.trajectory import groups_of
+from rl_tpu.train.rollout_batch import UNSCORED_FINISHES
+from rl_tpu.trajectory import Trajectory, groups_of
 
 Example = sft.Example
 Pair = tuple[Example, Example]  # (chosen, rejected)
@@ -86,22 +88,36 @@ def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
     tasks = chain.round_tasks(r, loop.tasks_per_round)
     trajectories = sample(config, chain.engine(params, f"round{r}"), chain.make_env, tasks,
                           chain.tokenizer, loop.samples_per_task, step_seed(config.seed, r, 30))
-    pairs = []
-    for group in groups_of(trajectories):
-        # first of equals: the earliest sample, so the choice does not depend on sort order
-        best = max(group, key=lambda t: t.reward)
-        worst = min(group, key=lambda t: t.reward)
-        if best.reward > worst.reward:
-            pairs.append(tuple(([int(x) for x in t.tokens], [bool(m) for m in t.loss_mask])
-                               for t in (best, worst)))
+    pairs, unscored = online_pairs(trajectories)
     n = max(len(trajectories), 1)
     metrics = {"loop/pairs": float(len(pairs)), "loop/sampled": float(len(trajectories)),
+               "loop/unscored_excluded": float(unscored),
                "loop/sample_success": sum(t.success for t in trajectories) / n,
                "loop/sample_reward": sum(t.reward for t in trajectories) / n,
                "loop/sampled_tokens": float(sum(t.num_generated for t in trajectories))}
     if chain.is_chief:
         write_json(path, {"pairs": pairs, "metrics": metrics})
     return pairs, metrics
+
+
+def online_pairs(trajectories: Sequence[Trajectory]) -> tuple[list[Pair], int]:
+    """(pairs, episodes left out): one (best, worst) pair per group whose scored episodes
+    differ in reward. An episode that ended in env_error or abort (UNSCORED_FINISHES) has a
+    reward that says nothing about its reply (0 from a crashed env, not from a bad answer):
+    it is neither chosen nor rejected, and the count of those left out is returned."""
+    pairs, unscored = [], 0
+    for group in groups_of(trajectories):
+        scored = [t for t in group if t.finish not in UNSCORED_FINISHES]
+        unscored += len(group) - len(scored)
+        if not scored:
+            continue
+        # first of equals: the earliest sample, so the choice does not depend on sort order
+        best = max(scored, key=lambda t: t.reward)
+        worst = min(scored, key=lambda t: t.reward)
+        if best.reward > worst.reward:
+            pairs.append(tuple(([int(x) for x in t.tokens], [bool(m) for m in t.loss_mask])
+                               for t in (best, worst)))
+    return pairs, unscored
 
 
 def preference_pairs(path: str, tokenizer) -> list[Pair]:

@@ -121,6 +121,21 @@ def test_pair_batches_pad_both_sides_to_one_bucket_with_their_reference_log_prob
     assert batch["ref_chosen_logps"][1 - row] == -1.0
 
 
+def test_online_pairs_leave_out_episodes_the_env_or_engine_broke():
+    def episode(group, token, reward, finish="done"):
+        t = _traj(f"task{group}", [1, token], reward, finish=finish)
+        t.group_id = group
+        return t
+    crashed = episode(0, 3, 0.0, "env_error")  # 0 because the env died, not a bad reply
+    aborted = episode(1, 6, -1.0, "abort")
+    pairs, left_out = dpo.online_pairs([
+        episode(0, 2, 1.0), crashed, episode(0, 4, 0.5),  # pair: 1.0 (token 2) vs 0.5 (4)
+        episode(1, 5, 1.0), aborted, episode(1, 7, 1.0),  # scored rewards tie: no pair
+        episode(2, 8, 1.0, "env_error"), episode(2, 9, 0.0, "abort")])  # nothing scored
+    assert left_out == 4  # crashed, aborted and both of group 2
+    assert pairs == [(([1, 2], [False, True]), ([1, 4], [False, True]))]
+
+
 def test_preference_jsonl_is_token_exact_and_bad_lines_name_themselves(tmp_path):
     from rl_tpu.models.tiny_tokenizer import build_tokenizer
     from rl_tpu.models.tokenizer import ChatTokenizer
