@@ -5,10 +5,21 @@ trajectories) and everything that consumes them (rl_tpu/train/, the replay buffe
 recipes): it imports nothing of either, so `train/` never depends on the agent loop.
 
 Versions. `weight_versions` holds the engine's version per turn (the last one that sampled in
-that turn); `token_versions` holds it per token, -1 where the policy did not sample. A turn
-whose generation spanned a weight update (the sampler swaps weights between decode chunks, a
-partial rollout is resumed under newer weights) has tokens of several versions, and each
-token's `behaviour_logprobs` entry is the log-prob under the weights that sampled it.
+that turn); `token_versions` holds each token's effective version, -1 where the policy did not
+sample: the OLDEST version whose weights produced any of the K/V the token attended to.
+
+- A weight update can land between two decode chunks of one generation (the embedded sampler
+  and its continuous batcher pick new weights up at the next chunk; SGLang's pause / update /
+  continue does the same). Tokens sampled after it attend to the prompt's and the earlier
+  tokens' K/V, which the older weights computed: they keep the version the generation's K/V
+  started with (the running minimum over the engine's spans), not the one that sampled them.
+  Staleness, `rollout/dropped_stale` and the trainer's `rollout.mask_stale_tokens` read this
+  version, so such tokens count as old as they are. (Their `behaviour_logprobs` entry is what
+  the engine computed: the new weights over old K/V, neither version's exact log-prob.)
+- A new generation (the next turn, or a partial rollout resumed under newer weights)
+  re-prefills its whole history under the weights it starts with, so its tokens carry that
+  version. (An engine that reuses cached K/V of older weights across an update, e.g.
+  `rollout.prefix_cache_keep_on_update`, is inexact by choice; its reuse is not tracked here.)
 """
 
 from __future__ import annotations
@@ -32,15 +43,25 @@ def version_number(version: Any) -> int:
 
 def token_versions(n_tokens: int, version: Any, spans: Optional[Sequence[dict]] = None
                    ) -> list[int]:
-    """Per-token versions of one generation of `n_tokens` ids: from the engine's spans
-    ([{"version", "start", "end"}], output indices, as the sampler and SGLang report in
-    `info["weight_versions"]`) when given, else `version` for every id."""
+    """Effective per-token versions of one generation of `n_tokens` ids (module doc), from the
+    engine's spans ([{"version", "start", "end"}], output indices, as the sampler and SGLang
+    report in `info["weight_versions"]`: which weights SAMPLED each id) when given, else
+    `version` for every id.
+
+    A span's ids attended to K/V computed by every earlier span's weights too (the prompt's by
+    the first span's), so each id gets the oldest version of its span and every span before
+    it: after a mid-generation swap from 3 to 5, the ids sampled by 5 count as 3. A span whose
+    version is not a number (-1) marks its ids unknown and does not lower later ones."""
     out = [version_number(version)] * n_tokens
-    for span in spans or ():
-        if not isinstance(span, dict):
-            continue
+    oldest = None  # the oldest numbered version among the spans so far
+    for span in sorted((s for s in spans or () if isinstance(s, dict)),
+                       key=lambda s: int(s.get("start", 0))):
         start, end = int(span.get("start", 0)), min(int(span.get("end", n_tokens)), n_tokens)
-        out[start:end] = [version_number(span.get("version"))] * max(end - start, 0)
+        number = version_number(span.get("version"))
+        if number != NO_VERSION:
+            oldest = number if oldest is None else min(oldest, number)
+        effective = NO_VERSION if number == NO_VERSION else oldest
+        out[start:end] = [effective] * max(end - start, 0)
     return out
 
 

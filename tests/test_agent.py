@@ -573,3 +573,45 @@ def test_play_episodes_hands_on_each_group_when_it_ends(tok):
         assert all(env.closed for env in factory.by_task(group[0].task_id))
     assert seen == [(["t0", "t0"], [11, 11], 1), (["t1", "t1"], [12, 12], 2),
                     (["t2", "t2"], [10, 10], 3)]
+
+
+# --- versions of tokens sampled across a weight update --------------------------------------
+
+
+class SwapMidTurnEngine(ScriptedEngine):
+    """Reports what the sampler reports when new weights land between decode chunks: turn 0's
+    generation starts under version 3 and gets version 5 after its first 2 ids; turn 1 (a new
+    generation, its prompt prefilled afresh) runs under version 5 alone."""
+
+    def generate(self, requests):
+        out = super().generate(requests)
+        for res in out:
+            n = len(res.output_ids)
+            if res.weight_version == "v0":
+                res.weight_version = "5"
+                res.info = {"weight_versions": [{"version": "3", "start": 0, "end": 2},
+                                                {"version": "5", "start": 2, "end": n}]}
+            else:
+                res.weight_version = "5"
+                res.info = {"weight_versions": [{"version": "5", "start": 0, "end": n}]}
+        return out
+
+
+def test_tokens_after_a_mid_generation_swap_keep_the_generations_first_version(tok):
+    # Ids 2.. of turn 0 were sampled by version 5 but attended to K/V that version 3 computed
+    # (the prompt's and ids 0..1's), so they count as version 3: staleness, the trainer's
+    # stale-token mask and the producer's drops see them as that old. Turn 1 is a new
+    # generation whose K/V version 5 computed whole: version 5.
+    engine, factory = SwapMidTurnEngine(tok, script_policy({"a": ["guess 3", "guess 7"]})), \
+        EnvFactory()
+    (traj,) = agent.run_episodes(engine, factory, [Task("a", {"target": 7})], tokenizer=tok,
+                                 max_turns=4, max_new_tokens_per_turn=32,
+                                 max_context_tokens=1024)
+    assert traj.num_turns == 2
+    turn0 = traj.loss_mask & (traj.turn_ids == 0)
+    turn1 = traj.loss_mask & (traj.turn_ids == 1)
+    assert turn0.sum() > 2 and turn1.sum() > 0
+    assert set(traj.token_versions[turn0].tolist()) == {3}
+    assert set(traj.token_versions[turn1].tolist()) == {5}
+    assert (traj.token_versions[~traj.loss_mask] == -1).all()
+    assert traj.oldest_version == 3

@@ -56,6 +56,9 @@ class JaxSampler(RolloutEngine):
 
     A weight update lands between decode chunks: samples in flight continue on the new weights
     and report both versions (`info['weight_versions']` spans, as SGLang's `retract` does).
+    The spans say which weights sampled each id; the ids after the swap still attend to K/V
+    the old weights computed, so a trajectory counts them as the old version
+    (`trajectory.token_versions`).
     `abort` ends samples between chunks, returning what they generated so far (finish
     'abort'), the basis of partial rollouts; `pause`/`resume` hold decoding between chunks.
 

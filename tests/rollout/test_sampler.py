@@ -209,6 +209,37 @@ def test_weight_update_mid_sample_and_abort_between_chunks(setup):
     assert partial.output_ids == full.output_ids[:len(partial.output_ids)]
 
 
+def test_ids_sampled_after_a_mid_sample_swap_count_as_the_first_version(setup):
+    """The sampler's spans say which weights sampled each id (3, then 4 from the swap on);
+    the trajectory's per-token version is the one the sample's K/V started with: 3 for every
+    id (its prompt and first ids were computed by version 3, and every later id attends to
+    them), so the trainer's stale-token mask and staleness see them as that old."""
+    from rl_tpu.trajectory import token_versions
+    _, params_b = hf.load(str(setup["root"] / "b"))
+    sampler = JaxSampler(setup["cfg"], setup["params"], decode_chunk=4, version="3")
+    swapped = {}
+    real_decode = decode
+
+    def decode_then_swap(*args, **kwargs):
+        out = real_decode(*args, **kwargs)
+        if not swapped:  # new weights land after the first chunk, as a publisher's would
+            swapped["at"] = int(out.step)
+            sampler.update_weights(params_b, "4")
+        return out
+
+    import rl_tpu.rollout.sampler as sampler_module
+    sampler_module.decode = decode_then_swap
+    try:
+        res = sampler.generate([GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=12,
+                                                                           **GREEDY))])[0]
+    finally:
+        sampler_module.decode = real_decode
+    assert [s["version"] for s in res.info["weight_versions"]] == ["3", "4"]
+    assert 0 < swapped["at"] < 12 and res.weight_version == "4"
+    assert token_versions(len(res.output_ids), res.weight_version,
+                          res.info["weight_versions"]) == [3] * 12
+
+
 def test_scanned_layers_sample_the_same(setup):
     """The stacked [L, ...] cache of scanned layers decodes exactly as per-layer caches do."""
     cfg, params = hf.load(str(setup["root"] / "a"), scan_layers=True)
