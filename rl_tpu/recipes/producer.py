@@ -162,7 +162,8 @@ class AsyncProducer:
                 metrics = self._ready_metrics.pop(step, {})
             dropped = 0
         else:
-            chosen, dropped, metrics = [], 0, {}
+            chosen, dropped = [], 0
+            taken = []  # (metrics, groups) of each chunk this step took from the queue
             while len(chosen) < self.groups_per_step:
                 while not self._leftover:  # a partial-rollout chunk may complete no group
                     self._wait_for(lambda: bool(self._ready), step)

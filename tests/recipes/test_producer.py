@@ -248,3 +248,40 @@ def test_a_failed_weight_load_reaches_the_learner():
                 p.publish({"w": step}, step)
     finally:
         p.close()
+
+
+def test_a_step_built_from_several_chunks_logs_all_their_metrics():
+    """4 groups a step from chunks of 3: step 1 takes chunk 1 whole and one group of chunk 2,
+    so its metrics are both chunks': DAPO's select_groups (all groups informative in chunk 1,
+    one of three in chunk 2, whose other two are fillers) gives means weighted by each
+    chunk's groups, (3 x 1 + 3 x 1/3) / 6 = 2/3 informative and (3 x 0 + 3 x 2/3) / 6 = 1/3
+    fillers, and played tokens summed, 2 x (3 groups x 2 samples x 3 ids) = 36."""
+    from types import SimpleNamespace
+
+    from rl_tpu.recipes.algorithms import select_groups
+    engine = Engine()
+    play = make_play(engine)
+
+    def play_equal_rewards_in_chunk_2(tasks, chunk, round_index):
+        out = play(tasks, chunk, round_index)
+        for traj in out:
+            if chunk == 2 and traj.group_id != tasks[0][0]:  # equal rewards: uninformative
+                traj.reward = 0.0
+        return out
+
+    algo = SimpleNamespace(dynamic_sampling=True, max_refill_rounds=0)
+    p = AsyncProducer(play_equal_rewards_in_chunk_2,
+                      lambda played, more, any_host: select_groups(played, PER_STEP, G, algo,
+                                                                   more, any_host),
+                      Stream(), engine, lambda params: params, max_staleness=2,
+                      deterministic=False, groups_per_step=PER_STEP + 1)
+    p.start()
+    try:
+        trajs, metrics = p.next_batch(1)
+    finally:
+        p.close()
+    assert len(groups_of(trajs)) == PER_STEP + 1
+    assert metrics["rollout/informative_group_frac"] == pytest.approx(2 / 3)
+    assert metrics["rollout/filler_group_frac"] == pytest.approx(1 / 3)
+    assert metrics["rollout/played_tokens"] == 36.0
+    assert metrics["rollout/refill_rounds"] == 0.0
