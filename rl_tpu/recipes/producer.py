@@ -172,7 +172,7 @@ class AsyncProducer:
                         self._leftover = groups_of(self._ready.pop(chunk))
                         chunk_metrics = self._ready_metrics.pop(chunk, {})
                         self._cond.notify_all()  # room for the producer (admission)
-                    metrics = metrics or chunk_metrics
+                    taken.append((chunk_metrics, len(self._leftover)))
                 group = self._leftover.pop(0)
                 version = group_version(group)
                 if (not self._keep_stale and version != NO_VERSION
@@ -180,6 +180,22 @@ class AsyncProducer:
                     dropped += 1  # too stale to train on: the bound is a promise
                     continue
                 chosen.append(group)
+            # A step may take several chunks (a chunk holds fewer groups than a step when
+            # groups were dropped or partial rollouts completed few), and each chunk's metrics
+            # are logged once, by the step that takes it: select_groups' counts (played
+            # tokens, refill rounds) add up; its rates and means (informative and filler
+            # group fractions, branch turn) are weighted by each chunk's groups.
+            summed = ("rollout/played_tokens", "rollout/refill_rounds")
+            metrics = {}
+            for key in dict.fromkeys(key for chunk_metrics, _ in taken for key in chunk_metrics):
+                values = [(m[key], groups) for m, groups in taken if key in m]
+                weight = sum(groups for _, groups in values)
+                if key in summed:
+                    metrics[key] = float(sum(value for value, _ in values))
+                elif weight:
+                    metrics[key] = sum(value * groups for value, groups in values) / weight
+                else:  # chunks that completed no group: a plain mean
+                    metrics[key] = sum(value for value, _ in values) / len(values)
         idle = time.time() - waited
         metrics = dict(metrics)
         metrics.update(staleness_metrics(chosen, learner_version))
