@@ -224,8 +224,19 @@ def test_offline_dpo_from_a_jsonl(tmp_path):
                  f"--config.dpo.data_path={pairs}", "--config.loop.rounds=1")
     assert out.returncode == 0, out.stderr[-3000:]
     [start, after] = _rounds(tmp_path / "run")
-    assert after["loop/pairs"] == 4 and after["dpo/reward_accuracy"] >= 0.0
-    assert after["dpo/loss"] < np.log(2) + 1e-6  # from log 2 at the reference, it went down
+    assert after["loop/pairs"] == 4
+    loss, accuracy = after["dpo/loss"], after["dpo/reward_accuracy"]
+    margin = after["dpo/reward_margin"]
+    assert loss < np.log(2) + 1e-6  # from log 2 at the reference, it went down
+    # The last step's 8 pair rows (the smoke's dpo.batch_size): accuracy counts eighths.
+    assert accuracy * 8 == pytest.approx(round(accuracy * 8), abs=1e-5)
+    # A pair of margin m <= 0 costs -log sigmoid(m) >= log 2, one of m > 0 costs > 0, so the
+    # mean loss >= (1 - accuracy) * log 2; a loss below log 2 needs a pair ranked right.
+    assert loss >= (1.0 - accuracy) * np.log(2) - 1e-5 and accuracy >= 1 / 8
+    # -log sigmoid is convex: the mean loss is at least that of the mean margin (Jensen)
+    assert loss >= np.log1p(np.exp(-margin)) - 1e-5
+    assert margin == pytest.approx(after["dpo/chosen_reward"] - after["dpo/rejected_reward"],
+                                   abs=1e-5)
 
 
 SFT_STEPS = 24
