@@ -529,6 +529,17 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
                          "loop.samples_per_task >= 2")
 
 
+def _check_selfplay_without_partial_rollouts(config: ml_collections.ConfigDict) -> None:
+    """Self-play's game (proposals, then their solver groups, then the proposers' rewards) is
+    one step's rollout; partial rollouts pause episodes across steps and play them as plain
+    episodes, so proposers would train on reward 0."""
+    if config.recipe == "selfplay" and config.rollout.partial_token_budget:
+        raise ValueError(f"recipe='selfplay' with rollout.partial_token_budget="
+                         f"{config.rollout.partial_token_budget}: partial rollouts play plain "
+                         "episodes, not the proposer/solver game (proposers would keep reward "
+                         "0); set rollout.partial_token_budget=0")
+
+
 def check(config: ml_collections.ConfigDict) -> None:
     """Cross-key checks that no single field can make; each error names the keys to change."""
     if config.recipe not in RECIPES:
@@ -585,6 +596,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.algo.advantage == "tl_grpo" and r.partial_token_budget:
         raise ValueError("algo.advantage='tl_grpo' plays branching rollouts, which partial "
                          "rollouts cannot pause: set rollout.partial_token_budget=0")
+    _check_selfplay_without_partial_rollouts(config)
     branching.BranchPlan(config.algo.branch_turn, config.algo.branch_sample)  # checks both
     sch = config.schedules
     schedules.check_budget(sch.budget, sch.budget_min, config.env.max_new_tokens,

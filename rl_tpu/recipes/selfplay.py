@@ -16,6 +16,8 @@ an expression of integers joined by + - *, checked and evaluated by the env) or 
             role's reply, and groups never mix roles (`info["role"]` tags the rows). An
             invalid proposal's solver slots are filler rows without loss, so every step's
             batch has the same shape (one compiled update)
+The game is one step's rollout, so partial rollouts (rollout.partial_token_budget, which
+pause episodes across steps and resume them as plain episodes) are refused by the config check.
 The difficulty of what is proposed is logged every step: selfplay/proposal_terms (integers a
 valid problem has), selfplay/proposal_abs_value (the size of its answer),
 selfplay/solver_success (on this step's proposals),

@@ -37,6 +37,22 @@ def test_game_metrics_count_real_rows_by_role():
     assert m["selfplay/proposer_reward"] == 0.5  # (0.5 + 1.0 + 0.0) / 3
 
 
+def test_selfplay_with_partial_rollouts_is_refused_naming_both_keys():
+    from test_rl import config
+
+    from rl_tpu.recipes.config import check
+    c = config("selfplay_arithmetic")
+    c.rollout.max_staleness, c.rollout.deterministic = 1, False  # what partial rollouts need
+    check(c)
+    c.rollout.partial_token_budget = 32  # paused episodes would be played without the game
+    with pytest.raises(ValueError, match=r"recipe='selfplay' with "
+                                         r"rollout\.partial_token_budget=32.*set "
+                                         r"rollout\.partial_token_budget=0"):
+        check(c)
+    c.recipe = "rl"  # plain RL pauses and resumes its episodes as they are
+    check(c)
+
+
 @pytest.mark.slow
 def test_selfplay_smoke_trains_both_roles(tmp_path):
     out = _train("configs/selfplay_arithmetic.py:smoke", tmp_path)
