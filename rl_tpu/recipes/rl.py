@@ -448,7 +448,7 @@ class Trainer:
             if rate in stats:
                 out[f"rollout/{rate}"] = stats[rate]
         return out | {
-            "rollout/weight_version": float(min(versions, default=-1)),
+            "rollout/weight_version": float(min((v for v in versions if v != -1), default=-1)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],
             "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
             "rollout/env_error_frac": stats["env_errors"] / n,

@@ -285,3 +285,27 @@ def test_a_step_built_from_several_chunks_logs_all_their_metrics():
     assert metrics["rollout/filler_group_frac"] == pytest.approx(1 / 3)
     assert metrics["rollout/played_tokens"] == 36.0
     assert metrics["rollout/refill_rounds"] == 0.0
+
+
+def test_rollout_weight_version_ignores_episodes_that_sampled_nothing():
+    """An episode that failed at reset sampled no token (oldest_version -1, NO_VERSION): the
+    step's rollout/weight_version is the oldest version of those that sampled, 3 here, and -1
+    only when none did."""
+    from types import SimpleNamespace
+
+    from rl_tpu.recipes.config import base_config
+    from rl_tpu.recipes.rl import Trainer
+    engine = Engine()
+    engine.version = 3
+    sampled = make_play(engine)([(0, Task("t0"))], 1, 0)
+    failed_at_reset = Trajectory(
+        tokens=np.zeros(0, np.int32), loss_mask=np.zeros(0, bool),
+        behaviour_logprobs=np.zeros(0, np.float32), turn_ids=np.zeros(0, np.int32), rewards=[],
+        reward=0.0, success=False, num_turns=0, weight_versions=[], task_id="t1", group_id=1,
+        finish="env_error", messages=[], info={"error": "reset: env server unreachable"})
+    assert failed_at_reset.oldest_version == -1
+    trainer = SimpleNamespace(config=base_config())
+    metrics = Trainer._rollout_metrics(trainer, sampled + [failed_at_reset], 1)
+    assert metrics["rollout/weight_version"] == 3.0
+    assert Trainer._rollout_metrics(trainer, [failed_at_reset], 1)[
+        "rollout/weight_version"] == -1.0
