@@ -21,8 +21,15 @@ A pytree that never changes during a run (the frozen reference policy of a KL te
 once, as `<directory>/static/<name>/` (`save_static`, `restore_static`), with the same items
 and checksums as a step, rather than into every step. Orbax writes it under a temporary name
 too, so a kill mid-save leaves nothing readable (the next `save_static` of that name clears
-it); neither `keep` nor the superseded-timeline handling touches `static/`. A step saved after a static item always finds it complete: `save`
-first waits for any static save in flight.
+it); neither `keep` nor the superseded-timeline handling touches `static/`. A step saved
+after a static item always finds it complete: `save` first waits for any static save in flight.
+
+Host-side state (a trainer's producer and replay buffer: Python objects of one process, no
+arrays to shard) is saved per process per step in `<directory>/host/` by `save_host_state`,
+in rl_tpu/host_state.py's checksummed format (never a pickle). It is part of its step: once a
+process has saved host state, `restore` treats a step whose host-state file is missing or
+fails its checksum as damaged and falls back to the step before it, like an unreadable array.
+A directory holding host state pickled by an earlier rl_tpu is refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -41,12 +48,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
 
-from rl_tpu import parallel
+from rl_tpu import host_state, parallel
 
 log = logging.getLogger(__name__)
 
 SUPERSEDED_DIR = "superseded"
 STATIC_DIR = "static"
+HOST_DIR = "host"
 _ITEMS = ("state", "meta", "integrity")
 _INTEGRITY_FORMAT = 1
 
@@ -239,6 +247,8 @@ class Checkpointer:
         self._static_writer = None  # made by the first save_static
         self._static_pending: Optional[str] = None  # name of the async static save in flight
         self._restored_step: Optional[int] = None
+        self._host_dir = os.path.join(self.directory, HOST_DIR)
+        self._restored_host_state: Optional[tuple[int, Any]] = None  # (step, its host state)
         self._saved_here: set[int] = set()
         self._tmp_cleaned = False
         self._closed = False
@@ -287,6 +297,33 @@ class Checkpointer:
         log.info("checkpoint step %d: %s in %.2fs", step,
                  "handed to the background writer" if self.async_save else "written",
                  time.perf_counter() - start)
+
+    def host_state_path(self, step: int) -> str:
+        """This process's host-state file of checkpoint `step`."""
+        return host_state.path(self._host_dir, step, jax.process_index())
+
+    def save_host_state(self, step: int, state) -> None:
+        """Write this process's host-side state of checkpoint `step` (rl_tpu/host_state.py's
+        format), before `save(step, ...)`: a step on disk then always has its host state.
+        Host states of earlier steps whose checkpoints are gone (retention, a save that never
+        completed) are deleted; call it after `wait()`, so the step in flight is not one."""
+        self._check_open()
+        host_state.write(self.host_state_path(step), state)
+        host_state.prune(self._host_dir, jax.process_index(), set(self.all_steps()) | {step},
+                         below=int(step))
+
+    def restore_host_state(self, step: int):
+        """This process's host state of checkpoint `step` (the one `restore` verified when it
+        restored that step), or None if this process never saved host state here (an older
+        checkpoint). Host state pickled by an earlier rl_tpu is refused, never unpickled."""
+        self._check_open()
+
+        def read():
+            host_state.refuse_pickles(self._host_dir)
+            if self._restored_host_state is not None and self._restored_host_state[0] == step:
+                return self._restored_host_state[1]
+            return host_state.read_if_saved(self._host_dir, step, jax.process_index())
+        return _on_every_process(read, f"host state of step {step}")
 
     def _set_aside_abandoned(self, step: int) -> None:
         """Move checkpoints of an abandoned timeline to `superseded/`, keeping them."""
@@ -366,9 +403,12 @@ class Checkpointer:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory} to restore "
                                     "(start from scratch, or point to the run's directory)")
         errors = []
+        # Host state is part of a step once this process has saved any (older checkpoints
+        # have none: their producer state is in meta).
+        with_host_state = bool(host_state.saved_steps(self._host_dir, jax.process_index()))
         for candidate in candidates:
             try:
-                state, meta = self._read(candidate, abstract)
+                state, meta = self._read(candidate, abstract, with_host_state)
             except CheckpointTargetMismatchError:
                 raise
             except Exception as err:  # pylint: disable=broad-except
@@ -388,7 +428,7 @@ class Checkpointer:
         raise RuntimeError(f"none of the checkpoints in {self.directory} could be read ({detail})."
                            " Restore from a backup or start from scratch.")
 
-    def _read(self, step: int, abstract):
+    def _read(self, step: int, abstract, with_host_state: bool = False):
         saved = self._manager.item_metadata(step)
         _check_against_metadata(abstract, saved["state"].tree,
                                 f"checkpoint step {step} in {self.directory}")
@@ -402,8 +442,12 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             if verify:
                 _verify(restored["state"], restored["integrity"], f"step {step}")
-            return restored
-        restored = _on_every_process(read, f"step {step}")
+            # a damaged host state damages its step, on every process
+            host = host_state.read_if_saved(self._host_dir, step, jax.process_index()) \
+                if with_host_state else None
+            return restored, host
+        restored, host = _on_every_process(read, f"step {step}")
+        self._restored_host_state = (step, host) if with_host_state else None
         return restored["state"], restored["meta"]
 
     # -- static items: saved once per run ------------------------------------------------------

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl_tpu.checkpoint import (SUPERSEDED_DIR, CheckpointCorruptError, Checkpointer,
                                CheckpointTargetMismatchError, _checksum)
+from rl_tpu.host_state import PickledHostStateError
 from rl_tpu.parallel import make_mesh
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 
@@ -262,6 +263,93 @@ def test_save_after_restoring_an_earlier_step_sets_the_later_ones_aside(tmp_path
     assert resumed.restore(abstract_of(state))[2] == {"step": "2 again"}
     ckpt.close()
     resumed.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host state: part of its step
+# ---------------------------------------------------------------------------------------------
+
+def host_of(step):
+    return {"producer": {"stream": {"step": step}, "chunks": {step + 1: []}}, "replay": []}
+
+
+def save_with_host_state(directory, state, steps=(1, 2)):
+    """Steps as the RL trainer saves them: host state first, then the sharded state."""
+    ckpt = Checkpointer(str(directory), async_save=False)
+    for step in steps:
+        ckpt.save_host_state(step, host_of(step))
+        ckpt.save(step, state, {"step": step})
+    ckpt.close()
+
+
+def test_host_state_round_trips_beside_its_step(tmp_path, mesh):
+    state = make_state(mesh)
+    save_with_host_state(tmp_path / "ckpt", state)
+    assert sorted(os.listdir(tmp_path / "ckpt" / "host")) == [
+        "1.process0.hoststate", "2.process0.hoststate"]
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.restore(abstract_of(state))[0] == 2
+        assert ckpt.restore_host_state(2) == host_of(2)
+        assert ckpt.host_state_path(2) == str(tmp_path / "ckpt" / "host" / "2.process0.hoststate")
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "missing"])
+def test_damaged_host_state_of_the_latest_step_resumes_from_the_one_before(
+        tmp_path, mesh, caplog, damage):
+    state = make_state(mesh)
+    save_with_host_state(tmp_path / "ckpt", state)
+    path = tmp_path / "ckpt" / "host" / "2.process0.hoststate"
+    if damage == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0x40
+        path.write_bytes(bytes(data))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+        step, _, meta = ckpt.restore(abstract_of(state))
+    assert (step, meta) == (1, {"step": 1})
+    assert ckpt.restore_host_state(1) == host_of(1)
+    warned = [r.getMessage() for r in caplog.records if "checkpoint step 2" in r.getMessage()]
+    assert warned and str(path) in warned[0], warned
+    assert ("fails its sha256 checksum" if damage == "flipped_byte" else "is missing") \
+        in warned[0]
+    # the run goes on from step 1: its next save sets the damaged step 2 aside
+    ckpt.save_host_state(2, host_of(2))
+    ckpt.save(2, state, {"step": "2 again"})
+    assert ckpt.restore(abstract_of(state))[2] == {"step": "2 again"}
+    assert ckpt.restore_host_state(2) == host_of(2)
+    ckpt.close()
+
+
+class _WouldRunCode:
+    """Unpickling this creates `marker`: the proof that nothing unpickled the file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_host_state_pickled_by_an_earlier_version_is_refused_unread(tmp_path, mesh):
+    import pickle
+    state = make_state(mesh)
+    old = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    old.save(1, state, {"step": 1})  # as rl_tpu before the data format: a .pkl beside it
+    old.close()
+    marker = tmp_path / "unpickled"
+    (tmp_path / "ckpt" / "host").mkdir()
+    (tmp_path / "ckpt" / "host" / "1.process0.pkl").write_bytes(
+        pickle.dumps({"producer": _WouldRunCode(str(marker))}))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    assert ckpt.restore(abstract_of(state))[0] == 1  # the arrays alone are fine (an eval job)
+    with pytest.raises(PickledHostStateError, match=r"1\.process0\.pkl.*never unpickles a "
+                       r"workdir file\. Start a new --workdir, or finish this run with the "
+                       r"rl_tpu version that wrote it"):
+        ckpt.restore_host_state(1)
+    assert not marker.exists()
+    ckpt.close()
 
 
 CRASH_SCRIPT = textwrap.dedent("""

@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import sys
 import time
 from typing import Any
@@ -495,27 +494,18 @@ class Trainer:
                 REFERENCE, self.learner.reference_params)
 
     def _host_state_path(self, step: int) -> str:
-        return os.path.join(self.workdir, "checkpoints", "host",
-                            f"{step}.process{jax.process_index()}.pkl")
+        return self.ckpt.host_state_path(step)
 
     def _write_host_state(self, step: int, state: dict) -> None:
-        path = self._host_state_path(step)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(state, f)
-        os.replace(path + ".tmp", path)  # atomic: a kill leaves the old file or the new one
-        kept = set(self.ckpt.all_steps()) | {step}
-        for name in os.listdir(os.path.dirname(path)):
-            number = name.split(".")[0]
-            if number.isdigit() and int(number) not in kept and int(number) < step:
-                os.remove(os.path.join(os.path.dirname(path), name))
+        """This host's producer and replay state of step `step`, beside its checkpoint, in
+        rl_tpu/host_state.py's checksummed data format (no pickle)."""
+        self.ckpt.save_host_state(step, state)
 
     def _read_host_state(self, step: int):
-        path = self._host_state_path(step)
-        if not os.path.exists(path):
-            return None  # a checkpoint from before host state existed: the stream is in meta
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        """The host state of the restored step (a damaged one made `ckpt.restore` fall back to
+        an earlier step); None for a checkpoint from before host state existed (the stream is
+        then in its meta). A workdir whose host state an earlier rl_tpu pickled is refused."""
+        return self.ckpt.restore_host_state(step)
 
 
 # ----------------------------------------------------------------------------- shapes
