@@ -14,6 +14,11 @@ proximal log-probs with the current params, so the ratio and the staleness corre
 how far the data has drifted (docs/architecture.md, the three policies). Its group id is its
 original stream position, so its advantages are computed within the group as when it was
 fresh (the same rewards, hence the same advantages for group-relative estimators).
+
+Only what carries loss is stored: a group's rows flagged NO_LOSS (DAPO's equal-reward fillers,
+self-play's filler rows) are left out, and a group with no scored row left (all fillers, or
+every episode ended in env_error / abort) is not stored at all, so replayed rows are never
+rows the update ignores.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import math
 
 import numpy as np
 
+from rl_tpu.train.rollout_batch import NO_LOSS, UNSCORED_FINISHES
 from rl_tpu.trajectory import Trajectory, group_version
 
 
@@ -65,7 +71,7 @@ class ReplayBuffer:
         ages = [learner_version - group_version(g) for g in replayed]
         metrics = {"replay/groups": float(take), "replay/buffer_groups": float(len(self._groups)),
                    "replay/staleness_mean": float(np.mean(ages)) if ages else 0.0}
-        self._groups.extend(fresh)
+        self._groups.extend(_stored(fresh))
         if len(self._groups) > self.cfg.capacity:
             del self._groups[:len(self._groups) - self.cfg.capacity]
         return list(fresh) + replayed, metrics
@@ -78,4 +84,15 @@ class ReplayBuffer:
         return list(self._groups)
 
     def load_state(self, groups: list[list[Trajectory]]) -> None:
-        self._groups = list(groups)
+        self._groups = _stored(groups)  # a checkpoint from before fillers were left out too
+
+
+def _stored(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """What of `groups` replay keeps: each group's rows that are not NO_LOSS fillers, for the
+    groups where one of those is scored (the others would take batch rows without loss)."""
+    kept = []
+    for group in groups:
+        rows = [t for t in group if not t.info.get(NO_LOSS)]
+        if any(t.finish not in UNSCORED_FINISHES for t in rows):
+            kept.append(rows)
+    return kept
