@@ -90,6 +90,15 @@ def test_violation_rate_is_over_valid_decisions_and_format_validity_apart():
     assert only["format_valid_rate"] == 0.0 and "violation_rate" not in only
 
 
+def test_episode_stats_count_decisions_asked_valid_and_broken():
+    from rl_tpu.trajectory import EpisodeStats
+    stats = EpisodeStats.of(list(_decision_trajectories()))
+    assert (stats.decisions, stats.valid_decisions, stats.violations) == (4, 3, 2)
+    d = stats.as_dict()
+    assert d["rollout/violation_rate"] == 2 / 3 and d["rollout/format_valid_rate"] == 3 / 4
+    assert "rollout/violation_rate" not in EpisodeStats.of([_traj("t", [1, 2], 0.0)]).as_dict()
+
+
 def test_rollout_metrics_log_violation_and_format_valid_rates():
     from types import SimpleNamespace
 
