@@ -17,6 +17,8 @@ import sys
 
 from absl import app, flags, logging
 
+from rl_tpu.preemption import Preempted
+
 DEBUG_ENV = "RL_TPU_DEBUG"
 CACHE_ENV = "RL_TPU_COMPILATION_CACHE"  # "0": no persistent compilation cache
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rl_tpu", "jax_compilation_cache")
@@ -41,7 +43,11 @@ def run(main, prepare=None) -> None:
 
     def start_and_main(argv):
         start(argv)
-        return main(argv)
+        try:
+            return main(argv)
+        except Preempted as e:  # checkpointed: where it stopped, and how to go on
+            print(e, file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
 
     app.run(lambda argv: one_line_errors(RUN_ERRORS, start_and_main, argv),
             flags_parser=lambda argv: one_line_errors(START_ERRORS, parse, argv))

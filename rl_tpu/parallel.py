@@ -10,9 +10,11 @@ only the mesh config changes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import os
+import threading
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -230,6 +232,29 @@ def maybe_initialize_distributed() -> bool:
     return True
 
 
+class OffMainThreadCollectiveError(RuntimeError):
+    """A cross-host helper was called off the main thread of a multi-process job."""
+
+
+def require_main_thread(helper: str) -> None:
+    """Raises when `helper`, a cross-host collective, runs off the main thread of a
+    multi-process job (nothing on one process, where no collective is involved).
+
+    Every host must issue its collectives in the same order. A thread (an async producer, a
+    weight publisher) runs at its own pace on each host, so a collective there can pair with
+    a different one on another host (wrong data, or a deadlock); the main thread's order is
+    the program's order, the same on every host.
+    """
+    if jax.process_count() > 1 and threading.current_thread() is not threading.main_thread():
+        raise OffMainThreadCollectiveError(
+            f"parallel.{helper} is a cross-host collective and was called on thread "
+            f"{threading.current_thread().name!r}, not the main thread, in a job of "
+            f"{jax.process_count()} processes; hosts would issue their collectives in "
+            "different orders. Call it on the main thread and hand the thread its result "
+            "(e.g. the learner makes the engine's host-local copy, the producer only "
+            "receives it).")
+
+
 def batch_spec(ndim: int) -> P:
     """Batch arrays are split on the leading dim over all data-parallel axes."""
     return P(("data", "fsdp"), *([None] * (ndim - 1)))
@@ -239,8 +264,11 @@ def host_to_global(batch, mesh: Mesh):
     """Host-local numpy batch (this host's rows) -> global jax arrays sharded on the batch axes.
 
     On one host this is a device_put; on N hosts each contributes its rows and the global
-    leading dim is N times the local one.
+    leading dim is N times the local one, so every host must give as many rows. Main thread
+    only with several processes: the arrays it makes feed the pod-wide programs.
     """
+    require_main_thread("host_to_global")
+
     def one(x):
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(x.ndim)), x)
@@ -257,6 +285,7 @@ def gather_to_host(tree):
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(x)
+        require_main_thread("gather_to_host")
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.tree.map(one, tree)
@@ -283,11 +312,22 @@ def host_copies(tree):
     the first dim it divides, else replicated): XLA's all-gather across hosts, device to
     device. Each host then wraps its own shards as an
     array on a mesh of its local devices (`make_array_from_single_device_arrays`, no copy).
-    A collective: every process calls it with the same tree at the same point.
+    The view is over the devices the tree lives on (an asynchronous learner's mesh leaves
+    each host's sampler devices out), each host holding as many of them.
+    A collective: every process calls it with the same tree at the same point, on the main
+    thread.
     """
     if jax.process_count() == 1:
         return tree
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    require_main_thread("host_copies")
+    devices = sorted({d for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set},
+                     key=lambda d: (d.process_index, d.id))
+    per_host = {}
+    for d in devices:
+        per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
+    if len(per_host) != jax.process_count() or len(set(per_host.values())) != 1:
+        raise ValueError(f"host_copies needs a tree spread over every process alike; its "
+                         f"devices per process are {dict(sorted(per_host.items()))}")
     grid = np.array(devices, dtype=object).reshape(jax.process_count(), -1)
     pod = Mesh(grid, ("hosts", "local"))
     local = Mesh(grid[jax.process_index()], ("local",))
@@ -324,13 +364,15 @@ def host_copies(tree):
 
 def across_hosts(value, reduce: str = "gather"):
     """`value` (a numpy-able scalar or array) combined over every process, the same result on
-    each: "gather" -> [processes, ...], "sum", "max", "any", "all". One process: no
+    each: "gather" -> [processes, ...], "sum", "max", "min", "any", "all". One process: no
     communication, `value` itself reduced over a leading axis of one."""
     reducers = {"gather": lambda g: g, "sum": lambda g: g.sum(axis=0),
-                "max": lambda g: g.max(axis=0), "any": lambda g: bool(np.any(g)),
+                "max": lambda g: g.max(axis=0), "min": lambda g: g.min(axis=0),
+                "any": lambda g: bool(np.any(g)),
                 "all": lambda g: bool(np.all(g))}
     if reduce not in reducers:
         raise ValueError(f"reduce={reduce!r}; choose one of {sorted(reducers)}")
+    require_main_thread("across_hosts")
     value = np.asarray(value)
     if reduce in ("any", "all"):
         value = value.astype(np.int32)
@@ -343,8 +385,36 @@ def across_hosts(value, reduce: str = "gather"):
     return reducers[reduce](gathered)
 
 
+def across_hosts_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data` (any length), in process order, on every process: how per-host
+    lists (a loop's samples, its preference pairs) are gathered explicitly. One process: [data]."""
+    if jax.process_count() == 1:
+        return [bytes(data)]
+    sizes = [int(n) for n in across_hosts(len(data), "gather")]
+    padded = np.zeros(max(sizes), np.uint8)
+    padded[:len(data)] = np.frombuffer(data, np.uint8)
+    gathered = across_hosts(padded, "gather")
+    return [gathered[i, :n].tobytes() for i, n in enumerate(sizes)]
+
+
+def check_same_on_every_host(what: str, data: bytes) -> None:
+    """Raises, on every host, when the hosts' `data` differ: for what a recipe assumes every
+    host holds alike (each then takes its own slice of it), compared by a hash of it."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+    digests = across_hosts(digest, "gather")
+    differ = [i for i in range(len(digests)) if not np.array_equal(digests[i], digests[0])]
+    if differ:
+        raise ValueError(
+            f"{what} differ between hosts (processes {differ} hold other {what} than process "
+            "0), but every host must hold the same and take its own share: is every host "
+            "running the same command, config, code and data files?")
+
+
 def sync_hosts(name: str) -> None:
     """A barrier over every process (nothing with one)."""
+    require_main_thread("sync_hosts")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)

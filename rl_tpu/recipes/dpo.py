@@ -13,7 +13,9 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
              one pair (best, worst). Episodes that ended in env_error or abort are never
              chosen or rejected (loop/unscored_excluded counts them). Online pairs are the sampled trajectories themselves
              (multi-turn episodes too: every action carries loss), written to
-             W/round_r/pairs.json so a resumed round trains on exactly what it sampled
+             W/round_r/pairs.process<i>.json (each host samples its share of the round's
+             tasks; the hosts' pairs are gathered) so a resumed round trains on exactly what
+             it sampled
   reference  sequence log-probs of both sides under the reference, refreshed every round:
              P_r itself (dpo, ipo); for inpo the initial policy P_0 is the reference and P_r,
              which sampled the pairs, the previous iterate (prev_*), with eta = 1 / dpo.beta
@@ -80,23 +82,29 @@ def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
     if config.dpo.data_path:
         pairs = preference_pairs(config.dpo.data_path, chain.tokenizer)
         return pairs, {"loop/pairs": float(len(pairs))}
-    path = os.path.join(chain.round_dir(r), "pairs.json")
-    saved = read_json(path)
-    if saved is not None:
-        return [tuple(tuple(side) for side in p) for p in saved["pairs"]], saved["metrics"]
     loop = config.loop
-    tasks = chain.round_tasks(r, loop.tasks_per_round)
-    trajectories = sample(config, chain.engine(params, f"round{r}"), chain.make_env, tasks,
-                          chain.tokenizer, loop.samples_per_task, step_seed(config.seed, r, 30))
-    pairs, unscored = online_pairs(trajectories)
-    n = max(len(trajectories), 1)
-    metrics = {"loop/pairs": float(len(pairs)), "loop/sampled": float(len(trajectories)),
-               "loop/unscored_excluded": float(unscored),
-               "loop/sample_success": sum(t.success for t in trajectories) / n,
-               "loop/sample_reward": sum(t.reward for t in trajectories) / n,
-               "loop/sampled_tokens": float(sum(t.num_generated for t in trajectories))}
-    if chain.is_chief:
-        write_json(path, {"pairs": pairs, "metrics": metrics})
+    engine = chain.engine(params, f"round{r}")  # on every host: its weight sync is collective
+    path = chain.host_file(r, "pairs")
+    mine = read_json(path)
+    if mine is None:  # this host's share of the round's tasks, saved for a resume
+        offset, tasks = chain.host_tasks(r, loop.tasks_per_round)
+        trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
+                              loop.samples_per_task, step_seed(config.seed, r, 30),
+                              first_position=offset)
+        pairs, unscored = online_pairs(trajectories)
+        mine = {"pairs": pairs, "sampled": len(trajectories), "unscored": unscored,
+                "successes": sum(bool(t.success) for t in trajectories),
+                "reward": float(sum(t.reward for t in trajectories)),
+                "tokens": sum(t.num_generated for t in trajectories)}
+        write_json(path, mine)
+    hosts = chain.gather_records(mine)  # every host's pairs, in host order, on every host
+    pairs = [tuple(tuple(side) for side in p) for h in hosts for p in h["pairs"]]
+    n = sum(h["sampled"] for h in hosts)
+    metrics = {"loop/pairs": float(len(pairs)), "loop/sampled": float(n),
+               "loop/unscored_excluded": float(sum(h["unscored"] for h in hosts)),
+               "loop/sample_success": sum(h["successes"] for h in hosts) / max(n, 1),
+               "loop/sample_reward": sum(h["reward"] for h in hosts) / max(n, 1),
+               "loop/sampled_tokens": float(sum(h["tokens"] for h in hosts))}
     return pairs, metrics
 
 

@@ -136,13 +136,16 @@ def read_json(path: str) -> Optional[dict]:
 
 
 def sample(config: ml_collections.ConfigDict, engine, make_env, tasks: Sequence[Task],
-           tokenizer, samples_per_task: int, seed: int) -> list[Trajectory]:
+           tokenizer, samples_per_task: int, seed: int, first_position: int = 0
+           ) -> list[Trajectory]:
     """`samples_per_task` episodes of each task from `engine` at the rollout temperature (the
-    env's horizon and generation budget), task-major."""
+    env's horizon and generation budget), task-major. `first_position`: the first task's
+    position in the round's list (its group id, which keys its sampling seeds: a host playing
+    a share of the round samples what one host playing all of it would)."""
     env = config.env
     return run_episodes(engine, make_env, list(tasks), tokenizer=tokenizer,
                         max_turns=env.max_turns, max_new_tokens_per_turn=env.max_new_tokens,
                         max_context_tokens=env.max_context_tokens,
                         sampling=components.sampling_params(config, seed),
                         samples_per_task=samples_per_task, step_timeout_s=env.step_timeout_s,
-                        reward_reduce=env.reward_reduce)
+                        reward_reduce=env.reward_reduce, group_id_offset=first_position)

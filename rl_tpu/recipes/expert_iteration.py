@@ -12,13 +12,13 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
             ids) at loop.sft_lr, checkpointed (a killed round resumes mid-fine-tune)
   P_{r+1}   written to W/round_r/policy_hf, evaluated on the held-out tasks, logged at step r+1
 One round of this with loop.rounds = 1 is plain rejection-sampling fine-tuning. The samples
-of a round are written to W/round_r/samples.json before the fine-tune, so a resumed round
-trains on exactly what it sampled. Layout and resume: recipes/policy_chain.py.
+of a round are written to W/round_r/samples.process<i>.json before the fine-tune (each host
+samples its share of the round's tasks; the hosts' samples are then gathered, so every host
+fine-tunes on the same set), so a resumed round trains on exactly what it sampled. Layout and resume: recipes/policy_chain.py.
 """
 
 from __future__ import annotations
 
-import os
 
 import ml_collections
 
@@ -44,17 +44,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
 
 def sample_round(chain: PolicyChain, r: int, params) -> ExpertSet:
-    """Round r's samples from `params`, kept in W/round_r/samples.json (read back on resume)."""
-    path = os.path.join(chain.round_dir(r), "samples.json")
-    saved = read_json(path)
-    if saved is not None:
-        return ExpertSet.from_state(saved)
+    """Round r's samples from `params`, over every host: each host samples its share of the
+    round's tasks into W/round_r/samples.process<i>.json (read back on resume), then the
+    hosts' sets are gathered, so every host holds the same ExpertSet."""
     config, loop = chain.config, chain.config.loop
-    tasks = chain.round_tasks(r, loop.tasks_per_round)
-    trajectories = sample(config, chain.engine(params, f"round{r}"), chain.make_env, tasks,
-                          chain.tokenizer, loop.samples_per_task, step_seed(config.seed, r, 20))
+    engine = chain.engine(params, f"round{r}")  # on every host: its weight sync is collective
+    path = chain.host_file(r, "samples")
+    mine = read_json(path)
+    if mine is None:
+        offset, tasks = chain.host_tasks(r, loop.tasks_per_round)
+        trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
+                              loop.samples_per_task, step_seed(config.seed, r, 20),
+                              first_position=offset)
+        found = ExpertSet(loop.reward_threshold)
+        found.add(trajectories)
+        mine = found.state()
+        write_json(path, mine)
     expert = ExpertSet(loop.reward_threshold)
-    expert.add(trajectories)
-    if chain.is_chief:
-        write_json(path, expert.state())
+    for state in chain.gather_records(mine):
+        expert.merge(ExpertSet.from_state(state))
     return expert

@@ -16,6 +16,7 @@ are skipped (their policy loaded from disk), an unfinished one resumes its own c
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -63,6 +64,9 @@ class PolicyChain:
         self.rounds_done = 0
         while os.path.exists(self.done_path(self.rounds_done)):
             self.rounds_done += 1
+        # the rounds every host sees done (one that saw the chief's newest record late
+        # would otherwise start a round behind the others)
+        self.rounds_done = int(parallel.across_hosts(self.rounds_done, "min"))
         self.writer = metrics_lib.MetricsWriter(
             workdir, resume_step=self.rounds_done + 1 if self.rounds_done else None,
             tensorboard=config.log.tensorboard, enabled=self.is_chief)
@@ -113,10 +117,16 @@ class PolicyChain:
                 config, params, self.model, self.mesh, self.tokenizer, self.make_env,
                 _NoWriter(), checkpoint_dir=os.path.join(self.workdir, "start", "checkpoints"))
         record.update(self.evaluate(params, "start"))
-        hf.save(self.policy_path(0), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        self._save_policy(0, params)
         self.writer.write(0, record | {"time/loop_s": time.time() - self.started})
         if self.is_chief:
             print(f"P_0: eval success {record['eval/success']:.3f}", flush=True)
+
+    def _save_policy(self, r: int, params) -> None:
+        """P_r's HF dir, written by process 0 into the workdir every host shares (as orbax's
+        checkpoints need); every host waits for it, so none reads it half-written."""
+        hf.save(self.policy_path(r), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        parallel.sync_hosts(f"policy_{r}")
 
     def finish_round(self, r: int, params, record: dict) -> dict:
         """Writes P_{r+1}, evaluates it, logs the round at step r+1, marks it done.
@@ -126,7 +136,7 @@ class PolicyChain:
         out["loop/total_sampled_tokens"] = (before.get("loop/total_sampled_tokens", 0.0)
                                             + record.get("loop/sampled_tokens", 0.0))
         out["time/loop_s"] = time.time() - self.started
-        hf.save(self.policy_path(r + 1), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        self._save_policy(r + 1, params)
         self.writer.write(r + 1, out)
         if self.is_chief:
             write_json(self.done_path(r), out)
@@ -162,6 +172,28 @@ class PolicyChain:
                             seed=self.config.seed, process_index=0, process_count=1)
         stream.set_state(dict(stream.get_state(), step=r))
         return [t for _, t in stream.next()]
+
+    def host_tasks(self, r: int, num: int) -> tuple[int, list]:
+        """(offset, tasks): this host's share of round r's `num` tasks, a contiguous run from
+        position `offset` of the round's list (every host plays its own, with per-task seeds
+        keyed by position, so the split does not change what is sampled)."""
+        tasks = self.round_tasks(r, num)
+        parallel.check_same_on_every_host(
+            f"round {r}'s tasks", json.dumps([t.task_id for t in tasks]).encode())
+        index, count = jax.process_index(), jax.process_count()
+        start, end = index * len(tasks) // count, (index + 1) * len(tasks) // count
+        return start, tasks[start:end]
+
+    def gather_records(self, record) -> list:
+        """Every host's JSON-able `record` (its samples, its pairs), in host order, on every
+        host: per-host lists are gathered explicitly (a collective)."""
+        return [json.loads(b) for b in
+                parallel.across_hosts_bytes(json.dumps(record).encode())]
+
+    def host_file(self, r: int, name: str) -> str:
+        """W/round_r/<name>.process<i>.json: what this host sampled in round r, its own to
+        write and to read back on resume (hosts sample different tasks)."""
+        return os.path.join(self.round_dir(r), f"{name}.process{jax.process_index()}.json")
 
     def fine_tune(self, r: int, params, examples, name: str = "rft") -> tuple:
         """loop.sft_steps steps of `params` on `examples`, checkpointed in W/round_r/<name>."""

@@ -210,7 +210,8 @@ class AsyncProducer:
         Deterministic, a copy waits for the chunk that is to use them. The learner's time here
         is the trainer's `time/sync_s`."""
         if self.deterministic:
-            held = jax.tree.map(jnp.copy, params)  # the learner donates `params` next step
+            # the engine's host-local copy, made here: the producer thread only receives it
+            held = self._engine_copy(params)
             with self._cond:
                 self._held[version] = held
                 self._published = version
@@ -222,13 +223,21 @@ class AsyncProducer:
                 self._published = version
                 self._cond.notify_all()
             return
-        copy = self._to_engine(params)  # on this thread: host_copies' reshard is collective
+        copy = self._engine_copy(params)
         with self._cond:
             while self._to_publish is not None and self._error is None:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed(f"publishing version {version}")
             self._to_publish = (copy, version)
             self._cond.notify_all()
+
+    def _engine_copy(self, params):
+        """The engine's own copy of `params`, made on the learner's (main) thread:
+        `to_engine` (host_copies) is a cross-host collective, and the learner donates `params`
+        to its next step, so whatever a thread later loads must be a copy of its own (one
+        process: host_copies hands back the arrays themselves)."""
+        copies = self._to_engine(params)
+        return jax.tree.map(lambda c, p: jnp.copy(c) if c is p else c, copies, params)
 
     def _publish_loop(self) -> None:
         """Loads each handed-over version into the engine, in order (no version is skipped,
@@ -345,7 +354,8 @@ class AsyncProducer:
                         tasks = self._stream.next()
                     self._in_flight = list(tasks) + list(self._partial_pending)
                 if self.deterministic and params is not None:
-                    self._engine.update_weights(self._to_engine(params), str(needed))
+                    # host-local copies the learner made (publish): no collective here
+                    self._engine.update_weights(params, str(needed))
                 played = self._play(tasks, chunk, 0)
                 # no collectives here: refill rounds are decided by this host alone
                 chosen, metrics = self._select(

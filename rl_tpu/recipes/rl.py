@@ -51,6 +51,7 @@ from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats
 from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
+from rl_tpu.preemption import PreemptionGuard
 from rl_tpu.recipes import algorithms, components, resume, sft
 from rl_tpu.recipes.config import check
 from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer
@@ -82,12 +83,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
         return finished
     trainer = (trainer_class or Trainer)(config, workdir)
     try:
-        trainer.start_producer()
-        for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
-                                         "RL steps", enabled=trainer.is_chief):
-            _, record = trainer.train_step(step)      # rollout, batch, score, update, sync
-            trainer.end_step(step, record)            # eval (when due), log, checkpoint
-        trainer.finish()
+        with PreemptionGuard() as guard:  # SIGTERM / SIGINT: stop after the step, saved
+            trainer.start_producer()
+            for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
+                                             "RL steps", enabled=trainer.is_chief):
+                _, record = trainer.train_step(step)      # rollout, batch, score, update, sync
+                trainer.end_step(step, record)            # eval (when due), log, checkpoint
+                if step < config.train.steps and guard.should_stop():
+                    trainer.stop_early(step)
+                    raise guard.preempted(step, workdir)
+            trainer.finish()
     finally:
         trainer.close()
     return {k: v for k, v in trainer.last_eval.items() if k.startswith("eval/")}
@@ -188,6 +193,7 @@ class Trainer:
 
         # --- restore ------------------------------------------------------------------
         self.start, host_state = 0, None
+        self.saved_step: int | None = None  # the newest step this run saved
         if resume_step is not None:
             # The step restored may be older than the latest (a damaged checkpoint is
             # skipped): the metrics file keeps exactly the lines before it.
@@ -208,12 +214,14 @@ class Trainer:
                                              self.tokenizer, workdir, version=str(self.start),
                                              devices=sampler_devices)
         # Asynchronous, the producer's engine lags the learner: eval samples from the
-        # learner's own params, with an engine on the learner's devices.
+        # learner's own params, with an engine on this host's learner devices (each host
+        # plays its own eval tasks, as a sampler does: no program spans hosts).
         self.eval_engine = self.engine
         if self.asynchronous and config.rollout.engine == "jax":
+            here = [d for d in learner_devices if d.process_index == jax.process_index()]
             self.eval_engine = components.make_engine(
                 config, self.model_cfg, self.learner.policy.params, self.tokenizer, workdir,
-                version=str(self.start), devices=learner_devices)
+                version=str(self.start), devices=here)
         self.producer = self._make_producer()
         if host_state is not None:
             self.producer.load_state(host_state["producer"], self.start)
@@ -271,10 +279,12 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """The trajectories step `step` trains on (fresh, then replayed) and rollout metrics."""
         trajectories, metrics = self.producer.next_batch(step)
-        metrics = dict(metrics, **self._rollout_metrics(trajectories, step),
+        metrics = dict(over_hosts(metrics), **self._rollout_metrics(trajectories, step),
                        **self._prefill_metrics())
         if self.replay.cfg.capacity:
-            groups, replay_metrics = self.replay.mix(groups_of(trajectories), step - 1, step)
+            groups, replay_metrics = self.replay.mix(
+                groups_of(trajectories), step - 1, step,
+                lambda n: int(parallel.across_hosts(n, "min")))
             trajectories = [t for g in groups for t in g]
             metrics.update(replay_metrics)
         return trajectories, metrics
@@ -318,7 +328,8 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.time()
         if self.eval_engine is not self.engine:
-            self.eval_engine.update_weights(self.learner.policy.params, str(step))
+            self.eval_engine.update_weights(parallel.host_copies(self.learner.policy.params),
+                                            str(step))
         result = components.evaluate_policy(self.config, self.eval_engine, self.make_env,
                                             self.eval_list, self.tokenizer,
                                             step_seed(self.config.seed, step, 1))
@@ -341,6 +352,14 @@ class Trainer:
         if not self.asynchronous:
             meta["stream"] = state["producer"]["stream"]
         self.ckpt.save(step, self._checkpoint_state(), meta)
+        self.saved_step = step
+
+    def stop_early(self, step: int) -> None:
+        """Pre-empted after step `step`: its checkpoint written (unless it just was) and on
+        disk before the process goes."""
+        if self.saved_step != step:
+            self.save(step)
+        self.ckpt.wait()
 
     def finish(self) -> None:
         """After the last step: checkpoints written, the final policy exported, curves drawn."""
@@ -533,6 +552,35 @@ def _last_eval(workdir: str, step: int) -> dict[str, float]:
     evals = [r for r in metrics_lib.read_metrics(path)
              if "eval/success" in r and r["step"] <= step]
     return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
+
+
+# How a producer's per-host rollout metrics combine over hosts (`over_hosts`); any other
+# key is a mean of the hosts' values (each host trains as many groups, so an unweighted mean
+# is the mean over the global batch).
+_HOST_SUMS = ("rollout/played_tokens", "rollout/dropped_stale")
+_HOST_MAXES = ("rollout/staleness_max", "rollout/refill_rounds")
+_HOST_MEANS = ("rollout/staleness_mean", "rollout/informative_group_frac",
+               "rollout/filler_group_frac", "rollout/branch_turn")
+
+
+def over_hosts(metrics: dict) -> dict:
+    """The producer's metrics (each host's, made where no collective may run) over every host,
+    as one host playing every task would report them. Keys outside the tables above, and the
+    time/ keys (each host's own clock), stay this host's."""
+    if jax.process_count() == 1:
+        return metrics
+    keys = _HOST_SUMS + _HOST_MAXES + _HOST_MEANS  # the same order on every host
+    local = np.array([[k in metrics, float(metrics.get(k, 0.0))] for k in keys], np.float64)
+    gathered = parallel.across_hosts(local, "gather")  # [hosts, keys, (present, value)]
+    out = dict(metrics)
+    for i, key in enumerate(keys):
+        present = gathered[:, i, 0] > 0
+        if not present.any():
+            continue
+        values = gathered[present, i, 1]
+        out[key] = float(values.sum() if key in _HOST_SUMS else
+                         values.max() if key in _HOST_MAXES else values.mean())
+    return out
 
 
 def _agreed_length(trajectories, buckets) -> int:

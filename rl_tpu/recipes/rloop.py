@@ -9,8 +9,9 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
             curves), on the task stream's next train.steps chunks (rounds see new tasks, as
             one long RL run would)
   collect   after every RL step, that step's trajectories with reward >= loop.reward_threshold,
-            each distinct one once (recipes/experience.py), written to
-            W/round_r/experience/step_K.json before the step's checkpoint
+            each distinct one once (recipes/experience.py): each host writes its own share to
+            W/round_r/experience/step_K.process<i>.json before the step's checkpoint, and the
+            hosts' shares are gathered, so every host holds the whole set
   consolidate  fine-tune P_r (loop.rft_from = "start": RLoop) or the RL run's final policy
             ("end": RL and SFT alternating with a period of train.steps) for loop.sft_steps
             steps on the collected set, hardest tasks first under loop.max_per_task /
@@ -28,6 +29,7 @@ from __future__ import annotations
 import glob
 import os
 
+import jax
 import ml_collections
 
 from rl_tpu.recipes.experience import ExpertSet, read_json, write_json
@@ -77,17 +79,21 @@ def explore(chain: PolicyChain, r: int) -> tuple[ExpertSet, object, dict]:
         if trainer.start == 0:  # this round's tasks follow the previous rounds'
             stream = trainer.stream
             stream.set_state(dict(stream.get_state(), step=r * config.train.steps))
+        # this host's experience of the steps the RL run resumes after (later steps are
+        # played again), then every host's: each holds the same set
+        mine = ExpertSet(config.loop.reward_threshold)
         for path in _experience_files(chain, r):
-            if _step_of(path) <= trainer.start:  # later steps are played again
-                expert.merge(ExpertSet.from_state(read_json(path)))
+            if _step_of(path) <= trainer.start:
+                mine.merge(ExpertSet.from_state(read_json(path)))
+        _merge_every_host(chain, expert, mine)
         trainer.start_producer()
         for step in range(trainer.start + 1, config.train.steps + 1):
             trajectories, record = trainer.train_step(step)
             found = ExpertSet(config.loop.reward_threshold)
-            found.add(trajectories)
-            if trainer.is_chief:  # before the step's checkpoint: a resume finds it
-                write_json(_experience_path(chain, r, step), found.state())
-            expert.merge(found)
+            found.add(trajectories)  # this host's share of the step's tasks
+            # every host its own file, before the step's checkpoint: a resume finds it
+            write_json(_experience_path(chain, r, step), found.state())
+            _merge_every_host(chain, expert, found)
             trainer.end_step(step, record)
         trainer.finish()
         end = trainer.learner.policy.params
@@ -98,13 +104,22 @@ def explore(chain: PolicyChain, r: int) -> tuple[ExpertSet, object, dict]:
     return expert, end, rl_eval
 
 
+def _merge_every_host(chain: PolicyChain, expert: ExpertSet, found: ExpertSet) -> None:
+    """Adds every host's `found` (gathered, in host order) to `expert`."""
+    for state in chain.gather_records(found.state()):
+        expert.merge(ExpertSet.from_state(state))
+
+
 def _experience_path(chain: PolicyChain, r: int, step: int) -> str:
-    return os.path.join(chain.round_dir(r), "experience", f"step_{step:06d}.json")
+    return os.path.join(chain.round_dir(r), "experience",
+                        f"step_{step:06d}.process{jax.process_index()}.json")
 
 
 def _experience_files(chain: PolicyChain, r: int) -> list[str]:
-    return sorted(glob.glob(os.path.join(chain.round_dir(r), "experience", "step_*.json")))
+    """This host's experience files of round r."""
+    return sorted(glob.glob(os.path.join(chain.round_dir(r), "experience",
+                                         f"step_*.process{jax.process_index()}.json")))
 
 
 def _step_of(path: str) -> int:
-    return int(os.path.basename(path)[len("step_"):-len(".json")])
+    return int(os.path.basename(path)[len("step_"):].split(".")[0])

@@ -81,11 +81,15 @@ def teacher_examples(make_env: Callable[[], Env], tasks: Sequence[Task],
 
 def teacher_success(make_env: Callable[[], Env], tasks: Sequence[Task], skill: float,
                     seed: int, max_turns: int = 1) -> float:
-    """The teacher's own success rate on `tasks`, episodes of up to `max_turns` turns."""
-    env, rng = _teacher_env(make_env), random.Random(seed)
-    wins = sum(teacher_episode(env, task, rng, skill, max_turns)[1] for task in tasks)
+    """The teacher's own success rate on `tasks` (this host's share: the rate is over every
+    host's), episodes of up to `max_turns` turns. Each task's draws are seeded by the task
+    itself, so the rate does not depend on how the tasks are split between hosts."""
+    env = _teacher_env(make_env)
+    wins = sum(teacher_episode(env, task, random.Random(f"{seed}/{task.task_id}"), skill,
+                               max_turns)[1] for task in tasks)
     env.close()
-    return wins / max(len(tasks), 1)
+    wins, count = parallel.across_hosts(np.array([wins, len(tasks)], np.float64), "sum")
+    return float(wins / max(count, 1))
 
 
 def chat_examples(path: str, tokenizer: ChatTokenizer) -> list[Example]:
@@ -156,6 +160,9 @@ class ExampleBatches:
                  seed: int, host: tuple[int, int] = (0, 1), group_by_length: int = 0):
         if not examples:
             raise ValueError("no examples to make SFT batches of")
+        # each host takes its slice of the same global list: a host with another list would
+        # train on rows no one chose (or skip some), silently
+        parallel.check_same_on_every_host("SFT examples", repr(list(examples)).encode())
         self.examples, self.batch_size, self.buckets = examples, batch_size, tuple(buckets)
         self.host, self.group_by_length = host, group_by_length
         self._rng = np.random.RandomState(seed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -58,13 +59,19 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def mix(self, fresh: list[list[Trajectory]], learner_version: int, step: int
+    def mix(self, fresh: list[list[Trajectory]], learner_version: int, step: int,
+            fewest_on_any_host: Callable[[int], int] = lambda n: n
             ) -> tuple[list[list[Trajectory]], dict[str, float]]:
         """`fresh` groups plus replayed ones drawn from the buffer as it was before this
-        step; then `fresh` joins the buffer. Returns the groups and replay metrics."""
+        step; then `fresh` joins the buffer. Returns the groups and replay metrics.
+
+        `fewest_on_any_host(n)`: the smallest n over every host (a collective; identity on
+        one host). Each host evicts its own groups by their own versions, and in free-running
+        mode those differ between hosts, so buffers can hold different counts; every host
+        replays the count the emptiest one can, so each gives the global batch as many rows."""
         self._evict(learner_version)
         want = math.ceil(self.cfg.fraction / (1.0 - self.cfg.fraction) * len(fresh))
-        take = min(want, len(self._groups))
+        take = int(fewest_on_any_host(min(want, len(self._groups))))
         rng = np.random.default_rng([self.cfg.seed, step])
         picks = sorted(rng.choice(len(self._groups), size=take, replace=False)) if take else []
         replayed = [self._groups[i] for i in picks]

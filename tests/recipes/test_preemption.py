@@ -1,0 +1,139 @@
+"""Pre-emption: SIGTERM or SIGINT ends a run after the step in progress, with a checkpoint of
+that step, on one process and on two; the rerun resumes there and repeats the uninterrupted
+run number for number. A second signal exits at once."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from multihost import start_job, wait_job
+from rl_tpu.metrics import read_metrics
+from rl_tpu.preemption import PreemptionGuard, Preempted
+from test_rl import (KILL_STEPS, REPO, _cpu_env, _final_params, _finite, resumed_from,
+                     uninterrupted_run)  # noqa: F401 - the fixture, used by name
+
+EVERY = 5  # checkpoints on schedule at 5, 10: a stop at any other step writes its own
+
+
+def test_guard_records_the_signal_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionGuard() as guard:
+        assert not guard.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread
+        time.sleep(0.05)
+        assert guard.should_stop()
+        error = guard.preempted(7, "/w")
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert isinstance(error, Preempted) and error.exit_code == 128 + signal.SIGTERM
+    assert "after step 7" in str(error) and "rerun the same command" in str(error)
+
+
+def test_guard_off_the_main_thread_installs_nothing():
+    before = signal.getsignal(signal.SIGINT)
+    seen = []
+
+    def body():
+        with PreemptionGuard() as guard:
+            seen.append(signal.getsignal(signal.SIGINT))
+            seen.append(guard.signum)
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [before, None]
+
+
+def _command(workdir):
+    return [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
+            "--workdir", str(workdir), f"--config.train.steps={KILL_STEPS}",
+            f"--config.checkpoint.every={EVERY}", "--config.sft.steps=30"]
+
+
+def _logged_steps(workdir) -> int:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((r["step"] for r in read_metrics(str(workdir))), default=0)
+
+
+def _signal_after_step(procs, workdir, step, signum, timeout_s=300):
+    """Sends `signum` to procs[-1] once step `step` is in the metrics file (mid-run)."""
+    deadline = time.time() + timeout_s
+    while _logged_steps(workdir) < step:
+        assert all(p.poll() is None for p in procs), "the run ended before the signal"
+        assert time.time() < deadline, f"step {step} not logged after {timeout_s} s"
+        time.sleep(0.02)
+    procs[-1].send_signal(signum)
+
+
+def _stopped_at(log: str) -> int:
+    found = re.findall(r"after step (\d+), checkpointed in", log)
+    assert len(found) == 1, log[-3000:]
+    return int(found[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_signal_checkpoints_the_step_and_the_rerun_repeats_the_run(tmp_path, signum,
+                                                                   uninterrupted_run):
+    workdir = tmp_path / "run"
+    procs = start_job(_command(workdir)[3:], 1, 0, str(tmp_path / "logs"))
+    _signal_after_step(procs, workdir, 2, signum)
+    job = wait_job(procs, str(tmp_path / "logs"), timeout_s=300)
+    assert job.returncodes == [128 + signum], job.tail()
+    k = _stopped_at(job.logs[0])
+    assert 2 <= k < KILL_STEPS
+    assert (workdir / "checkpoints" / str(k)).is_dir()
+
+    result = subprocess.run(_command(workdir), cwd=REPO, env=_cpu_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert resumed_from(result) == k
+    a = [_finite(r) for r in read_metrics(str(uninterrupted_run))]
+    b = [_finite(r) for r in read_metrics(str(workdir))]
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra == rb, f"step {ra['step']} differs after the pre-emption"
+    straight, resumed = _final_params(uninterrupted_run), _final_params(workdir)
+    for key in straight:
+        np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once(tmp_path):
+    workdir = tmp_path / "run"
+    procs = start_job(_command(workdir)[3:], 1, 0, str(tmp_path / "logs"))
+    _signal_after_step(procs, workdir, 1, signal.SIGTERM)
+    procs[0].send_signal(signal.SIGTERM)
+    job = wait_job(procs, str(tmp_path / "logs"), timeout_s=60)
+    assert job.returncodes == [128 + signal.SIGTERM], job.tail()
+    assert "again: exiting at once" in job.logs[0]
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_the_same_step_when_one_is_signalled(tmp_path):
+    """SIGTERM reaches process 1 only: both stop after the same step (agreed), that step's
+    checkpoint is written, and the rerun on two processes resumes there and finishes."""
+    workdir, logs = tmp_path / "run", str(tmp_path / "logs")
+    args = _command(workdir)[3:] + ["--config.rollout.sampler_devices=1"]
+    procs = start_job(args, 2, 2, logs)
+    _signal_after_step(procs, workdir, 2, signal.SIGTERM)
+    job = wait_job(procs, logs, timeout_s=300)
+    assert job.returncodes == [128 + signal.SIGTERM] * 2, job.tail()
+    k0, k1 = _stopped_at(job.logs[0]), _stopped_at(job.logs[1])
+    assert k0 == k1 and 2 <= k0 < KILL_STEPS
+    assert (workdir / "checkpoints" / str(k0)).is_dir()
+
+    again = wait_job(start_job(args, 2, 2, str(tmp_path / "rerun")), str(tmp_path / "rerun"),
+                     timeout_s=600)
+    assert again.ok, again.tail()
+    for log in again.logs:
+        assert re.findall(r"resumed from step (\d+)", log) == [str(k0)]
+    steps = [r["step"] for r in read_metrics(str(workdir)) if "rollout/reward" in r]
+    assert steps == list(range(1, KILL_STEPS + 1))
