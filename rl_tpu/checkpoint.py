@@ -13,9 +13,10 @@ Orbax writes a step under a temporary name and renames it when complete, so a pr
 mid-save leaves the previous steps intact and the partial one invisible (the next run's first
 save deletes its folder; a Checkpointer that only restores never deletes anything).
 
-Steps saved after a restore continue the restored timeline: checkpoints of steps above the one
-restored (or at or above the one being saved) belong to an abandoned timeline and are moved to
-`<directory>/superseded/` at the next save, never deleted, and never mixed into `keep`.
+Steps saved after a restore continue the restored timeline: the checkpoints on disk above the
+one restored (or at or above the one being saved) belong to an abandoned timeline and are moved
+to `<directory>/superseded/` at the next save, never deleted, and never mixed into `keep`; the
+steps the run saves itself after the restore are its timeline, never set aside.
 
 A pytree that never changes during a run (the frozen reference policy of a KL term) is saved
 once, as `<directory>/static/<name>/` (`save_static`, `restore_static`), with the same items
@@ -246,7 +247,10 @@ class Checkpointer:
         self._pending: Optional[int] = None  # step of the async save in flight, if any
         self._static_writer = None  # made by the first save_static
         self._static_pending: Optional[str] = None  # name of the async static save in flight
-        self._restored_step: Optional[int] = None
+        # Steps on disk past the one restored when it was restored: an abandoned timeline,
+        # set aside by the next save. Steps this instance wrote since are never among them.
+        self._abandoned: set[int] = set()
+        self._written: set[int] = set()
         self._host_dir = os.path.join(self.directory, HOST_DIR)
         self._restored_host_state: Optional[tuple[int, Any]] = None  # (step, its host state)
         self._saved_here: set[int] = set()
@@ -293,6 +297,7 @@ class Checkpointer:
         # force: the trainer decides when to save; orbax's own interval policy must not skip
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._saved_here.add(step)
+        self._written.add(step)
         self._pending = step if self.async_save else None
         log.info("checkpoint step %d: %s in %.2fs", step,
                  "handed to the background writer" if self.async_save else "written",
@@ -326,9 +331,12 @@ class Checkpointer:
         return _on_every_process(read, f"host state of step {step}")
 
     def _set_aside_abandoned(self, step: int) -> None:
-        """Move checkpoints of an abandoned timeline to `superseded/`, keeping them."""
-        stale = [s for s in self.all_steps() if s >= step or
-                 (self._restored_step is not None and s > self._restored_step)]
+        """Move checkpoints of an abandoned timeline to `superseded/`, keeping them: those
+        past the restored step when it was restored, and any other at or above `step`; never
+        one this instance wrote on the timeline it continues."""
+        stale = [s for s in self.all_steps() if s not in self._written
+                 and (s >= step or s in self._abandoned)]
+        self._abandoned = set()  # once: later saves only add to the restored timeline
         if not self._tmp_cleaned and jax.process_index() == 0:
             self._remove_partial_saves()
         self._tmp_cleaned = True
@@ -419,10 +427,11 @@ class Checkpointer:
                 log.warning("checkpoint step %d in %s is unreadable, trying the one before it: "
                             "%s", candidate, self.directory, _short(err))
                 continue
-            self._restored_step = candidate
+            self._abandoned = {s for s in steps if s > candidate}
             # steps above it saved earlier in this run are now superseded, not done; saving
             # the restored step itself again would only rewrite the same state
             self._saved_here = {s for s in self._saved_here if s < candidate} | {candidate}
+            self._written = {s for s in self._written if s <= candidate}
             return candidate, state, meta
         detail = "; ".join(f"step {s}: {_short(e)}" for s, e in errors)
         raise RuntimeError(f"none of the checkpoints in {self.directory} could be read ({detail})."

@@ -265,6 +265,50 @@ def test_save_after_restoring_an_earlier_step_sets_the_later_ones_aside(tmp_path
     resumed.close()
 
 
+def test_steps_a_resumed_run_saves_itself_are_never_set_aside(tmp_path, mesh, caplog):
+    # The quickstart killed after its checkpoint of step 2 and rerun: it restores 2 and saves
+    # 3, 4, 5, which continue its own timeline (the old code set 3 aside at 4, and 4 at 5).
+    state = make_state(mesh)
+    directory = tmp_path / "ckpt"
+    killed = Checkpointer(str(directory), async_save=False, keep=5)
+    for step in (1, 2):
+        killed.save(step, state, {"step": step})
+    killed.close()
+    rerun = Checkpointer(str(directory), async_save=True, keep=5)
+    assert rerun.restore(abstract_of(state))[0] == 2
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+        for step in (3, 4, 5):
+            rerun.save(step, state, {"step": step})
+        rerun.wait()
+    assert rerun.all_steps() == [1, 2, 3, 4, 5]
+    assert not (directory / SUPERSEDED_DIR).exists()
+    assert not any("timeline" in r.getMessage() for r in caplog.records)
+    rerun.close()
+
+
+def test_an_abandoned_timeline_is_set_aside_once_then_the_new_one_kept(tmp_path, mesh):
+    state = make_state(mesh)
+    directory = tmp_path / "ckpt"
+    first = Checkpointer(str(directory), async_save=False, keep=5)
+    for step in (1, 2, 3):
+        first.save(step, state, {"step": step})
+    first.close()
+    rerun = Checkpointer(str(directory), async_save=False, keep=5)
+    assert rerun.restore(abstract_of(state), step=1)[0] == 1
+    for step in (2, 3, 4):
+        rerun.save(step, state, {"step": f"{step} again"})
+    assert rerun.all_steps() == [1, 2, 3, 4]
+    assert sorted(p.name for p in (directory / SUPERSEDED_DIR).iterdir()) == ["2", "3"]
+    assert rerun.restore(abstract_of(state), step=3)[2] == {"step": "3 again"}
+    # restoring an earlier step of its own run abandons what it wrote after that step
+    assert rerun.restore(abstract_of(state), step=2)[0] == 2
+    rerun.save(3, state, {"step": "3 a third time"})
+    assert rerun.all_steps() == [1, 2, 3]
+    assert sorted(p.name for p in (directory / SUPERSEDED_DIR).iterdir()) == [
+        "2", "3", "3-1", "4"]
+    rerun.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Host state: part of its step
 # ---------------------------------------------------------------------------------------------
