@@ -32,6 +32,25 @@ class BadRequest(ValueError):
     """The client's fault: answered with HTTP 400 and the message."""
 
 
+# The widest integers a request's fields may hold: the sampler keeps lengths, top_k and stop ids
+# in int32 arrays, and a seed goes on as SGLang's int64. A bigger number, taken as it came,
+# would fail while the request's row is being built beside other requests', not at validation.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def bounded_int(value: Any, field: str, low: int, high: int) -> int:
+    """`value` as an int in [low, high] (a number or a numeric string, as `int()` reads it),
+    else BadRequest naming `field`, the bounds and what was sent."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise BadRequest(f"'{field}' must be an integer, got {_clip(value)}") from err
+    if not low <= number <= high:
+        raise BadRequest(f"'{field}' must be in [{low}, {high}], got {_clip(value)}")
+    return number
+
+
 def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 

@@ -374,12 +374,17 @@ class ContinuousBatcher:
         p = self._prompt_bucket(longest, self.slot_tokens - most_new)
         rows = min(self.slots, max(self._rows(), _next_power_of_two(free[n - 1] + 1, 1)))
         slots = min(self.slot_tokens, max(self._width(), _next_power_of_two(p + most_new, 16)))
-        self.stop_width = max(self.stop_width, sampler.stop_width([row.request for row in take]))
+        try:
+            width = max(self.stop_width, sampler.stop_width([row.request for row in take]))
+            ids, lens, sampling = sampler.row_arrays(
+                [(row.request, row.sample) for row in take], b, p, width)
+        except Exception as err:  # noqa: BLE001 - a request's own fault: it alone fails
+            self._fail_unbuildable(take, p, err)
+            return
+        self.stop_width = width
         self._busy_since = time.monotonic()
         try:
             self._reshape_pool(rows, slots)
-            ids, lens, sampling = sampler.row_arrays(
-                [(row.request, row.sample) for row in take], b, p, self.stop_width)
             with sampler._weights_lock:  # the prefix cache's generation goes with the weights
                 params, version = sampler._params, sampler._version
                 generation = sampler._prefix.generation if sampler._prefix is not None else 0
@@ -405,6 +410,38 @@ class ContinuousBatcher:
         counts[:kept] = self._counts[:kept]
         counts[free[:n]] = 1
         self._counts = counts
+
+    def _fail_unbuildable(self, take: list[_Row], p: int, error: BaseException) -> None:
+        """After the arrays of admitted rows `take` could not be built (before any device
+        work): the requests whose rows cannot be built alone fail with their own error (their
+        other rows, queued or running, are aborted), and the rest go back to the head of the
+        queue for the next admission. Other requests generating meanwhile never see it.
+        `error` is raised when every row builds alone (a fault of the batch, not a request)."""
+        sampler, failed = self.sampler, []
+        for row in take:
+            try:
+                sampler.row_arrays([(row.request, row.sample)], 1, p,
+                                   max(self.stop_width, sampler.stop_width([row.request])))
+            except Exception as err:  # noqa: BLE001 - answered to its request below
+                log.warning("request %s: its row cannot be built: %r", row.request.request_id,
+                            err)
+                failed.append((row, err))
+        if not failed:
+            with self._cond:
+                self._admitting = []
+            for row in take:
+                row.ticket._fail(error)
+            raise error
+        tickets = {id(row.ticket): row.ticket for row, _ in failed}
+        for row, err in failed:
+            row.ticket._fail(err)  # its first error: the one its reply carries
+        with self._cond:
+            self._admitting = []
+            self._waiting = [row for row in take if id(row.ticket) not in tickets] + \
+                self._waiting
+            for row in self._waiting + list(self._active.values()):
+                if id(row.ticket) in tickets:
+                    row.aborted = True  # the request has failed: its other rows end too
 
     def _rows(self) -> int:
         return 0 if self._pool is None else self._pool.tokens.shape[0]
@@ -452,9 +489,16 @@ class ContinuousBatcher:
                 self._pool = None  # the next admission starts one sized to what it needs
         for i, row in enumerate(ended):
             count = int(self._counts[row.slot])
-            row.ticket._set(row.index, self.sampler._result(
-                row.request, tokens[i, :count], logprobs[i, :count],
-                bool(stopped[i]) and row not in aborted, row in aborted, row.spans))
+            try:
+                result = self.sampler._result(
+                    row.request, tokens[i, :count], logprobs[i, :count],
+                    bool(stopped[i]) and row not in aborted, row in aborted, row.spans)
+            except Exception as err:  # noqa: BLE001 - this request's reply alone fails
+                log.exception("request %s: its result could not be built",
+                              row.request.request_id)
+                row.ticket._fail(err)
+                continue
+            row.ticket._set(row.index, result)
 
     def _save_prefixes(self, ended: list[_Row], tokens: np.ndarray) -> None:
         """Ended rows' K/V into the prefix cache: slots 0..len+count-2 hold the prompt and

@@ -37,6 +37,7 @@ def _owned_copy(params, num_layers: int, dtype: Optional[str]):
 
 
 STOP_WIDTH = 4  # the fewest stop-id slots a row has (more round up to a power of two)
+INT32_MAX = 2**31 - 1  # the largest length, top_k or stop id a row's int32 arrays hold
 
 # seeds [B] uint32 -> PRNG keys [B]; jitted, as vmap run eagerly traces anew on every call
 keys_from_seeds = jax.jit(jax.vmap(jax.random.key))
@@ -301,6 +302,21 @@ class JaxSampler(RolloutEngine):
                              f"[0, {self.cfg.vocab_size})")
         if req.sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
+        # row_arrays keeps these in int32: a bigger number must be refused here, with its
+        # name, not fail while the row is built beside other requests' rows
+        s = req.sampling
+        for name, value in (("max_new_tokens", s.max_new_tokens),
+                            ("min_new_tokens", s.min_new_tokens), ("top_k", s.top_k),
+                            *((f"stop_token_ids[{i}]", t)
+                              for i, t in enumerate(s.stop_token_ids))):
+            low = -1 if name == "top_k" else 0
+            try:
+                fits = low <= value <= INT32_MAX
+            except TypeError:  # not a number at all
+                fits = False
+            if not fits:
+                raise ValueError(f"sampling {name}={value!r}: must be an integer in [{low}, "
+                                 f"{INT32_MAX}]")
 
     def _weights(self):
         with self._weights_lock:

@@ -35,8 +35,8 @@ from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
-from rl_tpu.serving import (BadRequest, Server, bearer_auth, error_response,
-                            install_error_handlers, read_json)
+from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bearer_auth,
+                            bounded_int, error_response, install_error_handlers, read_json)
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,31 @@ def sampling_from_json(raw: Any) -> SamplingParams:
         raise BadRequest(f"sampling_params must be an object, got {type(raw).__name__}")
     stop = raw.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop_ids = raw.get("stop_token_ids") or ()
+    if not isinstance(stop_ids, (list, tuple)):
+        raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids, got "
+                         f"{type(stop_ids).__name__}")
+
+    def field(name: str, low: int, high: int, default: Any) -> int:
+        # every integer is bounded here: one that does not fit the sampler's arrays would
+        # otherwise pass and fail later, while its row is built beside other requests'
+        value = raw[name] if raw.get(name) is not None else default
+        return bounded_int(value, f"sampling_params.{name}", low, high)
+
     try:
         return SamplingParams(
-            max_new_tokens=int(raw.get("max_new_tokens", 128)),
-            min_new_tokens=int(raw.get("min_new_tokens") or 0),
+            max_new_tokens=field("max_new_tokens", 0, INT32_MAX, 128),
+            min_new_tokens=field("min_new_tokens", 0, INT32_MAX, 0),
             temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)), top_k=int(raw.get("top_k", -1)),
-            stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids") or ()),
+            top_p=float(raw.get("top_p", 1.0)), top_k=field("top_k", -1, INT32_MAX, -1),
+            stop_token_ids=tuple(bounded_int(t, f"sampling_params.stop_token_ids[{i}]", 0,
+                                             INT32_MAX) for i, t in enumerate(stop_ids)),
             stop=tuple(str(s) for s in stop), ignore_eos=bool(raw.get("ignore_eos", False)),
-            n=int(raw.get("n", 1)),
-            seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]))
+            n=field("n", 1, INT32_MAX, 1),
+            seed=None if raw.get("sampling_seed") is None else field(
+                "sampling_seed", INT64_MIN, INT64_MAX, None))
+    except BadRequest:
+        raise
     except (TypeError, ValueError, OverflowError) as err:
         raise BadRequest(f"bad sampling_params: {err}") from err
 

@@ -142,6 +142,32 @@ def test_what_a_row_may_ask_for(batcher):
     assert batcher.load()["queued_rows"] == 0  # nothing of a refused call was queued
 
 
+def test_a_row_that_cannot_be_built_fails_its_request_alone(batcher):
+    """A request whose row arrays cannot be built (an unhashable seed: nothing checks a seed's
+    type before its row's key is made) fails with its own error; the row decoding meanwhile
+    and a request queued beside the bad one run to their end."""
+    running = batcher.submit([request([1, 2], 60, rid="running")])
+    wait_for(lambda: batcher.load()["running_rows"] == 1, "the running row")
+    bad = batcher.submit([request([3, 4], 5, seed=[1]), request([5, 6], 5)])
+    beside = batcher.submit([request([7, 8], 5)])
+    with pytest.raises(TypeError, match="unhashable"):
+        bad.wait(120)
+    assert [len(r.output_ids) for r in beside.wait(120)] == [5]
+    assert [(r.finish_reason, len(r.output_ids)) for r in running.wait(120)] == [("length", 60)]
+    # the bad request's good row ended (aborted) too: nothing of it is left in the pool
+    wait_for(lambda: batcher.load()["running_rows"] == batcher.load()["queued_rows"] == 0,
+             "an idle pool")
+
+
+def test_the_sampler_refuses_integers_its_rows_cannot_hold(batcher):
+    with pytest.raises(ValueError, match=r"top_k=9223372036854775808: must be an integer in "
+                                         r"\[-1, 2147483647\]"):
+        batcher.submit([request([1, 2], 2, top_k=2**63)])
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\]=2147483648"):
+        batcher.submit([request([1, 2], 2, stop_token_ids=(5, 2**31))])
+    assert batcher.load()["queued_rows"] == 0
+
+
 def test_limits_of_rows_context_and_tokens():
     from rl_tpu.rollout.engine import SamplingParams
     from rl_tpu.rollout.server import BadRequest, ServerLimits

@@ -82,8 +82,19 @@ def test_bad_requests_get_400_and_the_server_lives(server):
 @pytest.mark.parametrize("params,limit", [
     ({"n": 1_000_000_000}, "n=1000000000 is over this server's limit of 64 samples a prompt"),
     ({"max_new_tokens": 1e9}, "max_new_tokens=1000000000 is over the context length of 2048"),
-    ({"max_new_tokens": 1e12}, "max_new_tokens=1000000000000 is over the context length"),
-    ({"max_new_tokens": float("inf")}, "bad sampling_params: cannot convert float infinity"),
+    ({"max_new_tokens": 1e12},
+     "'sampling_params.max_new_tokens' must be in [0, 2147483647], got 1000000000000.0"),
+    ({"max_new_tokens": float("inf")}, "'sampling_params.max_new_tokens' must be an integer"),
+    # every integer field is bounded (the sampler's rows hold int32; a seed is SGLang's int64)
+    ({"top_k": 2**63}, "'sampling_params.top_k' must be in [-1, 2147483647], got 9223372036"),
+    ({"top_k": 2**31}, "'sampling_params.top_k' must be in [-1, 2147483647], got 2147483648"),
+    ({"stop_token_ids": [7, 2**63]}, "'sampling_params.stop_token_ids[1]' must be in [0, "),
+    ({"stop_token_ids": [-3]}, "'sampling_params.stop_token_ids[0]' must be in [0, "),
+    ({"stop_token_ids": 7}, "sampling_params.stop_token_ids must be a list of token ids"),
+    ({"min_new_tokens": 2**63}, "'sampling_params.min_new_tokens' must be in [0, 2147483647]"),
+    ({"n": 2**63}, "'sampling_params.n' must be in [1, 2147483647]"),
+    ({"sampling_seed": 2**64}, "'sampling_params.sampling_seed' must be in [-9223372036854775808"),
+    ({"top_k": "many"}, "'sampling_params.top_k' must be an integer, got 'many'"),
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
     ({"n": 64}, "2560 rows (prompts x n) are over this server's limit of 1024 a request"),
 ])
@@ -99,6 +110,25 @@ def test_requests_over_a_limit_get_400_naming_it_and_the_next_one_is_served(serv
     status, reply = call(server, "/generate", {"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
     assert status == 200 and len(reply["output_ids"]) == 2
+
+
+def test_a_bad_request_beside_a_generating_one_fails_alone(server):
+    """A request whose top_k or stop id does not fit the sampler's int32 rows is answered 400
+    naming the field, and the request decoding meanwhile finishes as if it had never come
+    (before, it passed validation and failed building its row, and every row generating
+    beside it failed with a 500)."""
+    result = {}
+    worker = long_request(server, "beside-a-bad-one", tokens=200, result=result)
+    for params, field in (({"top_k": 2**63}, "top_k"),
+                          ({"stop_token_ids": [2**63]}, "stop_token_ids[0]")):
+        status, reply = call(server, "/generate", {"input_ids": [[7, 8], [9, 10]],
+                                                   "sampling_params": params})
+        assert status == 400 and f"'sampling_params.{field}'" in reply["error"]["message"]
+    worker.join(timeout=120)
+    status, reply = result["reply"]
+    assert status == 200, reply
+    assert reply["meta_info"]["finish_reason"]["type"] == "length"
+    assert reply["meta_info"]["completion_tokens"] == 200
 
 
 def test_update_weights_from_disk(server):
