@@ -119,5 +119,10 @@ def test_tipping_smoke_logs_violation_rates_in_rollouts_and_evals(tmp_path):
     evals = [r for r in records if "eval/success" in r]
     assert [r["step"] for r in evals] == [0, 2]
     assert all(0 <= r["eval/violation_rate"] <= 1 for r in evals)
+    assert all(0 <= r["eval/format_valid_rate"] <= 1 for r in evals)
     steps = [r for r in records if "rollout/reward" in r]
-    assert all("rollout/violation_rate" in r and r["train/kl"] >= 0 for r in steps)
+    assert all(0 <= r["rollout/format_valid_rate"] <= 1 and r["train/kl"] >= 0 for r in steps)
+    # the smoke's sampled replies are mostly not A/B: a step without one valid reply has no
+    # violation rate (not 0, which counting invalid replies as compliant used to report)
+    assert all(("rollout/violation_rate" in r) == (r["rollout/format_valid_rate"] > 0)
+               for r in steps)
