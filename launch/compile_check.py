@@ -4,11 +4,14 @@
 Compiles the run's device programs ahead of time for the topology (the learner's update and
 score pass, the critic's, the embedded sampler's prefill and decode: rl_tpu/aot.py) on this
 machine, which needs libtpu but no TPU, and prints each one's memory per chip against the
-chip's HBM and its compile time. Several topologies: `--topology v5p:4x4x4,v5e:4x4`. The
-policy is `--model` (a preset of rl_tpu/models/presets.py), else `model.path`'s config.json,
-else the config's tiny model. Config overrides work as in launch.train
-(`--config.mesh.fsdp=64`). Exit status 1 when a program does not fit, naming it and the config
-keys that would shrink it.
+chip's HBM and its compile time. The shapes are the trainer's, by the same functions
+(`aot.plan`): a step's rows with its replayed groups and self-play's solver rows
+(recipes/shapes.py), and the chips the trainer gives the learner and the embedded sampler
+(components.split_devices: an asynchronous run's sampler has part of each host). Several
+topologies: `--topology v5p:4x4x4,v5e:4x4`. The policy is `--model` (a preset of
+rl_tpu/models/presets.py), else `model.path`'s config.json, else the config's tiny model.
+Config overrides work as in launch.train (`--config.mesh.fsdp=64`). Exit status 1 when a
+program does not fit, naming it and the config keys that would shrink it.
 """
 
 import os

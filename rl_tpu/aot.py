@@ -15,7 +15,14 @@ trainer uses:
   critic_update,   PPO's value step and value pass, when the config has a critic
   values
   sampler_prefill  the embedded sampler's prefill of rollout.max_batch prompts of the longest
-  sampler_decode   bucket, and one decode chunk, on one host's chips (the sampler's mesh)
+  sampler_decode   bucket, and one decode chunk, on one host's sampler chips (its mesh)
+
+`plan(config, topology)` is where those shapes come from, by the functions the trainer calls:
+the learner's and the sampler's chips (components.split_devices: with rollout.max_staleness > 0
+and the embedded sampler, each host gives rollout.sampler_devices of its chips to the sampler,
+0 = half, and the learner's mesh is the rest; otherwise the learner has every chip and the
+sampler a host's) and a step's global rows (recipes/shapes.step_rows: tasks x samples, plus
+replayed groups and self-play's solver rows, padded to the learner's row multiple).
 
 Memory per chip = arguments + outputs - donated (aliased) buffers + temporaries.
 """
@@ -40,7 +47,7 @@ from rl_tpu.models import hf
 from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.recipes import algorithms, components
+from rl_tpu.recipes import algorithms, components, shapes
 from rl_tpu.train.learner import Learner
 from rl_tpu.train.state import abstract_state, make_optimizer
 
@@ -76,8 +83,9 @@ class Report:
     chips: int
     hbm: int  # bytes per chip
     model: str
-    mesh: dict
+    mesh: dict  # the learner's
     programs: list[ProgramMemory]
+    learner_chips: int = 0  # of `chips` (0: all); an asynchronous run's sampler has the rest
 
     def misfits(self) -> list[ProgramMemory]:
         return [p for p in self.programs if p.refused or p.total > self.hbm]
@@ -94,7 +102,15 @@ class Report:
                         + (f" (XLA: {p.refused})" if p.refused else ""))
         rows += sorted({f"{p.name.split('_')[0]} programs on mesh {p.mesh}"
                         for p in self.programs if p.mesh})
+        if self.learner_chips and self.learner_chips < self.chips:
+            rows.append(f"learner programs on {self.learner_chips} of the {self.chips} chips "
+                        "(the embedded sampler runs beside it on the others)")
         return "\n".join(rows)
+
+    @property
+    def fsdp_chips(self) -> int:
+        """The chips the learner's params could shard over."""
+        return self.learner_chips or self.chips
 
 
 def topology_devices(name: str) -> tuple[list, int]:
@@ -179,10 +195,58 @@ def _bucket(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory]:
-    """policy_update and score (and critic_update, values) at the config's batch shape."""
-    t, algo = config.train, config.algo
-    length = max(t.length_buckets) if t.length_buckets else config.env.max_context_tokens
+@dataclasses.dataclass
+class Plan:
+    """What `check` compiles for a config on a topology, worked out as the trainer works it out
+    on that slice: the learner's and the sampler's devices (components.split_devices: an
+    asynchronous run's embedded sampler takes rollout.sampler_devices of each host's chips, 0 =
+    half, and the learner the rest), the learner on its mesh, and one step's global rows
+    (recipes/shapes.step_rows: fresh, replayed and self-play's rows, padded to the learner's
+    row multiple) x the longest length bucket."""
+
+    topology: str
+    hosts: int
+    learner_devices: list
+    sampler_devices: list  # host 0's: every host's sampler runs the same programs
+    mesh: Mesh
+    row_multiple: int
+    rows: int
+    length: int
+    learner: Learner = dataclasses.field(repr=False, compare=False)
+    params: dict = dataclasses.field(repr=False, compare=False)  # the policy's, abstract
+
+    @property
+    def learner_chips(self) -> int:
+        return len(self.learner_devices)
+
+    @property
+    def sampler_chips(self) -> int:
+        return len(self.sampler_devices)
+
+
+def plan(config: ml_collections.ConfigDict, topology: str, cfg: Optional[ModelConfig] = None,
+         devices: Optional[list] = None) -> Plan:
+    """The `Plan` of `config` on `topology` with the policy `cfg` (default: `model_config`'s;
+    `devices`: the topology's, when the caller has them). Builds the learner on abstract
+    state (nothing allocated, nothing compiled)."""
+    devices = topology_devices(topology)[0] if devices is None else devices
+    cfg = model_config(config)[1] if cfg is None else cfg
+    learner_devices, sampler_devices = components.split_devices(
+        config, devices, devices[0].process_index)
+    mesh = components.make_mesh(config, learner_devices)
+    learner, params = _abstract_learner(config, cfg, mesh)
+    t = config.train
+    hosts = len({d.process_index for d in learner_devices})
+    multiple = learner.row_multiple()
+    return Plan(topology, hosts, learner_devices, sampler_devices, mesh, multiple,
+                rows=shapes.step_rows(config, multiple, hosts),
+                length=max(t.length_buckets) if t.length_buckets else
+                config.env.max_context_tokens, learner=learner, params=params)
+
+
+def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, dict]:
+    """The trainer's Learner on `mesh` over abstract states, and the abstract policy params."""
+    algo = config.algo
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
     tx = make_optimizer(components.rl_optim_config(config, config.optim.lr))
@@ -193,19 +257,26 @@ def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory
     if algorithms.uses_critic(algo):
         from rl_tpu.models.value import ValueModel
         value_model = ValueModel(cfg, mesh=mesh)
-        critic = abstract_state(abstract_params(cfg, mesh, module=value_model), make_optimizer(
-            components.rl_optim_config(config, algo.value_lr)))
+        # its shapes traced off the mesh, as the policy's: on a TPU mesh a 1-token trace would
+        # take the splash kernel, which refuses it
+        critic = abstract_state(abstract_params(cfg, mesh, module=ValueModel(cfg)),
+                                make_optimizer(components.rl_optim_config(config, algo.value_lr)))
     learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
                       value_model=value_model,
                       reference_params=params if update_cfg.use_reference else None)
-    multiple = learner.row_multiple()  # the trainer pads a step's rows to it
-    rows = -(-t.tasks_per_step * t.samples_per_task // multiple) * multiple
+    return learner, params
+
+
+def learner_programs(planned: Plan) -> list[ProgramMemory]:
+    """policy_update and score (and critic_update, values) at the plan's batch shape."""
+    learner, mesh, rows, length = planned.learner, planned.mesh, planned.rows, planned.length
+    state, critic, params = learner.policy, learner.critic, planned.params
     keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
             "behaviour_logprobs"]
-    if update_cfg.use_reference:
+    if learner.cfg.use_reference:
         keys.append("ref_logprobs")
     batch = rollout_batch(rows, length, mesh, keys)
-    if loss_cfg.fixed_normalizer is not None:
+    if learner.loss_cfg.fixed_normalizer is not None:
         batch["length_normalizer"] = _sds((rows,), jnp.float32, batch["tokens"].sharding)
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = _sds(key.shape, key.dtype, NamedSharding(mesh, P()))
@@ -226,26 +297,28 @@ def learner_programs(config, cfg: ModelConfig, mesh: Mesh) -> list[ProgramMemory
     return out
 
 
-# One host's chips as a slice of its own, by chip count: libtpu cannot compile a program for a
-# subset of a multi-host topology's devices (its replica groups must number the chips 0..n-1).
+# One host's chips as a slice of its own, by chip count: libtpu has refused to compile a program
+# for a subset of a multi-host topology's devices (its replica groups must number the chips
+# 0..n-1), so the sampler compiles for such a slice where the chip has one of that size.
 _HOST_SHAPES = {"2d": {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4"},
                 "3d": {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"}}
 
 
-def host_devices(topology: str, devices: list, count: int = 0) -> list:
-    """The abstract chips an embedded sampler runs on: one host's (the first `count` of them,
-    if given) of `topology`, as a one-host slice of the same chip when the topology spans
-    several hosts."""
-    host = [d for d in devices if d.process_index == devices[0].process_index]
-    host = host[:count] if count else host
-    if len(host) == len(devices):
-        return host
+def sampler_slice(topology: str, devices: list, sampler: list) -> list:
+    """The abstract chips to compile the embedded sampler for: its devices `sampler` (one
+    host's, from components.split_devices) among the topology's `devices`; when they are not
+    the whole topology, a one-host slice of as many chips of the same kind, else (no such
+    slice: v5p's 2 chips) `sampler` itself."""
+    if len(sampler) == len(devices):
+        return sampler
     chip, shape = topology.lower().split(":")
-    shapes = _HOST_SHAPES["3d" if shape.count("x") == 2 else "2d"]
-    if len(host) not in shapes:
-        raise ValueError(f"no one-host slice of {len(host)} {chip} chips to compile the "
-                         f"sampler for; set rollout.sampler_devices to one of {sorted(shapes)}")
-    return topology_devices(f"{chip}:{shapes[len(host)]}")[0]
+    name = _HOST_SHAPES["3d" if shape.count("x") == 2 else "2d"].get(len(sampler))
+    if name:
+        try:
+            return topology_devices(f"{chip}:{name}")[0]
+        except RuntimeError:  # libtpu knows no such slice of this chip
+            pass
+    return sampler
 
 
 def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory]:
@@ -300,20 +373,20 @@ def check(config: ml_collections.ConfigDict, topology: str, model: str = "",
     """Compiles the config's programs (all, or the names in `programs`) for `topology`."""
     devices, hbm = topology_devices(topology)
     name, cfg = model_config(config, model)
-    mesh = components.make_mesh(config, devices)
+    planned = plan(config, topology, cfg, devices)
     out = []
     if programs is None or programs & {"policy_update", "score", "critic_update", "values"}:
-        out += learner_programs(config, cfg, mesh)
+        out += learner_programs(planned)
     if config.rollout.engine == "jax" and (
             programs is None or programs & {"sampler_prefill", "sampler_decode"}):
-        out += sampler_programs(config, cfg, host_devices(
-            topology, devices, config.rollout.sampler_devices))
+        out += sampler_programs(config, cfg, sampler_slice(topology, devices,
+                                                           planned.sampler_devices))
     if programs is not None:
         out = [p for p in out if p.name in programs]
     n = cfg.num_params()
     size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
     return Report(topology, len(devices), hbm, f"{name} ({size} params)",
-                  dict(mesh.shape), out)
+                  dict(planned.mesh.shape), out, learner_chips=planned.learner_chips)
 
 
 def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
@@ -335,8 +408,9 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
                 if not config.rollout.kv_dtype:
                     keys.append("rollout.kv_dtype=bfloat16 (the cache alone)")
         else:
-            if p.argument > p.temp and report.mesh.get("fsdp", 1) < report.chips:
-                keys.append(f"mesh.fsdp={report.chips} (shard params and optimizer state)")
+            if p.argument > p.temp and report.mesh.get("fsdp", 1) < report.fsdp_chips:
+                keys.append(f"mesh.fsdp={report.fsdp_chips} (shard params and optimizer "
+                            "state)")
             t = config.train
             budget = (t.tokens_per_device if p.name.endswith("update") else
                       t.score_tokens_per_device or t.tokens_per_device)
@@ -346,7 +420,7 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
             if config.model.remat != "full" and p.name.endswith("update"):  # backward only
                 keys.append("model.remat=" + ("dots" if config.model.remat == "none"
                                               else "full"))
-            if p.argument <= p.temp and report.mesh.get("fsdp", 1) < report.chips:
-                keys.append(f"mesh.fsdp={report.chips}")
+            if p.argument <= p.temp and report.mesh.get("fsdp", 1) < report.fsdp_chips:
+                keys.append(f"mesh.fsdp={report.fsdp_chips}")
         lines.append(f"{over}: try " + ", ".join(f"--config.{k}" for k in keys))
     return lines

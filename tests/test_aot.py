@@ -70,6 +70,18 @@ def test_advice_names_the_keys_that_shrink_a_program():
     assert "--config.rollout.max_batch=32" in line
 
 
+def test_advice_shards_over_the_learners_chips_when_the_sampler_has_some():
+    # an asynchronous run's learner on 8 of 16 chips: fsdp over those 8, and the table says so
+    config = base_config("grpo")
+    state_bound = aot.ProgramMemory("policy_update", 1.0, 120 * GIB, 120 * GIB, 120 * GIB,
+                                    10 * GIB)
+    report = _report(state_bound, chips=16)
+    report.learner_chips = 8
+    (line,) = aot.advice(report, config)
+    assert "--config.mesh.fsdp=8 " in line
+    assert "learner programs on 8 of the 16 chips" in report.table()
+
+
 def _compile_check(*args, timeout=900):
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     return subprocess.run([sys.executable, "-m", "launch.compile_check", *args], cwd=ROOT,
@@ -85,6 +97,31 @@ def test_compile_check_fits_the_babyai_smoke_on_a_v5e_slice():
     for program in ("policy_update", "score", "sampler_prefill", "sampler_decode"):
         (row,) = [line for line in lines if line.startswith(program + " ")]
         assert row.endswith("yes")
+
+
+@pytest.mark.slow
+def test_compile_check_compiles_the_replayed_rows_too():
+    # bapo_offpolicy:replay,smoke on one host of 4 chips: 4 tasks x 2 samples and as many
+    # replayed groups (ceil(0.5 / 0.5 x 4) = 4 of 2), 16 rows, a multiple of 4 data-parallel x
+    # 2 minibatches; recipes/shapes.py, as the trainer batches them (tests/recipes/test_shapes.py)
+    out = _compile_check("--config", "configs/bapo_offpolicy.py:replay,smoke", "--topology",
+                         "v5e:2x2", "--programs", "score")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("score ")]
+    assert row.split()[1].startswith("16x")
+
+
+@pytest.mark.slow
+def test_compile_check_gives_an_asynchronous_sampler_half_of_each_host():
+    # v5p:2x2x4, 4 hosts of 4 chips: the sampler compiles for 2 chips, the learner for the
+    # other 8 (components.split_devices, as the trainer splits them)
+    out = _compile_check("--config", "configs/babyai_cpu.py:smoke", "--topology", "v5p:2x2x4",
+                         "--programs", "score,sampler_decode", "--config.rollout.max_staleness=1",
+                         "--config.train.tasks_per_step=8")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}" in out.stdout
+    assert "learner programs on 8 of the 16 chips" in out.stdout
+    assert "(one host's 2 chips)" in out.stdout
 
 
 @pytest.mark.slow

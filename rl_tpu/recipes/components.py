@@ -34,8 +34,14 @@ def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
                               devices=devices)
 
 
-def split_devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
-    """(learner devices, this host's embedded-sampler devices).
+def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = None,
+                  process_index: Optional[int] = None) -> tuple[list, list]:
+    """(learner devices, host `process_index`'s embedded-sampler devices) among `devices`.
+
+    `devices`: every device of every host, each knowing its host (`process_index`); default
+    jax.devices(), and launch.compile_check passes a TPU topology's abstract devices (rl_tpu/
+    aot.py). `process_index`: default this process's. A host's devices are those of `devices`
+    on it, in order (as jax.local_devices() lists them).
 
     Synchronous (and with SGLang servers, which sample elsewhere) both span every device, the
     sampler `rollout.sampler_devices` of them (0 = all local): they take turns. Asynchronous
@@ -44,9 +50,11 @@ def split_devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
     and the learner's mesh every other device of every host.
     """
     r = config.rollout
-    local = jax.local_devices()
+    devices = list(jax.devices() if devices is None else devices)
+    host = jax.process_index() if process_index is None else process_index
+    local = [d for d in devices if d.process_index == host]
     if r.max_staleness == 0 or r.engine != "jax":
-        return list(jax.devices()), local[:r.sampler_devices] if r.sampler_devices else local
+        return devices, local[:r.sampler_devices] if r.sampler_devices else local
     n = r.sampler_devices or len(local) // 2
     if not 1 <= n < len(local):
         raise ValueError(
@@ -57,10 +65,10 @@ def split_devices(config: ml_collections.ConfigDict) -> tuple[list, list]:
             "--xla_force_host_platform_device_count=2), or use SGLang servers")
     # every host gives its first n devices to its sampler: the rest of all hosts form the mesh
     by_host: dict[int, list] = {}
-    for d in jax.devices():
+    for d in devices:
         by_host.setdefault(d.process_index, []).append(d)
-    sampler_ids = {d.id for host in by_host.values() for d in host[:n]}
-    return ([d for d in jax.devices() if d.id not in sampler_ids],
+    sampler_ids = {d.id for on_host in by_host.values() for d in on_host[:n]}
+    return ([d for d in devices if d.id not in sampler_ids],
             [d for d in local if d.id in sampler_ids])
 
 

@@ -139,7 +139,7 @@ class Trainer:
         self.config, self.workdir = config, workdir
         self.is_chief = jax.process_index() == 0
         self.asynchronous = config.rollout.max_staleness > 0
-        learner_devices, sampler_devices = components.split_devices(config)
+        learner_devices, sampler_devices = components.split_devices(config, jax.devices())
         self.mesh = components.make_mesh(config, learner_devices)
         path = components.model_path(config, workdir)
         self.model_cfg, model, params, self.tokenizer = components.load_policy(

@@ -35,7 +35,7 @@ import numpy as np
 from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Task
 from rl_tpu.envs.selfplay import solve_task
-from rl_tpu.recipes import components
+from rl_tpu.recipes import components, shapes
 from rl_tpu.recipes.rl import Trainer, run as run_trainer, step_seed
 from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.trajectory import Trajectory
@@ -101,7 +101,11 @@ class SelfPlayTrainer(Trainer):
                 for _ in range(s):
                     filler = dataclasses.replace(traj, info=dict(traj.info, **{NO_LOSS: True}))
                     fillers.append(filler)
-        return proposals + solutions + fillers
+        rows = proposals + solutions + fillers
+        if len(rows) != len(tasks) * shapes.rows_per_task(config):  # what compile_check compiles
+            raise RuntimeError(f"self-play played {len(rows)} rows for {len(tasks)} task slots, "
+                               f"not {shapes.rows_per_task(config)} a slot")
+        return rows
 
     def rollout(self, step: int):
         trajectories, metrics = super().rollout(step)
