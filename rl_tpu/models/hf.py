@@ -418,7 +418,8 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     time, so host memory holds at most a shard. Every process must call this (the gathers are
     collective); process 0 writes. The directory is written beside the target and renamed into
     place, so a crash never leaves a half-written checkpoint where a loader (or an SGLang
-    server) would read it.
+    server) would read it. Params with NaN or inf are refused (ValueError naming the param),
+    and nothing is written.
     """
     dtype = dtype_name(cfg.param_dtype if dtype is None else dtype, "hf.save(dtype)")
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -450,6 +451,15 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
         for key in keys:
             rule, layer = located[key]
             value = parallel.gather_to_host(flat[key]).astype(np_dtype)
+            bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+            if bad:  # a diverged run, or values past dtype's range: never exported
+                if writer:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise ValueError(
+                    f"hf.save({path}): param {'/'.join(key)} holds {bad} NaN or inf value(s) "
+                    f"(as {dtype}); non-finite weights are never exported. A run that "
+                    "diverged: train again (a new --workdir) with a lower learning rate or with "
+                    "gradient clipping")
             for i in range(cfg.num_layers) if layer == "stacked" else (layer,):
                 tensors[rule.hf.format(i=i)] = ours_to_hf(
                     value[i] if layer == "stacked" else value, rule, cfg)

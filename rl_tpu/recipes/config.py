@@ -542,6 +542,23 @@ def _check_selfplay_without_partial_rollouts(config: ml_collections.ConfigDict) 
 
 def check(config: ml_collections.ConfigDict) -> None:
     """Cross-key checks that no single field can make; each error names the keys to change."""
+    # First, every number finite: a NaN or inf lr, clip bound or coefficient makes no error of
+    # its own (comparisons with NaN are False), it trains on garbage.
+    def not_finite(node, name: str) -> list[str]:
+        if isinstance(node, float):  # np.float64 too; a bool or an int is always finite
+            return [] if -float("inf") < node < float("inf") else [f"{name}={node}"]
+        if isinstance(node, (ml_collections.ConfigDict, dict)):
+            items = [(f"{name}.{k}" if name else str(k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            items = [(f"{name}[{i}]", v) for i, v in enumerate(node)]
+        else:
+            return []
+        return [bad for key, value in items for bad in not_finite(value, key)]
+
+    bad = not_finite(config, "")
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: config values must be finite numbers; give "
+                         f"{'that key' if len(bad) == 1 else 'those keys'} a finite value")
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
     _check_loop(config)

@@ -317,7 +317,11 @@ class Trainer:
         return batch
 
     def update(self, batch: dict, step: int) -> dict[str, float]:
+        """The learner's update; a run whose params it made non-finite stops here, before
+        they are synced, evaluated or checkpointed (so every checkpoint holds finite ones)."""
         metrics = self.learner.update(batch, step)
+        # the last checkpoint: after the save in flight (of checked, finite params) lands
+        self.learner.check_finite(step, lambda: self.ckpt.wait() or self.ckpt.latest_step())
         metrics["train/lr"] = float(self.lr_at(step - 1))
         return metrics
 
@@ -362,8 +366,10 @@ class Trainer:
         self.ckpt.wait()
 
     def finish(self) -> None:
-        """After the last step: checkpoints written, the final policy exported, curves drawn."""
+        """After the last step: checkpoints written, the final policy exported, curves drawn.
+        Non-finite params are never exported (nor is the run marked finished)."""
         self.ckpt.wait()
+        self.learner.check_finite(self.config.train.steps, self.ckpt.latest_step)
         if self.config.checkpoint.export_hf:
             hf.save(os.path.join(self.workdir, "final_hf"), self.model_cfg,
                     self.learner.policy.params, tokenizer=self.tokenizer.hf)

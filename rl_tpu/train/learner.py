@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from rl_tpu.rl.advantages import compute_advantages
 from rl_tpu.rl.losses import PolicyLossConfig, kl_penalty
 from rl_tpu.rl.masked import combine_stacked, metric_values
 from rl_tpu.train import steps
-from rl_tpu.train.state import TrainState, shardings_of
+from rl_tpu.train.state import TrainState, all_finite, shardings_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,24 @@ class UpdateConfig:
             raise ValueError(f"train.tokens_per_device={self.tokens_per_device} and "
                              f"train.score_tokens_per_device={self.score_tokens_per_device}: "
                              "use 0 (count micro-batches by hand) or a positive token budget")
+
+
+class NonFiniteParamsError(FloatingPointError):
+    """Params that hold NaN or inf after an update: the run diverged and stops."""
+
+    @classmethod
+    def after_update(cls, step: int, which: list[str], last_checkpoint: Optional[int]):
+        """The error of a run whose `which` params are non-finite after step `step`, raised
+        before anything saves them; `last_checkpoint`: the latest step saved (None: none)."""
+        if last_checkpoint is None:
+            where, rerun = "no checkpoint was saved before it", "starts over"
+        else:
+            where = f"the last checkpoint, step {last_checkpoint}, holds finite params"
+            rerun = "resumes from that checkpoint"
+        return cls(f"step {step}: the {' and '.join(which)} params hold NaN or inf after the "
+                   f"update, so the run stops here; {where}. Train again with a lower optim.lr "
+                   f"or with optim.grad_clip set, in a new --workdir (a rerun of this one {rerun} "
+                   "with the same config and diverges the same way)")
 
 
 def reduce_metrics(stacked) -> dict[str, float]:
@@ -212,6 +230,24 @@ class Learner:
             metrics.update({f"critic/{k}": v
                             for k, v in reduce_metrics(jax.device_get(stacked)).items()})
         return metrics
+
+    def non_finite_params(self) -> list[str]:
+        """Which of "policy", "critic" hold NaN or inf in their params ([] when none): one
+        jitted reduction and one scalar read, cheap enough for every step. A skipped update
+        (non-finite loss or gradient) leaves params as they were; finite gradients with too
+        large a step can still make them non-finite."""
+        states = {"policy": self.policy, "critic": self.critic}
+        params = {name: s.params for name, s in states.items() if s is not None}
+        if bool(all_finite(params)):
+            return []
+        return [name for name, p in params.items() if not bool(all_finite(p))]
+
+    def check_finite(self, step: int, last_checkpoint: Callable[[], Optional[int]]) -> None:
+        """Raises NonFiniteParamsError naming step `step` and the last checkpoint (asked of
+        `last_checkpoint()` only then) if the params are not finite after its update."""
+        non_finite = self.non_finite_params()
+        if non_finite:
+            raise NonFiniteParamsError.after_update(step, non_finite, last_checkpoint())
 
     # -- compiled pieces ------------------------------------------------------------------
 

@@ -73,6 +73,28 @@ def step_schedule(cfg: OptimConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
+def advance_schedule(opt_state):
+    """`opt_state` with the lr schedule's update count one ahead and nothing else changed:
+    what a skipped (non-finite) update leaves. The schedule then counts updates made or
+    skipped, so a skip does not shift the lr of every later update by one (a run's lr at
+    update n is the same whether or not an update before it was skipped). Adam's moments and
+    its bias-correction count stay: they saw no gradient."""
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(
+        lambda node: node._replace(count=optax.safe_int32_increment(node.count))
+        if is_schedule(node) else node, opt_state, is_leaf=is_schedule)
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """One bool scalar: every element of every float leaf of `tree` is finite. A reduction
+    where the shards are (jnp reductions of sharded arrays are global under jit), so a check
+    after each update costs one pass over the params and one scalar read."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
 def _decay_mask(params):
     """Weight decay on matrices only: norms' scales and biases (1-D) are left alone."""
     return jax.tree.map(lambda x: x.ndim > 1, params)

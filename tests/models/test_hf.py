@@ -142,6 +142,27 @@ def test_failed_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path):
     hf.load(out)  # still whole
 
 
+def test_non_finite_weights_are_never_exported(tiny_dir, tmp_path):
+    cfg, params = hf.load(tiny_dir)
+    kernel = np.asarray(params["layers_0"]["mlp"]["up_proj"]["kernel"]).copy()
+    kernel[0, 0], kernel[1, 2] = np.nan, np.inf
+    poked = jax.tree.map(lambda x: x, params)
+    poked["layers_0"]["mlp"]["up_proj"]["kernel"] = jnp.asarray(kernel)
+    out = tmp_path / "final_hf"
+    with pytest.raises(ValueError, match=r"param layers_0/mlp/up_proj/kernel holds 2 NaN or inf "
+                                         r"value\(s\) \(as float32\); non-finite weights are "
+                                         "never exported"):
+        hf.save(str(out), cfg, poked)
+    assert sorted(os.listdir(tmp_path)) == []  # neither the dir nor its partial copy
+    # A finite fp32 value past bfloat16's range is one too, once cast
+    kernel = np.asarray(params["layers_0"]["mlp"]["up_proj"]["kernel"]).copy()
+    kernel[0, 0] = 3.4e38  # < float32 max 3.4028e38, > bfloat16 max 3.3895e38
+    poked["layers_0"]["mlp"]["up_proj"]["kernel"] = jnp.asarray(kernel)
+    with pytest.raises(ValueError, match=r"holds 1 NaN or inf value\(s\) \(as bfloat16\)"):
+        hf.save(str(out), cfg, poked, dtype="bfloat16")
+    assert not out.exists()
+
+
 @pytest.mark.slow  # two CLI subprocesses
 def test_make_tiny_model_and_generate_clis(tmp_path):
     import subprocess

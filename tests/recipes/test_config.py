@@ -4,6 +4,7 @@ counts that make sense, every shipped config loads, and envs whose packages are 
 import glob
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -110,6 +111,40 @@ def test_check_refuses_counts_that_make_no_sense(key, value):
     c[block][leaf] = value
     with pytest.raises(ValueError, match=f"{key}={value} must be >= "):
         check(c)
+
+
+@pytest.mark.parametrize("key,value,shown", [
+    ("optim.lr", float("nan"), "optim.lr=nan"), ("algo.clip_high", float("inf"),
+                                                "algo.clip_high=inf"),
+    ("optim.grad_clip", float("-inf"), "optim.grad_clip=-inf")])
+def test_check_refuses_a_number_that_is_not_finite_naming_the_key(key, value, shown):
+    c = base_config()
+    block, leaf = key.split(".")
+    c[block][leaf] = value
+    with pytest.raises(ValueError, match=f"^{shown}: config values must be finite numbers"):
+        check(c)
+
+
+def test_check_names_every_non_finite_number_even_nested_in_lists():
+    c = base_config()
+    c.optim.lr = float("nan")
+    c.env.kwargs = {"weights": [1.0, float("inf")]}
+    with pytest.raises(ValueError, match=r"^env.kwargs.weights\[1\]=inf, optim.lr=nan: .*give "
+                                         "those keys a finite value"):
+        check(c)
+
+
+def test_a_nan_override_fails_the_launch_in_one_line_leaving_no_files(tmp_path):
+    workdir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
+         "--workdir", str(workdir), "--config.optim.lr=nan"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "optim.lr=nan" in lines[0], result.stderr[-2000:]
+    assert not workdir.exists() or not os.listdir(workdir)
 
 
 @pytest.mark.parametrize("text", ["256x512", "4x16x0", "4xfoo x16"])

@@ -134,3 +134,33 @@ def test_every_allowed_key_exists_in_the_base_config():
     for prefix in RESUME_MAY_CHANGE:
         assert any(k == prefix or (prefix.endswith(".") and k.startswith(prefix))
                    for k in keys), prefix
+
+
+def test_a_run_whose_params_turn_non_finite_stops_naming_the_step_and_exports_nothing(tmp_path):
+    """The quickstart's smoke run with lr 1e20 and weight decay 1e20 after one warm-up step:
+    step 1 trains at lr 0 and is checkpointed; step 2's decay term, lr x wd x w = 1e40 x w,
+    overflows float32 (max 3.4e38) for every weight |w| > 3.4e-2, with finite loss and
+    gradient (so it is no skipped update), and the run stops there, before its eval, sync or
+    checkpoint, naming step 2 and checkpoint 1; no final_hf, no finished.json."""
+    import importlib
+    import os
+    import sys
+
+    from rl_tpu.recipes import rl
+    from rl_tpu.train.learner import NonFiniteParamsError
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, repo)
+    try:
+        c = importlib.import_module("configs.quickstart").get_config("smoke")
+    finally:
+        sys.path.remove(repo)
+    c.optim.lr, c.optim.weight_decay, c.optim.warmup_steps = 1e20, 1e20, 1
+    c.train.steps, c.checkpoint.every, c.checkpoint.export_hf = 3, 1, True
+    with pytest.raises(NonFiniteParamsError, match=r"^step 2: the policy params hold NaN or inf "
+                       r"after the update.*the last checkpoint, step 1, holds finite params"):
+        rl.run(c, str(tmp_path))
+    names = os.listdir(tmp_path)
+    assert "final_hf" not in names and "final_hf.tmp" not in names
+    assert rl.FINISHED_FILE not in names
+    assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == ["1"]

@@ -118,3 +118,25 @@ def test_value_pass_in_micro_batches_equals_one_pass():
     assert values_split.shape == (ROWS, 16)
     np.testing.assert_allclose(values_split, values_whole, atol=5e-6, rtol=0)  # other tilings
     np.testing.assert_array_equal(values_split[:, 0], 0.0)  # entry 0 is 0, as unsplit
+
+
+def test_params_made_non_finite_are_named_with_the_step_and_last_checkpoint():
+    learner = _learner(critic=True)
+    assert learner.non_finite_params() == []
+    learner.check_finite(3, lambda: pytest.fail("the checkpoint is asked for only on failure"))
+    # one NaN in one shard of one weight of the policy (the critic stays finite)
+    kernel = learner.policy.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+    learner.policy = learner.policy.replace(params=jax.tree.map(lambda x: x, dict(
+        learner.policy.params, layers_0=dict(learner.policy.params["layers_0"], mlp=dict(
+            learner.policy.params["layers_0"]["mlp"],
+            up_proj={"kernel": kernel.at[5, 7].set(np.nan)})))))
+    assert learner.non_finite_params() == ["policy"]
+    with pytest.raises(FloatingPointError, match=r"^step 7: the policy params hold NaN or inf "
+                       r"after the update, so the run stops here; the last checkpoint, step 5, "
+                       r"holds finite params\. Train again with a lower optim\.lr"):
+        learner.check_finite(7, lambda: 5)
+    learner.critic = learner.critic.replace(params=jax.tree.map(
+        lambda x: x * np.inf, learner.critic.params))
+    with pytest.raises(FloatingPointError, match="the policy and critic params hold NaN or inf"
+                       ".*no checkpoint was saved before it.*a rerun of this one starts over"):
+        learner.check_finite(1, lambda: None)

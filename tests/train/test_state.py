@@ -65,3 +65,30 @@ def test_optimizer_moments_are_sharded_like_their_params():
     for moments in (adam[0].mu, adam[0].nu):
         assert jax.tree.map(lambda x: x.sharding.spec, moments) == specs
     assert state.step.sharding.spec == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_a_skipped_update_does_not_shift_the_lr_schedule(monkeypatch, platform):
+    # Linear decay from 1.0 to 0 over 4 updates: lr(count) = 1 - count / 4 = 1, .75, .5, .25.
+    # Adam with a constant gradient of 1 moves w by -lr each applied update (m_hat = v_hat =
+    # 1, up to float32's bias correction: 1e-4). Update 0 is applied at lr(0) = 1, update 1 skipped (NaN loss), update 2 applied at
+    # lr(2) = 0.5: w = 0 - 1 - 0.5 = -1.5. (Counting applied updates only, as before, update 2
+    # ran at lr(1) = 0.75, w = -1.75, and every later lr stayed one update behind.)
+    # "tpu": the select that skips an update on TPU (run here on the CPU), the cond otherwise.
+    from rl_tpu.train import steps
+    monkeypatch.setattr(steps.parallel, "platform", lambda mesh: platform)
+    tx = make_optimizer(OptimConfig(lr=1.0, schedule="linear", total_steps=4, end_lr_ratio=0.0,
+                                    grad_clip=None))
+    state = TrainState.create({"w": jnp.zeros((2,), jnp.float32)}, tx)
+    grads = {"w": jnp.ones((2,), jnp.float32)}
+    update = jax.jit(lambda s, loss: steps.apply_update(s, loss, grads, {}))
+
+    state, metrics = update(state, jnp.float32(0.0))
+    assert float(metrics["skipped"].value) == 0.0
+    np.testing.assert_allclose(state.params["w"], [-1.0, -1.0], rtol=1e-4)
+    state, metrics = update(state, jnp.float32(jnp.nan))
+    assert float(metrics["skipped"].value) == 1.0 and int(state.step) == 1
+    np.testing.assert_allclose(state.params["w"], [-1.0, -1.0], rtol=1e-4)  # untouched
+    state, metrics = update(state, jnp.float32(0.0))
+    np.testing.assert_allclose(state.params["w"], [-1.5, -1.5], rtol=1e-4)
+    assert int(state.step) == 2  # the step counter counts applied updates
