@@ -29,8 +29,10 @@ DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rl_tpu", "jax_compilation_cache
 START_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError,
                  ImportError)
 # What a setup can get wrong once the run has started: a path that is not there, a package
-# that is not installed. Anything else is a bug and keeps its traceback.
-RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError)
+# that is not installed; and a run that diverged (rl_tpu.train.learner.NonFiniteParamsError,
+# a FloatingPointError naming the step and the last finite checkpoint). Anything else is a
+# bug and keeps its traceback.
+RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError, FloatingPointError)
 
 
 def run(main, prepare=None) -> None:

@@ -12,7 +12,7 @@ The global stream is one sequence of source indices, position p = step * tasks_p
   grain's shuffle is a seeded index permutation (no buffer, nothing read ahead), and behind
   `repeat` it is re-seeded every epoch (`seed + epoch`), so each epoch visits every index once,
   in a new order, and position p maps to its index by arithmetic alone;
-- unbounded source (`size` None, procedural): `MapDataset.range(sys.maxsize)`, i.e. p itself;
+- unbounded source (`size` None, procedural): `MapDataset.range(2**62)`, i.e. p itself;
   such sources are reproducible per index already, and a shuffle would add nothing.
 
 grain then cuts the stream into this host's steps: `batch(tasks_per_step // process_count)`
@@ -30,7 +30,6 @@ among hosts, the same at every evaluation.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Optional
 
 from rl_tpu.envs.base import Task, TaskSource
@@ -90,7 +89,9 @@ class TaskStream:
         self.per_host = tasks_per_step // self.process_count
 
         if self.size is None:
-            indices = grain.MapDataset.range(sys.maxsize)
+            # unbounded, for any practical purpose; not sys.maxsize itself, whose batches of
+            # one task overflow grain's slice of them (a host's share on several hosts)
+            indices = grain.MapDataset.range(2**62)
         else:
             indices = grain.MapDataset.range(self.size)
             if self.shuffle:

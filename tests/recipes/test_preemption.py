@@ -107,13 +107,19 @@ def test_signal_checkpoints_the_step_and_the_rerun_repeats_the_run(tmp_path, sig
 
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
+    """Each env step waits 2 s (env.step_latency_s; no warm start, whose demonstrations would
+    wait too), so the second signal, 0.5 s after the first, lands while the step is still
+    playing: the run exits then, not at the step's end."""
     workdir = tmp_path / "run"
-    procs = start_job(_command(workdir)[3:], 1, 0, str(tmp_path / "logs"))
+    args = _command(workdir)[3:] + ["--config.env.step_latency_s=2.0", "--config.sft.steps=0"]
+    procs = start_job(args, 1, 0, str(tmp_path / "logs"))
     _signal_after_step(procs, workdir, 1, signal.SIGTERM)
+    time.sleep(0.5)
     procs[0].send_signal(signal.SIGTERM)
     job = wait_job(procs, str(tmp_path / "logs"), timeout_s=60)
     assert job.returncodes == [128 + signal.SIGTERM], job.tail()
     assert "again: exiting at once" in job.logs[0]
+    assert "checkpointed in" not in job.logs[0]  # it did not wait for the step to end
 
 
 @pytest.mark.slow

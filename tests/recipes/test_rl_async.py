@@ -8,7 +8,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=2.
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -42,8 +41,8 @@ def _kill_mid_run(command, workdir, log_path, env) -> int:
 
 
 def _host_state(directory, step):
-    with open(directory / f"{step}.process0.pkl", "rb") as f:
-        return pickle.load(f)
+    from rl_tpu import host_state
+    return host_state.read(host_state.path(str(directory), step, 0))
 
 
 # ---------------------------------------------------------------- deterministic, with replay
@@ -65,7 +64,7 @@ def test_kill_9_resumes_exactly_async_deterministic_with_replay(tmp_path):
     fourth checkpoint and rerun, logs every non-time metric of every step and ends with the
     params of an uninterrupted run, bit for bit: the checkpoint of step k holds the chunks
     k + 1, k + 2 already played (trajectories and their rollout metrics), the stream position
-    after them and the replay buffer (checkpoints/host/<k>.process0.pkl)."""
+    after them and the replay buffer (checkpoints/host/<k>.process0.hoststate)."""
     straight = tmp_path / "straight"
     result = subprocess.run(_deterministic_command(straight), cwd=REPO, env=_two_device_env(),
                             capture_output=True, text=True, timeout=900)
