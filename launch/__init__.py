@@ -17,7 +17,7 @@ import sys
 
 from absl import app, flags, logging
 
-from rl_tpu.preemption import Preempted
+from rl_tpu.preemption import Preempted, PreemptionGuard
 
 DEBUG_ENV = "RL_TPU_DEBUG"
 CACHE_ENV = "RL_TPU_COMPILATION_CACHE"  # "0": no persistent compilation cache
@@ -46,7 +46,8 @@ def run(main, prepare=None) -> None:
     def start_and_main(argv):
         start(argv)
         try:
-            return main(argv)
+            with PreemptionGuard():  # SIGTERM / SIGINT: the recipe stops after a step, saved
+                return main(argv)
         except Preempted as e:  # checkpointed: where it stopped, and how to go on
             print(e, file=sys.stderr, flush=True)
             sys.exit(e.exit_code)

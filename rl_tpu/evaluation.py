@@ -7,7 +7,9 @@ when any of its k samples succeeds). Each host plays its own share of the tasks;
 combined across hosts, so every host returns the same numbers.
 
 Metrics (under the caller's prefix, e.g. `eval/`): success, reward, turns (mean actions an
-episode), tokens (mean generated tokens an episode), num_tasks, env_errors, and pass@k; and
+episode), tokens (mean generated tokens an episode), num_tasks, env_errors, weight_version
+(the oldest policy version that sampled the greedy episodes: an eval at step s shows s), and
+pass@k; and
 violation_rate (rule-breaking decisions / valid decisions) and format_valid_rate (valid
 decisions / decisions asked for) for envs whose steps report `info["violation"]` (the
 alignment-tipping testbeds, rl_tpu/envs/tipping.py). A reply the env could not parse
@@ -27,7 +29,7 @@ from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
-from rl_tpu.trajectory import EpisodeStats, Trajectory
+from rl_tpu.trajectory import NO_VERSION, EpisodeStats, Trajectory
 
 
 def global_sums(values: np.ndarray) -> np.ndarray:
@@ -59,6 +61,17 @@ def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return out
 
 
+def evaluated_version(trajectories: Sequence[Trajectory]) -> int:
+    """The oldest weight version that sampled any eval token, over every host (NO_VERSION
+    when none says): an eval labelled step s must have sampled with version s only."""
+    versions = [t.oldest_version for t in trajectories if t.oldest_version != NO_VERSION]
+    oldest = int(parallel.across_hosts(min(versions, default=_NO_TOKENS), "min"))
+    return NO_VERSION if oldest == _NO_TOKENS else oldest
+
+
+_NO_TOKENS = 2**62  # a host whose episodes sampled nothing (every reset failed)
+
+
 def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,
              tokenizer: ChatTokenizer, max_turns: int, max_new_tokens: int,
              max_context_tokens: int, pass_k: int = 0,
@@ -74,6 +87,7 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
                                  "violation_rate", "format_valid_rate") if k in stats}
     out["num_tasks"] = stats["episodes"]
+    out["weight_version"] = evaluated_version(greedy)
     if pass_k > 0:
         if sampling is None:
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")

@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Preempted(Exception):
     """The run stopped early on a signal, after checkpointing `step`; rerunning resumes."""
 
-    def __init__(self, step: int, workdir: str, signum: int):
-        self.step, self.workdir, self.signum = step, workdir, signum
-        name = signal.Signals(signum).name if signum else "a signal on another host"
+    def __init__(self, step: int, where: str, signum: int):
+        self.step, self.where, self.signum = step, where, signum
+        name = signal.Signals(signum).name if signum else "a signal to another host"
         super().__init__(
-            f"stopped on {name} after step {step}, checkpointed in {workdir}/checkpoints; "
+            f"stopped on {name} after step {step}, checkpointed in {where}; "
             "rerun the same command to resume from there")
 
     @property
@@ -51,43 +51,71 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Records SIGTERM / SIGINT while a run is inside it (see the module doc)."""
+    """Records SIGTERM / SIGINT while a run is inside it (see the module doc). Guards nest (a
+    launcher's around a recipe's): the outermost one installs the handlers and puts the old
+    ones back, and every guard sees the same signal."""
 
-    def __init__(self):
-        self.signum: Optional[int] = None  # the first signal this host received
-        self._previous: dict[int, object] = {}
+    _depth = 0  # guards entered and not left, process-wide
+    _signum: Optional[int] = None  # the first signal received inside the outermost guard
+    _previous: dict[int, object] = {}
 
     def __enter__(self) -> "PreemptionGuard":
-        if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        else:  # a run driven from a thread (signals go to the main thread, not here)
+        cls = PreemptionGuard
+        if threading.current_thread() is not threading.main_thread():
+            # a run driven from a thread: signals go to the main thread, not here
             log.warning("not on the main thread: SIGTERM / SIGINT will not checkpoint the run")
+            return self
+        if cls._depth == 0:
+            cls._signum = None
+            cls._previous = {signum: signal.signal(signum, _on_signal) for signum in SIGNALS}
+        cls._depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+        cls = PreemptionGuard
+        if threading.current_thread() is not threading.main_thread() or cls._depth == 0:
+            return
+        cls._depth -= 1
+        if cls._depth == 0:
+            for signum, handler in cls._previous.items():
+                signal.signal(signum, handler)
+            cls._previous, cls._signum = {}, None
 
-    def _on_signal(self, signum, frame) -> None:
-        del frame
-        if self.signum is not None:  # the second: the user wants out now
-            sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once; the "
-                             "last complete checkpoint is kept\n")
-            sys.stderr.flush()
-            os._exit(128 + signum)
-        self.signum = signum
-        sys.stderr.write(f"\n{signal.Signals(signum).name}: finishing this step, then "
-                         "checkpointing and stopping (send it again to exit at once)\n")
-        sys.stderr.flush()
+    @property
+    def signum(self) -> Optional[int]:
+        return PreemptionGuard._signum
 
     def should_stop(self) -> bool:
-        """Whether any host has received a signal: the same answer on every host (a
-        collective with several processes: called by every host at the same point, on the
-        main thread, once a step)."""
-        from rl_tpu import parallel  # here: the launchers import this module before jax
-        return bool(parallel.across_hosts(self.signum is not None, "any"))
+        return should_stop()
 
     def preempted(self, step: int, workdir: str) -> Preempted:
-        return Preempted(step, workdir, self.signum or 0)
+        return Preempted(step, workdir, PreemptionGuard._signum or 0)
+
+
+def _on_signal(signum, frame) -> None:
+    del frame
+    if PreemptionGuard._signum is not None:  # the second: the user wants out now
+        sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once; the last "
+                         "complete checkpoint is kept\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    PreemptionGuard._signum = signum
+    sys.stderr.write(f"\n{signal.Signals(signum).name}: finishing this step, then "
+                     "checkpointing and stopping (send it again to exit at once)\n")
+    sys.stderr.flush()
+
+
+def should_stop() -> bool:
+    """Whether any host has received a signal inside a guard: the same answer on every host
+    (with several processes a collective: every host calls it at the same point, on the main
+    thread, once a step). False outside any guard."""
+    from rl_tpu import parallel  # here: the launchers import this module before jax
+    return bool(parallel.across_hosts(PreemptionGuard._signum is not None, "any"))
+
+
+def stop_here(step: int, where: str, save: Callable[[], None]) -> None:
+    """At the end of step `step` of a loop: when any host was signalled, `save()` (which
+    must leave the step's checkpoint whole on disk) and raise Preempted, on every host."""
+    if should_stop():
+        save()
+        raise Preempted(step, where, PreemptionGuard._signum or 0)

@@ -44,6 +44,7 @@ Resume (`state()` -> `load_state()`, saved with the checkpoint of step s):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -89,6 +90,12 @@ class SyncProducer:
     def publish(self, params, version: int) -> None:
         self._engine.update_weights(self._to_engine(params), str(version))
 
+    @contextlib.contextmanager
+    def engine_at(self, params, version: int):
+        """The engine already serves `version`: published at the end of the step."""
+        del params, version
+        yield self._engine
+
     def state(self, step: int) -> dict:
         return {"stream": self._stream.get_state()}
 
@@ -105,10 +112,12 @@ class AsyncProducer:
     def __init__(self, play: PlayFn, select: SelectFn, stream: TaskStream, engine,
                  to_engine: Callable[[Any], Any], *, max_staleness: int, deterministic: bool,
                  groups_per_step: int, partial: Optional[PartialRollouts] = None,
-                 keep_stale: bool = False):
+                 keep_stale: bool = False, shared_with_eval: bool = False):
         """`partial`: play through partial rollouts (free-running only: chunks then hold a
         varying number of groups). `keep_stale`: groups older than k are trained on, their
-        old tokens masked by the trainer (rollout.mask_stale_tokens), instead of dropped."""
+        old tokens masked by the trainer (rollout.mask_stale_tokens), instead of dropped.
+        `shared_with_eval`: the eval borrows the engine (SGLang servers: `engine_at`), so a
+        deterministic producer keeps the copy it loaded last, to load it again after."""
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: the async producer needs >= 1")
         if partial is not None and deterministic:
@@ -122,6 +131,12 @@ class AsyncProducer:
         self._cond = threading.Condition()
         self._published = 0  # the newest version the learner has published
         self._held: dict[int, Any] = {}  # deterministic: version -> params, until used
+        # deterministic, engine shared with eval: the producer holds `_engine_lock` while a
+        # chunk plays; `_loaded` is what it loaded last, reloaded when an eval swapped it
+        self._shared_with_eval = shared_with_eval
+        self._engine_lock = threading.Lock()
+        self._loaded: Optional[tuple[int, Any]] = None
+        self._swapped = False
         self._ready: dict[int, list[Trajectory]] = {}  # chunk -> its selected trajectories
         self._ready_metrics: dict[int, dict] = {}
         self._in_flight: list = []  # free-running: tasks of the chunk being played
@@ -353,13 +368,13 @@ class AsyncProducer:
                     else:
                         tasks = self._stream.next()
                     self._in_flight = list(tasks) + list(self._partial_pending)
-                if self.deterministic and params is not None:
-                    # host-local copies the learner made (publish): no collective here
-                    self._engine.update_weights(params, str(needed))
-                played = self._play(tasks, chunk, 0)
-                # no collectives here: refill rounds are decided by this host alone
-                chosen, metrics = self._select(
-                    played, lambda r: self._play(self._read_more(), chunk, r), lambda f: f)
+                with self._engine_lock:
+                    if self.deterministic:
+                        self._load_for_chunk(params, needed)
+                    played = self._play(tasks, chunk, 0)
+                    # no collectives here: refill rounds are decided by this host alone
+                    chosen, metrics = self._select(
+                        played, lambda r: self._play(self._read_more(), chunk, r), lambda f: f)
                 pending = self._partial.pending_tasks() if self._partial is not None else []
                 with self._cond:
                     self._ready[chunk] = chosen
@@ -372,6 +387,37 @@ class AsyncProducer:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+    def _load_for_chunk(self, params, version: int) -> None:
+        """Deterministic: the engine gets the version the chunk is sampled with (host-local
+        copies the learner made in `publish`: no collective here); after an eval borrowed
+        the engine, the last version loaded goes back in."""
+        if params is None and self._swapped and self._loaded is not None:
+            version, params = self._loaded
+        if params is None:
+            return
+        self._engine.update_weights(params, str(version))
+        self._swapped = False
+        if self._shared_with_eval:
+            self._loaded = (version, params)
+
+    @contextlib.contextmanager
+    def engine_at(self, params, version: int):
+        """The producer's engine serving exactly `version` (`params`, the learner's) while the
+        caller evaluates with it: for an engine the eval shares (SGLang servers). Learner's
+        thread. Free-running, that is the engine once the publisher has loaded `version`
+        (the next comes only when the learner publishes again, after the eval); lock-step,
+        `version` is loaded between two chunks and the producer's own goes back after."""
+        if not self.deterministic:
+            self._wait_for(lambda: self._published >= version and self._to_publish is None,
+                           version)
+            yield self._engine
+            return
+        copy = self._engine_copy(params)  # here, on the main thread: a collective
+        with self._engine_lock:
+            self._engine.update_weights(copy, str(version))
+            self._swapped = True
+            yield self._engine
 
     def _may_start(self, needed_version: int) -> Optional[str]:
         """Admission (under the lock): "new" (a chunk of new tasks), "resume" (partial

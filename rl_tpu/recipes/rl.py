@@ -30,6 +30,7 @@ run repeats an uninterrupted one number for number (asynchronous: in determinist
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -51,7 +52,7 @@ from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats
 from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
-from rl_tpu.preemption import PreemptionGuard
+from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft
 from rl_tpu.recipes.config import check
 from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer
@@ -83,15 +84,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
         return finished
     trainer = (trainer_class or Trainer)(config, workdir)
     try:
-        with PreemptionGuard() as guard:  # SIGTERM / SIGINT: stop after the step, saved
+        with PreemptionGuard():  # SIGTERM / SIGINT: stop after the step, checkpointed
             trainer.start_producer()
             for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
                                              "RL steps", enabled=trainer.is_chief):
                 _, record = trainer.train_step(step)      # rollout, batch, score, update, sync
                 trainer.end_step(step, record)            # eval (when due), log, checkpoint
-                if step < config.train.steps and guard.should_stop():
-                    trainer.stop_early(step)
-                    raise guard.preempted(step, workdir)
+                trainer.stop_if_signalled(step)           # pre-emption: every host agrees
             trainer.finish()
     finally:
         trainer.close()
@@ -223,6 +222,11 @@ class Trainer:
                 config, self.model_cfg, self.learner.policy.params, self.tokenizer, workdir,
                 version=str(self.start), devices=here)
         self.producer = self._make_producer()
+        if self.asynchronous and self.eval_engine is self.engine and \
+                config.rollout.deterministic:
+            # evals borrow the servers (`engine_at`): the producer gets its start version as
+            # a copy it can load back after one
+            self.producer.publish(self.learner.policy.params, self.start)
         if host_state is not None:
             self.producer.load_state(host_state["producer"], self.start)
             self.replay.load_state(host_state.get("replay", []))
@@ -331,12 +335,18 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.time()
-        if self.eval_engine is not self.engine:
-            self.eval_engine.update_weights(parallel.host_copies(self.learner.policy.params),
-                                            str(step))
-        result = components.evaluate_policy(self.config, self.eval_engine, self.make_env,
-                                            self.eval_list, self.tokenizer,
-                                            step_seed(self.config.seed, step, 1))
+        params = self.learner.policy.params
+        if self.eval_engine is not self.engine:  # the asynchronous embedded sampler's own
+            self.eval_engine.update_weights(parallel.host_copies(params), str(step))
+            serving = contextlib.nullcontext(self.eval_engine)
+        elif getattr(self, "producer", None) is not None:  # shared: at `step`, not behind it
+            serving = self.producer.engine_at(params, step)
+        else:  # step 0, before the producer: the engine was made with these params
+            serving = contextlib.nullcontext(self.engine)
+        with serving as engine:
+            result = components.evaluate_policy(self.config, engine, self.make_env,
+                                                self.eval_list, self.tokenizer,
+                                                step_seed(self.config.seed, step, 1))
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 
@@ -358,12 +368,18 @@ class Trainer:
         self.ckpt.save(step, self._checkpoint_state(), meta)
         self.saved_step = step
 
-    def stop_early(self, step: int) -> None:
-        """Pre-empted after step `step`: its checkpoint written (unless it just was) and on
-        disk before the process goes."""
-        if self.saved_step != step:
-            self.save(step)
-        self.ckpt.wait()
+    def stop_if_signalled(self, step: int) -> None:
+        """After step `step` (before the last): when any host got SIGTERM / SIGINT, the
+        step's checkpoint (unless it was just saved) on disk, then `Preempted` is raised on
+        every host (rl_tpu/preemption.py)."""
+        if step >= self.config.train.steps:
+            return
+
+        def save():
+            if self.saved_step != step:
+                self.save(step)
+            self.ckpt.wait()
+        stop_here(step, os.path.join(self.workdir, "checkpoints"), save)
 
     def finish(self) -> None:
         """After the last step: checkpoints written, the final policy exported, curves drawn.
@@ -420,7 +436,8 @@ class Trainer:
                              max_staleness=config.rollout.max_staleness,
                              deterministic=config.rollout.deterministic,
                              groups_per_step=per_host, partial=partial,
-                             keep_stale=config.rollout.mask_stale_tokens)
+                             keep_stale=config.rollout.mask_stale_tokens,
+                             shared_with_eval=self.eval_engine is self.engine)
 
     def _episode_args(self, tasks: list, chunk: int, round_index: int) -> dict:
         config, env_cfg = self.config, self.config.env

@@ -95,6 +95,7 @@ def explore(chain: PolicyChain, r: int) -> tuple[ExpertSet, object, dict]:
             write_json(_experience_path(chain, r, step), found.state())
             _merge_every_host(chain, expert, found)
             trainer.end_step(step, record)
+            trainer.stop_if_signalled(step)
         trainer.finish()
         end = trainer.learner.policy.params
         rl_eval = {f"loop/rl_{k[len('eval/'):]}": v for k, v in trainer.last_eval.items()

@@ -25,7 +25,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from rl_tpu import parallel
+from rl_tpu import parallel, preemption
 from rl_tpu.agent import conversation_start
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
@@ -261,8 +261,17 @@ def checkpoint_every(ckpt, data: ExampleBatches, every: int, last: int,
     at step `last`: a run killed mid-way and started again (`restore`) repeats the
     uninterrupted run number for number."""
     def save(step: int, state: TrainState) -> None:
-        if step % every == 0 or step == last:
+        due = step % every == 0 or step == last
+        if due:
             ckpt.save(step, {"policy": state}, {"data": data.get_state(), **(meta or {})})
+        if step < last:  # SIGTERM / SIGINT on any host: this step's checkpoint, then stop
+
+            def save_now():
+                if not due:
+                    ckpt.save(step, {"policy": state},
+                              {"data": data.get_state(), **(meta or {})})
+                ckpt.wait()
+            preemption.stop_here(step, str(ckpt.directory), save_now)
     return save
 
 

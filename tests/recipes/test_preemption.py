@@ -32,7 +32,22 @@ def test_guard_records_the_signal_and_restores_the_handlers():
         error = guard.preempted(7, "/w")
     assert signal.getsignal(signal.SIGTERM) is before
     assert isinstance(error, Preempted) and error.exit_code == 128 + signal.SIGTERM
-    assert "after step 7" in str(error) and "rerun the same command" in str(error)
+    assert str(error) == ("stopped on SIGTERM after step 7, checkpointed in /w; rerun the "
+                          "same command to resume from there")
+
+
+def test_guards_nest_and_the_outermost_restores():
+    before = signal.getsignal(signal.SIGINT)
+    with PreemptionGuard():
+        installed = signal.getsignal(signal.SIGINT)
+        with PreemptionGuard() as inner:
+            assert signal.getsignal(signal.SIGINT) is installed
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is installed  # still the outer guard's
+        assert inner.should_stop()  # seen by every guard
+    assert signal.getsignal(signal.SIGINT) is before
+    assert not PreemptionGuard().should_stop()  # no guard: nothing recorded
 
 
 def test_guard_off_the_main_thread_installs_nothing():
@@ -72,6 +87,11 @@ def _signal_after_step(procs, workdir, step, signum, timeout_s=300):
     procs[-1].send_signal(signum)
 
 
+def _sft_command(workdir):
+    return [sys.executable, "-m", "launch.sft", "--config", "configs/quickstart.py:smoke",
+            "--workdir", str(workdir), "--config.sft.steps=400", "--config.checkpoint.every=1000"]
+
+
 def _stopped_at(log: str) -> int:
     found = re.findall(r"after step (\d+), checkpointed in", log)
     assert len(found) == 1, log[-3000:]
@@ -103,6 +123,24 @@ def test_signal_checkpoints_the_step_and_the_rerun_repeats_the_run(tmp_path, sig
     straight, resumed = _final_params(uninterrupted_run), _final_params(workdir)
     for key in straight:
         np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_sft_stops_on_a_signal_with_a_checkpoint_and_resumes_there(tmp_path):
+    """SFT (launch.sft; the loops' fine-tunes use the same hook) checkpoints the step it
+    stopped after, off its checkpoint.every schedule, and the rerun resumes from it."""
+    workdir = tmp_path / "run"
+    procs = start_job(_sft_command(workdir)[3:], 1, 0, str(tmp_path / "logs"))
+    _signal_after_step(procs, workdir, 20, signal.SIGTERM)
+    job = wait_job(procs, str(tmp_path / "logs"), timeout_s=300)
+    assert job.returncodes == [128 + signal.SIGTERM], job.tail()
+    k = _stopped_at(job.logs[0])
+    assert 20 <= k < 400
+    result = subprocess.run(_sft_command(workdir), cwd=REPO, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(str(workdir)) if "sft/loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 400, steps[-5:]
 
 
 @pytest.mark.slow

@@ -41,3 +41,34 @@ def test_math_sglang_smoke_trains_two_steps_with_weight_sync(tmp_path, backend):
     assert [r["rollout/weight_version"] for r in records] == [0, 1]
     assert all(r["train/skipped"] == 0 for r in records)
     assert "eval/success" in result
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["lock_step", "free_running"])
+def test_async_eval_on_shared_servers_measures_the_version_it_is_labelled_with(
+        tmp_path, deterministic):
+    """Asynchronous with SGLang-compatible servers, the eval shares the producer's servers,
+    which lag the learner: the eval at step s must sample with version s (lock-step: loaded
+    between two chunks, the producer's own put back after; free-running: once the publisher
+    has loaded it), never the version the producer happens to hold."""
+    sys.path.insert(0, REPO)
+    try:
+        config = importlib.import_module("configs.math_sglang").get_config("smoke")
+    finally:
+        sys.path.remove(REPO)
+    config.model.path = ""
+    config.model.path = components.model_path(config, str(tmp_path))
+    config.train.steps, config.eval.every = 3, 1
+    config.rollout.max_staleness, config.rollout.deterministic = 1, deterministic
+    server = start_rollout_server(config.model.path)
+    try:
+        config.rollout.urls = server.url
+        rl.run(config, str(tmp_path / "run"))
+    finally:
+        server.stop()
+    records = read_metrics(str(tmp_path / "run"))
+    evals = [(r["step"], r["eval/weight_version"]) for r in records if "eval/success" in r]
+    assert evals == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    rollouts = [(r["step"], r["rollout/weight_version"]) for r in records
+                if "rollout/reward" in r]
+    if deterministic:  # step s trains on version max(0, s - 2): the eval's swap undone
+        assert rollouts == [(1, 0), (2, 0), (3, 1)]
