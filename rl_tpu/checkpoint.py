@@ -5,9 +5,10 @@ One checkpoint is one orbax step directory `<directory>/<step>/` holding three i
 - `state`: the pytree of arrays (a TrainState, dicts...), written by every process for the
   shards it holds and read back straight into the target's shardings;
 - `meta`: a JSON dict (task-iterator state, schedule state, rng seed, the config), written once;
-- `integrity`: per-array checksums of the bits. Tensorstore checks its index but not the array
-  bytes, so a flipped bit in a data file would restore silently; the checksum turns that into
-  a read error, which makes `restore` fall back to the previous step like any other.
+- `integrity`: per-array checksums of the bits (rl_tpu/checkpoint_integrity.py). Tensorstore
+  checks its index but not the array bytes, so a flipped bit in a data file would restore
+  silently; the checksum turns that into a read error, which makes `restore` fall back to the
+  previous step like any other.
 
 Orbax writes a step under a temporary name and renames it when complete, so a process killed
 mid-save leaves the previous steps intact and the partial one invisible (the next run's first
@@ -43,13 +44,15 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax import lax
 
 from rl_tpu import host_state, parallel
+from rl_tpu.checkpoint_integrity import (  # noqa: F401 - CheckpointCorruptError: public here
+    CheckpointCorruptError, check_savable, flat, path_name)
+from rl_tpu.checkpoint_integrity import record as integrity_record
+from rl_tpu.checkpoint_integrity import verify as verify_integrity
 
 log = logging.getLogger(__name__)
 
@@ -57,132 +60,16 @@ SUPERSEDED_DIR = "superseded"
 STATIC_DIR = "static"
 HOST_DIR = "host"
 _ITEMS = ("state", "meta", "integrity")
-_INTEGRITY_FORMAT = 1
 
 
 class CheckpointTargetMismatchError(ValueError):
     """The restore target's structure or shapes differ from what the checkpoint holds."""
 
 
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint was read but its arrays do not match the checksums saved with them."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Leaves, paths and checksums
-# ---------------------------------------------------------------------------------------------
-
-def _key_name(entry) -> str:
-    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _path_name(path) -> str:
-    """'opt_state/1/0/mu/w': the same string orbax's nested-dict layout implies."""
-    return "/".join(_key_name(e) for e in path)
-
-
-def _flat(tree) -> dict[str, Any]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    flat = {_path_name(path): leaf for path, leaf in leaves}
-    if len(flat) != len(leaves):
-        raise ValueError("two leaves of the state have the same path name; rename one of them")
-    return flat
-
-
-def _check_savable(state) -> None:
-    for name, leaf in _flat(state).items():
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            raise TypeError(f"state leaf {name!r} is a {type(leaf).__name__}; every leaf must be "
-                            "a jax.Array or numpy array (wrap Python numbers in jnp.asarray)")
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(f"state leaf {name!r} is a typed PRNG key; store "
-                            "jax.random.key_data(key) (uint32) and wrap it again after restore")
-
-
-def _checkable(dtype) -> bool:
-    """Dtypes whose elements are whole bytes with a plain bit pattern (not int4, complex)."""
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return True
-    if jnp.issubdtype(dtype, jnp.integer):
-        bits = jnp.iinfo(dtype).bits
-    elif jnp.issubdtype(dtype, jnp.floating):
-        bits = jnp.finfo(dtype).bits
-    else:
-        return False
-    return bits == 8 * dtype.itemsize and dtype.itemsize in (1, 2, 4, 8)
-
-
-def _words(x: jax.Array) -> Optional[jax.Array]:
-    """The array's bits as uint32 words, or None for a dtype without a plain bit pattern."""
-    if not _checkable(x.dtype):
-        return None
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = np.dtype(x.dtype).itemsize
-    if size == 4 or size == 8:  # 8-byte elements become a trailing pair of words
-        return lax.bitcast_convert_type(x, jnp.uint32)
-    small = {1: jnp.uint8, 2: jnp.uint16}[size]
-    return lax.bitcast_convert_type(x, small).astype(jnp.uint32)
-
-
-def _checksum(x: jax.Array):
-    """sum_i words[i] * (2i + 1) mod 2**32, i the row-major element index.
-
-    The odd weights make any single changed word change the sum, and the position weight
-    catches swapped chunks. Elementwise work plus one modular sum, so it runs where the shards
-    are, and the result does not depend on the sharding (addition mod 2**32 is exact in any
-    order): a state restored onto another mesh gets the same checksum.
-    """
-    words = _words(x)
-    if words is None:
-        return jnp.zeros((), jnp.uint32)
-    # Row-major index from one iota per dim (no reshape, which could force a gather of the
-    # shards); uint32 arithmetic wraps, which only reuses weights past 2**32 elements.
-    index = jnp.zeros(words.shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(words.ndim)):
-        iota = lax.broadcasted_iota(jnp.uint32, words.shape, dim)
-        index = index + iota * np.uint32(stride % 2**32)
-        stride *= words.shape[dim]
-    return jnp.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)
-
-
-_checksums_jit = jax.jit(lambda leaves: [_checksum(x) for x in leaves])
-
-
-def _integrity_record(state) -> dict:
-    flat = _flat(state)
-    sums = jax.device_get(_checksums_jit(list(flat.values())))
-    arrays = {}
-    for (name, leaf), total in zip(flat.items(), sums):
-        checkable = _checkable(leaf.dtype)
-        arrays[name] = {"dtype": str(np.dtype(leaf.dtype)), "shape": list(leaf.shape),
-                        "checksum": int(total) if checkable else None}
-    return {"format": _INTEGRITY_FORMAT, "arrays": arrays}
-
-
-def _verify(restored, record: dict, what: str) -> None:
-    flat = _flat(restored)
-    saved = record.get("arrays", {})
-    # Only leaves restored in the dtype they were saved in have comparable bits.
-    names = [n for n, x in flat.items() if n in saved and saved[n]["checksum"] is not None
-             and saved[n]["dtype"] == str(np.dtype(x.dtype))]
-    sums = jax.device_get(_checksums_jit([flat[n] for n in names]))
-    bad = [n for n, total in zip(names, sums) if int(total) != saved[n]["checksum"]]
-    if bad:
-        raise CheckpointCorruptError(
-            f"{what}: the bytes of {len(bad)} array(s) differ from their saved checksums "
-            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): the files were damaged")
-
-
 def _abstract_target(target):
     """ShapeDtypeStructs with shardings (what orbax restores into), checked leaf by leaf."""
     def one(path, leaf):
-        name = _path_name(path)
+        name = path_name(path)
         if isinstance(leaf, np.ndarray):
             return leaf  # restored as a numpy array on the host
         sharding = getattr(leaf, "sharding", None)
@@ -198,8 +85,8 @@ def _abstract_target(target):
 
 
 def _check_against_metadata(abstract, saved_tree, what: str) -> None:
-    want = {n: tuple(x.shape) for n, x in _flat(abstract).items()}
-    have = {n: tuple(m.shape) for n, m in _flat(saved_tree).items()}
+    want = {n: tuple(x.shape) for n, x in flat(abstract).items()}
+    have = {n: tuple(m.shape) for n, m in flat(saved_tree).items()}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     shapes = [f"{n}: target {want[n]} vs saved {have[n]}" for n in sorted(set(want) & set(have))
               if want[n] != have[n]]
@@ -282,7 +169,7 @@ class Checkpointer:
             log.info("checkpoint step %d already saved to %s; not saving it again", step,
                      self.directory)
             return
-        _check_savable(state)
+        check_savable(state)
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as err:
@@ -292,7 +179,7 @@ class Checkpointer:
         self._set_aside_abandoned(step)
         items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if self.checksums:
-            items["integrity"] = ocp.args.JsonSave(_integrity_record(state))
+            items["integrity"] = ocp.args.JsonSave(integrity_record(state))
         start = time.perf_counter()
         # force: the trainer decides when to save; orbax's own interval policy must not skip
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -450,7 +337,7 @@ class Checkpointer:
         def read():
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             if verify:
-                _verify(restored["state"], restored["integrity"], f"step {step}")
+                verify_integrity(restored["state"], restored["integrity"], f"step {step}")
             # a damaged host state damages its step, on every process
             host = host_state.read_if_saved(self._host_dir, step, jax.process_index()) \
                 if with_host_state else None
@@ -477,8 +364,8 @@ class Checkpointer:
         """
         self._check_open()
         path = self._static_path(name)
-        _check_savable(tree)
-        record = _integrity_record(tree) if self.checksums else None
+        check_savable(tree)
+        record = integrity_record(tree) if self.checksums else None
         self.wait()
         if self.has_static(name):
             differs = self._static_differs(path, tree, record)
@@ -536,7 +423,7 @@ class Checkpointer:
             def read():
                 restored = reader.restore(path, args=ocp.args.Composite(**items))
                 if verify:
-                    _verify(restored["state"], restored["integrity"], what)
+                    verify_integrity(restored["state"], restored["integrity"], what)
                 return restored["state"]
             return _on_every_process(read, what)
         finally:
@@ -559,8 +446,8 @@ class Checkpointer:
             else:
                 tree_metadata = reader.metadata(path).item_metadata["state"].tree
                 saved = {n: (tuple(m.shape), str(np.dtype(m.dtype)))
-                         for n, m in _flat(tree_metadata).items()}
-                want = {n: (tuple(x.shape), str(np.dtype(x.dtype))) for n, x in _flat(tree).items()}
+                         for n, m in flat(tree_metadata).items()}
+                want = {n: (tuple(x.shape), str(np.dtype(x.dtype))) for n, x in flat(tree).items()}
         except Exception as err:  # pylint: disable=broad-except
             return f"unreadable: {_short(err)}"
         finally:

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl_tpu.checkpoint import (SUPERSEDED_DIR, CheckpointCorruptError, Checkpointer,
-                               CheckpointTargetMismatchError, _checksum)
+                               CheckpointTargetMismatchError)
+from rl_tpu.checkpoint_integrity import _checksum
 from rl_tpu.host_state import PickledHostStateError
 from rl_tpu.parallel import make_mesh
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer

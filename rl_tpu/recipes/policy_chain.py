@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import time
-from typing import Optional
 
 import jax
 import ml_collections

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -53,7 +52,7 @@ from rl_tpu.evaluation import episode_stats
 from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
-from rl_tpu.recipes import algorithms, components, resume, sft
+from rl_tpu.recipes import algorithms, components, resume, sft, shapes
 from rl_tpu.recipes.config import check
 from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer
 from rl_tpu.train import rollout_batch
@@ -515,9 +514,8 @@ class Trainer:
         return out
 
     def _row_multiple(self) -> int:
-        """This host's share of the learner's row multiple."""
-        global_multiple = self.learner.row_multiple()
-        return global_multiple // math.gcd(global_multiple, jax.process_count())
+        """This host's share of the learner's row multiple (compile_check pads as this does)."""
+        return shapes.host_row_multiple(self.learner.row_multiple(), jax.process_count())
 
     # -- checkpoint pieces --------------------------------------------------------------
 

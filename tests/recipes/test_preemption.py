@@ -16,8 +16,8 @@ import pytest
 from multihost import start_job, wait_job
 from rl_tpu.metrics import read_metrics
 from rl_tpu.preemption import PreemptionGuard, Preempted
-from test_rl import (KILL_STEPS, REPO, _cpu_env, _final_params, _finite, resumed_from,
-                     uninterrupted_run)  # noqa: F401 - the fixture, used by name
+from test_rl import (KILL_STEPS, REPO, _cpu_env, _final_params, _finite,  # noqa: F401
+                     resumed_from, uninterrupted_run)  # the fixture, used by name
 
 EVERY = 5  # checkpoints on schedule at 5, 10: a stop at any other step writes its own
 

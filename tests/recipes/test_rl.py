@@ -263,6 +263,23 @@ def test_kill_9_and_rerun_resumes_exactly(tmp_path, uninterrupted_run, async_sav
         np.testing.assert_array_equal(after_kill[key], straight[key], err_msg=key)
 
 
+@pytest.mark.slow
+def test_two_runs_of_one_command_give_the_same_numbers(tmp_path, uninterrupted_run):
+    """A seeded run is a function of its command on a machine: a second run, in a fresh
+    process and workdir (tiny model, tokenizer, SFT demos, warm start, GRPO, evals all made
+    anew), logs every metric and ends with every weight as the first did."""
+    again = tmp_path / "again"
+    result = subprocess.run(_train_command(again, async_save=True), cwd=REPO, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = [_finite(r) for r in read_metrics(str(uninterrupted_run))]
+    b = [_finite(r) for r in read_metrics(str(again))]
+    assert a == b
+    first, second = _final_params(uninterrupted_run), _final_params(again)
+    for key in first:
+        np.testing.assert_array_equal(second[key], first[key], err_msg=key)
+
+
 def _final_params(workdir):
     from rl_tpu.models import hf
     _, params = hf.load(str(workdir / "final_hf"))
