@@ -69,7 +69,9 @@ def evaluated_version(trajectories: Sequence[Trajectory]) -> int:
     return NO_VERSION if oldest == _NO_TOKENS else oldest
 
 
-_NO_TOKENS = 2**62  # a host whose episodes sampled nothing (every reset failed)
+# a host whose episodes sampled nothing (every reset failed); within int32, which is what a
+# cross-host gather carries without jax_enable_x64 (2**62 arrived as 0)
+_NO_TOKENS = np.iinfo(np.int32).max
 
 
 def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,

@@ -16,6 +16,9 @@ they all stop after the same step even when the signal reached them at different
 (a host that saw it late still stops with the others). A second signal exits at once: the
 checkpoints already on disk stay whole (each is written to a temporary name, then renamed).
 
+With several processes, JAX's distributed runtime takes SIGTERM itself and spreads the notice
+(see `should_stop`); SIGINT stays this module's.
+
 Handlers are installed only on the main thread (Python delivers signals there) and the ones
 they replace are restored on exit, so a notebook or a test runner gets its Ctrl-C back.
 """
@@ -105,12 +108,37 @@ def _on_signal(signum, frame) -> None:
     sys.stderr.flush()
 
 
+_checks = 0  # should_stop calls in this process: the same count on every host at each call
+
+
 def should_stop() -> bool:
-    """Whether any host has received a signal inside a guard: the same answer on every host
-    (with several processes a collective: every host calls it at the same point, on the main
-    thread, once a step). False outside any guard."""
+    """Whether any host has received a signal: the same answer on every host (with several
+    processes a collective: every host calls it at the same point, on the main thread, once a
+    step).
+
+    In a multi-process job JAX's distributed runtime takes SIGTERM itself (its pre-emption
+    notifier replaces this module's handler) and spreads the notice to every host through
+    its coordination service; `reached_preemption_sync_point` then says, on every host at
+    the same call, that this is the step to checkpoint and stop at. It wants an increasing id
+    at every call, from the same start on every host: this process's count of calls (a loop's
+    own step restarts with each round or fine-tune)."""
+    global _checks
     from rl_tpu import parallel  # here: the launchers import this module before jax
+    _checks += 1
+    if _jax_preemption_notice(_checks) and PreemptionGuard._signum is None:
+        PreemptionGuard._signum = signal.SIGTERM
     return bool(parallel.across_hosts(PreemptionGuard._signum is not None, "any"))
+
+
+def _jax_preemption_notice(check: int) -> bool:
+    import jax
+    if jax.process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(check))
+    except RuntimeError:  # jax_enable_preemption_service off: the signal handler's flag only
+        return False
 
 
 def stop_here(step: int, where: str, save: Callable[[], None]) -> None:

@@ -78,13 +78,15 @@ def _logged_steps(workdir) -> int:
 
 
 def _signal_after_step(procs, workdir, step, signum, timeout_s=300):
-    """Sends `signum` to procs[-1] once step `step` is in the metrics file (mid-run)."""
+    """Sends `signum` (None: nothing, just wait) to procs[-1] once step `step` is in the
+    metrics file (mid-run)."""
     deadline = time.time() + timeout_s
     while _logged_steps(workdir) < step:
         assert all(p.poll() is None for p in procs), "the run ended before the signal"
         assert time.time() < deadline, f"step {step} not logged after {timeout_s} s"
         time.sleep(0.02)
-    procs[-1].send_signal(signum)
+    if signum is not None:
+        procs[-1].send_signal(signum)
 
 
 def _sft_command(workdir):
@@ -130,7 +132,8 @@ def test_sft_stops_on_a_signal_with_a_checkpoint_and_resumes_there(tmp_path):
     """SFT (launch.sft; the loops' fine-tunes use the same hook) checkpoints the step it
     stopped after, off its checkpoint.every schedule, and the rerun resumes from it."""
     workdir = tmp_path / "run"
-    procs = start_job(_sft_command(workdir)[3:], 1, 0, str(tmp_path / "logs"))
+    procs = start_job(_sft_command(workdir)[3:], 1, 0, str(tmp_path / "logs"),
+                      module="launch.sft")
     _signal_after_step(procs, workdir, 20, signal.SIGTERM)
     job = wait_job(procs, str(tmp_path / "logs"), timeout_s=300)
     assert job.returncodes == [128 + signal.SIGTERM], job.tail()
@@ -146,14 +149,15 @@ def test_sft_stops_on_a_signal_with_a_checkpoint_and_resumes_there(tmp_path):
 @pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
     """Each env step waits 2 s (env.step_latency_s; no warm start, whose demonstrations would
-    wait too), so the second signal, 0.5 s after the first, lands while the step is still
-    playing: the run exits then, not at the step's end."""
+    wait too). Both signals land while step 2 plays its episodes (1 s and 1.5 s after step 1
+    was logged): the run exits at the second, not at the step's end."""
     workdir = tmp_path / "run"
     args = _command(workdir)[3:] + ["--config.env.step_latency_s=2.0", "--config.sft.steps=0"]
     procs = start_job(args, 1, 0, str(tmp_path / "logs"))
-    _signal_after_step(procs, workdir, 1, signal.SIGTERM)
-    time.sleep(0.5)
-    procs[0].send_signal(signal.SIGTERM)
+    _signal_after_step(procs, workdir, 1, None)
+    for _ in range(2):
+        time.sleep(1.0 if _ == 0 else 0.5)
+        procs[0].send_signal(signal.SIGTERM)
     job = wait_job(procs, str(tmp_path / "logs"), timeout_s=60)
     assert job.returncodes == [128 + signal.SIGTERM], job.tail()
     assert "again: exiting at once" in job.logs[0]
