@@ -52,7 +52,9 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from rl_tpu import parallel
 from rl_tpu.data.tasks import TaskStream
 from rl_tpu.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 
@@ -68,6 +70,37 @@ def staleness_metrics(groups: list[list[Trajectory]], learner_version: int) -> d
     ages = [learner_version - v for v in map(group_version, groups) if v != NO_VERSION]
     return {"rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
             "rollout/staleness_max": float(max(ages, default=0))}
+
+
+# How a producer's per-host rollout metrics combine over hosts (`metrics_over_hosts`); any
+# other key is a mean of the hosts' values (each host trains as many groups, so an unweighted
+# mean is the mean over the global batch).
+_HOST_SUMS = ("rollout/played_tokens", "rollout/dropped_stale")
+_HOST_MAXES = ("rollout/staleness_max", "rollout/refill_rounds")
+_HOST_MEANS = ("rollout/staleness_mean", "rollout/informative_group_frac",
+               "rollout/filler_group_frac", "rollout/branch_turn")
+
+
+def metrics_over_hosts(metrics: dict) -> dict:
+    """The producer's metrics (each host's, made where no collective may run) over every host,
+    as one host playing every task would report them. The learner's thread calls this (a
+    collective with several processes). Keys outside the tables above, and the time/ keys
+    (each host's own clock), stay this host's."""
+    if jax.process_count() == 1:
+        return metrics
+    keys = _HOST_SUMS + _HOST_MAXES + _HOST_MEANS  # the same order on every host
+    local = np.array([[k in metrics, float(metrics.get(k, 0.0))] for k in keys], np.float64)
+    gathered = parallel.across_hosts(local, "gather")  # [hosts, keys, (present, value)]
+    out = dict(metrics)
+    for i, key in enumerate(keys):
+        present = gathered[:, i, 0] > 0
+        if not present.any():
+            continue
+        values = gathered[present, i, 1]
+        out[key] = float(values.sum() if key in _HOST_SUMS else
+                         values.max() if key in _HOST_MAXES else values.mean())
+    return out
+
 
 
 class SyncProducer:

@@ -54,7 +54,8 @@ from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft, shapes
 from rl_tpu.recipes.config import check
-from rl_tpu.recipes.producer import AsyncProducer, PartialRollouts, SyncProducer
+from rl_tpu.recipes.producer import (AsyncProducer, PartialRollouts, SyncProducer,
+                                     metrics_over_hosts)
 from rl_tpu.train import rollout_batch
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
@@ -282,7 +283,7 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """The trajectories step `step` trains on (fresh, then replayed) and rollout metrics."""
         trajectories, metrics = self.producer.next_batch(step)
-        metrics = dict(over_hosts(metrics), **self._rollout_metrics(trajectories, step),
+        metrics = dict(metrics_over_hosts(metrics), **self._rollout_metrics(trajectories, step),
                        **self._prefill_metrics())
         if self.replay.cfg.capacity:
             groups, replay_metrics = self.replay.mix(
@@ -338,10 +339,8 @@ class Trainer:
         if self.eval_engine is not self.engine:  # the asynchronous embedded sampler's own
             self.eval_engine.update_weights(parallel.host_copies(params), str(step))
             serving = contextlib.nullcontext(self.eval_engine)
-        elif getattr(self, "producer", None) is not None:  # shared: at `step`, not behind it
+        else:  # shared with the producer: serving `step`, not a version behind it
             serving = self.producer.engine_at(params, step)
-        else:  # step 0, before the producer: the engine was made with these params
-            serving = contextlib.nullcontext(self.engine)
         with serving as engine:
             result = components.evaluate_policy(self.config, engine, self.make_env,
                                                 self.eval_list, self.tokenizer,
@@ -573,35 +572,6 @@ def _last_eval(workdir: str, step: int) -> dict[str, float]:
     evals = [r for r in metrics_lib.read_metrics(path)
              if "eval/success" in r and r["step"] <= step]
     return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
-
-
-# How a producer's per-host rollout metrics combine over hosts (`over_hosts`); any other
-# key is a mean of the hosts' values (each host trains as many groups, so an unweighted mean
-# is the mean over the global batch).
-_HOST_SUMS = ("rollout/played_tokens", "rollout/dropped_stale")
-_HOST_MAXES = ("rollout/staleness_max", "rollout/refill_rounds")
-_HOST_MEANS = ("rollout/staleness_mean", "rollout/informative_group_frac",
-               "rollout/filler_group_frac", "rollout/branch_turn")
-
-
-def over_hosts(metrics: dict) -> dict:
-    """The producer's metrics (each host's, made where no collective may run) over every host,
-    as one host playing every task would report them. Keys outside the tables above, and the
-    time/ keys (each host's own clock), stay this host's."""
-    if jax.process_count() == 1:
-        return metrics
-    keys = _HOST_SUMS + _HOST_MAXES + _HOST_MEANS  # the same order on every host
-    local = np.array([[k in metrics, float(metrics.get(k, 0.0))] for k in keys], np.float64)
-    gathered = parallel.across_hosts(local, "gather")  # [hosts, keys, (present, value)]
-    out = dict(metrics)
-    for i, key in enumerate(keys):
-        present = gathered[:, i, 0] > 0
-        if not present.any():
-            continue
-        values = gathered[present, i, 1]
-        out[key] = float(values.sum() if key in _HOST_SUMS else
-                         values.max() if key in _HOST_MAXES else values.mean())
-    return out
 
 
 def _agreed_length(trajectories, buckets) -> int:
