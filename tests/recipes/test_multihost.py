@@ -26,6 +26,7 @@ import pytest
 from multihost import run_job
 from rl_tpu.metrics import read_metrics
 from test_rl import _final_params
+from test_rl_async import TRACE_SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -93,27 +94,6 @@ def test_rloop_trains_like_one_process(tmp_path):
     _run_like_one(tmp_path, "rloop_largest.py:smoke", final_hf=False)
     a = read_metrics(str(tmp_path / "one"))
     assert any(r.get("loop/kept", 0) > 0 for r in a), "nothing kept: the test shows nothing"
-
-
-# The trained group ids (stream positions) of each step, per process, to RL_TPU_TEST_TRACE.
-TRACE_SCRIPT = """
-import json, os, runpy, sys
-from rl_tpu.recipes import rl
-
-trace = open(os.environ["RL_TPU_TEST_TRACE"] + "." + os.environ.get("JAX_PROCESS_ID", "0"), "a")
-rollout = rl.Trainer.rollout
-
-def traced(self, step):
-    trajectories, metrics = rollout(self, step)
-    groups = list(dict.fromkeys(int(t.group_id) for t in trajectories))
-    trace.write(json.dumps({"step": step, "groups": groups}) + "\\n")
-    trace.flush()
-    return trajectories, metrics
-
-rl.Trainer.rollout = traced
-sys.argv = ["launch.train", *sys.argv[1:]]
-runpy.run_module("launch.train", run_name="__main__", alter_sys=True)
-"""
 
 
 def test_free_running_with_replay_finishes_and_trains_no_task_twice(tmp_path, monkeypatch):

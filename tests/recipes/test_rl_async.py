@@ -113,7 +113,9 @@ TRACE_SCRIPT = """
 import json, os, runpy, sys
 from rl_tpu.recipes import rl
 
-trace = open(os.environ["RL_TPU_TEST_TRACE"], "a")
+# one file a process in a multi-process job (tests/recipes/test_multihost.py): TRACE.<process>
+suffix = "." + os.environ["JAX_PROCESS_ID"] if "JAX_PROCESS_ID" in os.environ else ""
+trace = open(os.environ["RL_TPU_TEST_TRACE"] + suffix, "a")
 rollout = rl.Trainer.rollout
 
 def traced(self, step):

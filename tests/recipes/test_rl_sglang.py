@@ -17,15 +17,21 @@ from sglang_server import REPO, start_rollout_server, start_sglang_server  # noq
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers")]
 
 
-@pytest.mark.parametrize("backend", ["sglang", "jax"])
-def test_math_sglang_smoke_trains_two_steps_with_weight_sync(tmp_path, backend):
+def _smoke_config():
+    """configs/math_sglang.py:smoke with its tiny model (model.path unset: written on demand)."""
     sys.path.insert(0, REPO)
     try:
         config = importlib.import_module("configs.math_sglang").get_config("smoke")
     finally:
         sys.path.remove(REPO)
-    # The policy and the server start from the same HF dir, as a user's would.
     config.model.path = ""
+    return config
+
+
+@pytest.mark.parametrize("backend", ["sglang", "jax"])
+def test_math_sglang_smoke_trains_two_steps_with_weight_sync(tmp_path, backend):
+    # The policy and the server start from the same HF dir, as a user's would.
+    config = _smoke_config()
     model_dir = components.model_path(config, str(tmp_path))
     config.model.path = model_dir
     start = start_sglang_server if backend == "sglang" else start_rollout_server
@@ -50,12 +56,7 @@ def test_async_eval_on_shared_servers_measures_the_version_it_is_labelled_with(
     which lag the learner: the eval at step s must sample with version s (lock-step: loaded
     between two chunks, the producer's own put back after; free-running: once the publisher
     has loaded it), never the version the producer happens to hold."""
-    sys.path.insert(0, REPO)
-    try:
-        config = importlib.import_module("configs.math_sglang").get_config("smoke")
-    finally:
-        sys.path.remove(REPO)
-    config.model.path = ""
+    config = _smoke_config()
     config.model.path = components.model_path(config, str(tmp_path))
     config.train.steps, config.eval.every = 3, 1
     config.rollout.max_staleness, config.rollout.deterministic = 1, deterministic
