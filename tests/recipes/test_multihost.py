@@ -4,8 +4,8 @@ devices), as a pod slice's hosts run it.
 Deterministic modes must give what the same config gives on one process with as many devices:
 the same rollouts, evals and losses, and the same final params. Not bit for bit: a sum over
 devices of two processes is reduced in another order than over one process's devices (XLA's
-cross-process all-reduce), so floats may differ in their last bits; metrics are compared to a
-relative 1e-4 and params to an absolute 1e-5 (Adam normalises each update, so a rounding
+cross-process all-reduce), so floats may differ in their last bits; an update's metrics
+(train/, critic/, sft/, dpo/) are compared to a relative 1e-4 and params to an absolute 1e-5 (Adam normalises each update, so a rounding
 difference in a gradient moves a weight by at most ~lr x 1e-6 a step). Counts, rewards and
 success rates, which come from the sampled tokens, must be equal: a token that differs means
 the hosts sampled differently. Free-running modes are not a function of the config (their
@@ -35,6 +35,8 @@ PARAMS_ATOL = 1e-5
 # Keys measured in each host's own terms (clocks, compile counts, a sampler's cache) or whose
 # float noise is the point (a ratio that is 1 up to rounding).
 SKIP_PREFIXES = ("time/", "compile/")
+# An update's own numbers (losses, norms, ratios): floats reduced across devices.
+UPDATE_PREFIXES = ("train/", "critic/", "sft/", "dpo/")
 
 
 def _config_args(name: str, workdir, *overrides: str) -> list[str]:
@@ -53,8 +55,8 @@ def _assert_metrics_match(one, many):
         assert ra.keys() == rb.keys(), (ra["step"], sorted(ra.keys() ^ rb.keys()))
         for key in ra:
             x, y = ra[key], rb[key]
-            if isinstance(x, float) and key.startswith("train/") and not math.isnan(x):
-                # a loss or ratio: a float reduced in another order
+            if isinstance(x, float) and key.startswith(UPDATE_PREFIXES) and not math.isnan(x):
+                # a loss, norm or ratio of an update: a float reduced in another order
                 assert y == pytest.approx(x, rel=REL, abs=1e-6), (ra["step"], key, x, y)
             else:
                 assert x == y, (ra["step"], key, x, y)
