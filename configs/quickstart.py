@@ -5,7 +5,8 @@
 1. Builds a tiny random Qwen2 (with a locally trained tokenizer) in <workdir>/init_model.
 2. SFT warm start on demonstrations of the `largest` task ("Which number is largest? 3 7 2 5
    1") from an imperfect teacher: it names the largest number 30% of the time and the FIRST
-   number otherwise, solving about 47% of tasks (0.450 of the 500 held-out ones). Imitation copies that habit.
+   number otherwise, solving about 47% of tasks (0.496 of the 500 held-out ones). Imitation
+   copies that habit.
 3. GRPO with the exact reward (1 for the largest number) on the embedded JAX sampler; greedy
    eval success on 500 held-out tasks at step 0 (the SFT start) and every 10 steps.
 It prints the teacher's success, the SFT start's, and the final one; W/metrics.jsonl holds
