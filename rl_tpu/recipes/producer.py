@@ -72,18 +72,20 @@ def staleness_metrics(groups: list[list[Trajectory]], learner_version: int) -> d
             "rollout/staleness_max": float(max(ages, default=0))}
 
 
-# How a producer's per-host rollout metrics combine over hosts (`metrics_over_hosts`); any
+# How per-host rollout and replay metrics combine over hosts (`metrics_over_hosts`); any
 # other key is a mean of the hosts' values (each host trains as many groups, so an unweighted
 # mean is the mean over the global batch).
-_HOST_SUMS = ("rollout/played_tokens", "rollout/dropped_stale")
+_HOST_SUMS = ("rollout/played_tokens", "rollout/dropped_stale", "replay/groups",
+              "replay/buffer_groups")
 _HOST_MAXES = ("rollout/staleness_max", "rollout/refill_rounds")
 _HOST_MEANS = ("rollout/staleness_mean", "rollout/informative_group_frac",
-               "rollout/filler_group_frac", "rollout/branch_turn")
+               "rollout/filler_group_frac", "rollout/branch_turn", "replay/staleness_mean")
 
 
 def metrics_over_hosts(metrics: dict) -> dict:
-    """The producer's metrics (each host's, made where no collective may run) over every host,
-    as one host playing every task would report them. The learner's thread calls this (a
+    """The producer's and the replay buffer's metrics (each host's: the producer's are made
+    where no collective may run) over every host, as one host playing every task would
+    report them. The learner's thread calls this (a
     collective with several processes). Keys outside the tables above, and the time/ keys
     (each host's own clock), stay this host's."""
     if jax.process_count() == 1:

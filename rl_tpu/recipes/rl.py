@@ -290,7 +290,7 @@ class Trainer:
                 groups_of(trajectories), step - 1, step,
                 lambda n: int(parallel.across_hosts(n, "min")))
             trajectories = [t for g in groups for t in g]
-            metrics.update(replay_metrics)
+            metrics.update(metrics_over_hosts(replay_metrics))
         return trajectories, metrics
 
     def batch(self, trajectories: list[Trajectory], step: int) -> dict:
