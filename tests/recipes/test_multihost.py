@@ -17,7 +17,6 @@ The cases CI runs are `slow`; the rest of the matrix is marked `multihost` too a
     python -m pytest -q -m multihost tests/recipes/test_multihost.py
 """
 
-import json
 import math
 
 import numpy as np
@@ -26,7 +25,9 @@ import pytest
 from multihost import run_job
 from rl_tpu.metrics import read_metrics
 from test_rl import _final_params
-from test_rl_async import TRACE_SCRIPT
+from rl_tpu import host_state
+from test_rl import config
+from test_rl_async import TRACE_SCRIPT, _assert_partition, _pending, _read_trace
 
 pytestmark = pytest.mark.slow
 
@@ -98,14 +99,15 @@ def test_rloop_trains_like_one_process(tmp_path):
     assert any(r.get("loop/kept", 0) > 0 for r in a), "nothing kept: the test shows nothing"
 
 
-def test_free_running_with_replay_finishes_and_trains_no_task_twice(tmp_path, monkeypatch):
+def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatch):
     """A free-running producer on each host (hosts run at their own pace) with replay: each
     host evicts its own groups by their versions, and every host replays as many as the
-    emptiest one can, so the global batch always has its rows."""
+    emptiest one can, so the global batch always has its rows. Every stream position a host
+    read is trained fresh once, still pending at the end (its final host state), or counted
+    as dropped stale; no position is trained by both hosts."""
     script = tmp_path / "traced.py"
     script.write_text(TRACE_SCRIPT)
-    trace = tmp_path / "trace"
-    monkeypatch.setenv("RL_TPU_TEST_TRACE", str(trace))
+    monkeypatch.setenv("RL_TPU_TEST_TRACE", str(tmp_path / "trace"))
     steps = 6
     args = [str(script), *_config_args(
         "bapo_offpolicy.py:bapo,replay,smoke", tmp_path / "run", f"--config.train.steps={steps}",
@@ -115,25 +117,29 @@ def test_free_running_with_replay_finishes_and_trains_no_task_twice(tmp_path, mo
     records = [r for r in read_metrics(str(tmp_path / "run")) if "rollout/reward" in r]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert any(r["replay/groups"] > 0 for r in records)
-    fresh = {}
+
+    n = config("bapo_offpolicy:bapo,replay").train.tasks_per_step  # the smoke's: 4
+    per_host = n // 2
+    fresh, pending, read = [], [], []
     for pid in range(2):
-        for line in (tmp_path / f"trace.{pid}").read_text().splitlines():
-            record = json.loads(line)
-            fresh.setdefault(record["step"], []).append(record["groups"])
-    assert sorted(fresh) == list(range(1, steps + 1))
-    first_seen = {}
-    for step in sorted(fresh):
-        hosts = fresh[step]
-        assert len(hosts[0]) == len(hosts[1]), f"step {step}: hosts trained unequal groups"
-        for groups in hosts:
-            for g in groups:
-                # a replayed group comes back at a later step, never twice in one step
-                assert groups.count(g) == 1, f"step {step}: group {g} twice"
-                first_seen.setdefault(g, step)
-    # a group first trained at step s is fresh there; the stream gives each position once,
-    # so no two hosts ever train the same fresh position
-    by_host = [{g for step in fresh for g in fresh[step][pid]} for pid in range(2)]
-    assert not by_host[0] & by_host[1], "both hosts trained the same task"
+        by_step = _read_trace(tmp_path / f"trace.{pid}")
+        assert sorted(by_step) == list(range(1, steps + 1))
+        seen = []
+        for step in sorted(by_step):
+            groups = by_step[step]
+            assert len(groups) == len(set(groups)), f"host {pid} step {step}: a group twice"
+            seen += [g for g in groups if g not in seen]  # first time: fresh; later: replayed
+        final = host_state.read(host_state.path(str(tmp_path / "run" / "checkpoints" / "host"),
+                                                steps, pid))
+        fresh.append(seen)
+        pending.append(_pending(final))
+        # host h reads positions [s * n + h * n / 2, ...) of each stream step s it read
+        read += [s * n + pid * per_host + i for s in range(final["producer"]["stream"]["step"])
+                 for i in range(per_host)]
+    assert not set(fresh[0]) & set(fresh[1]), "both hosts trained the same task"
+    dropped = int(sum(r["rollout/dropped_stale"] for r in records))  # summed over hosts
+    _assert_partition(read, fresh[0] + fresh[1], pending[0] + pending[1], dropped,
+                      "over both hosts")
 
 
 # ---------------------------------------------------------------- the rest of the matrix
