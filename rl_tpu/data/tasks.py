@@ -62,6 +62,9 @@ def _bounded_size(source: TaskSource, split: str) -> Optional[int]:
     return size
 
 
+_ENDLESS = 2**62  # stream positions: more than any run reads
+
+
 class TaskStream:
     """This host's share of each training step's tasks, from a TaskSource split, forever."""
 
@@ -88,15 +91,17 @@ class TaskStream:
         self.size = _bounded_size(source, split)
         self.per_host = tasks_per_step // self.process_count
 
+        # Streams are endless for any practical purpose: 2**62 positions. Not grain's own
+        # endless length (sys.maxsize, for range(sys.maxsize) or repeat()): its batches of
+        # one task (one task a host) overflow grain's slice of them.
         if self.size is None:
-            # unbounded, for any practical purpose; not sys.maxsize itself, whose batches of
-            # one task overflow grain's slice of them (a host's share on several hosts)
-            indices = grain.MapDataset.range(2**62)
+            indices = grain.MapDataset.range(_ENDLESS)
         else:
             indices = grain.MapDataset.range(self.size)
             if self.shuffle:
                 indices = indices.shuffle(seed=self.seed)
-            indices = indices.repeat()  # after shuffle: each epoch re-seeded, see module doc
+            # after shuffle: each epoch re-seeded, see module doc
+            indices = indices.repeat(num_epochs=max(1, _ENDLESS // self.size))
         steps = (indices
                  .map_with_index(lambda position, index: (position, index))
                  .batch(self.per_host, batch_fn=list)

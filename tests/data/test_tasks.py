@@ -93,13 +93,16 @@ def test_hosts_together_get_the_single_host_step(size, hosts):
         assert all(len(shares[h][step]) == 8 // hosts for h in range(hosts))
 
 
-def test_one_task_a_host_of_an_unbounded_source():
-    """Self-play's smoke: 2 tasks a step on 2 hosts, from a procedural source (grain's slice
-    of sys.maxsize batches of one overflowed)."""
-    shares = [take(TaskStream(ListSource(None), tasks_per_step=2, process_index=h,
-                              process_count=2), 3) for h in range(2)]
+@pytest.mark.parametrize("size", [None, 3])
+def test_one_task_a_host(size):
+    """Self-play's and TL-GRPO's smokes: 2 tasks a step on 2 hosts, from a procedural source
+    or a bounded one (grain's slice of sys.maxsize batches of one overflowed)."""
+    shares = [take(TaskStream(ListSource(size), tasks_per_step=2, process_index=h,
+                              process_count=2, shuffle=False), 3) for h in range(2)]
     assert [positions(shares[0][s]) + positions(shares[1][s]) for s in range(3)] == \
         [[0, 1], [2, 3], [4, 5]]
+    if size:  # positions go on, indices wrap around the split
+        assert [indices(shares[h][2]) for h in range(2)] == [[1], [2]]
 
 
 def test_group_ids_unique_over_hosts_and_steps():
