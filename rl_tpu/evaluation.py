@@ -61,9 +61,10 @@ def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return out
 
 
-def evaluated_version(trajectories: Sequence[Trajectory]) -> int:
-    """The oldest weight version that sampled any eval token, over every host (NO_VERSION
-    when none says): an eval labelled step s must have sampled with version s only."""
+def oldest_version_over_hosts(trajectories: Sequence[Trajectory]) -> int:
+    """The oldest weight version that sampled any of the trajectories' tokens, over every
+    host (NO_VERSION when none says; a collective): an eval labelled step s must have
+    sampled with version s only, on-policy rollouts of step s with version s - 1."""
     versions = [t.oldest_version for t in trajectories if t.oldest_version != NO_VERSION]
     oldest = int(parallel.across_hosts(min(versions, default=_NO_TOKENS), "min"))
     return NO_VERSION if oldest == _NO_TOKENS else oldest
@@ -89,7 +90,7 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
                                  "violation_rate", "format_valid_rate") if k in stats}
     out["num_tasks"] = stats["episodes"]
-    out["weight_version"] = evaluated_version(greedy)
+    out["weight_version"] = oldest_version_over_hosts(greedy)
     if pass_k > 0:
         if sampling is None:
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")

@@ -72,6 +72,27 @@ def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = N
             [d for d in local if d.id in sampler_ids])
 
 
+def check_hosts(config: ml_collections.ConfigDict) -> None:
+    """Refuses, before anything is built, a mode that cannot be run on this many hosts.
+
+    Lock-step asynchronous rollouts (`rollout.deterministic`) on SGLang servers that several
+    hosts share: the servers hold one weight version at a time, process 0 swaps it, and each
+    host's producer thread starts its chunks at its own pace, so one host's chunk could be
+    sampled with the version another host's chunk needs; agreeing on the swaps would take a
+    collective in the producer threads. (Free-running tolerates it: every token's version is
+    reported and counted; synchronous runs swap on the main thread, hosts waiting together.)"""
+    r = config.rollout
+    if (jax.process_count() > 1 and r.engine == "sglang" and r.max_staleness > 0
+            and r.deterministic):
+        raise ValueError(
+            f"rollout.deterministic=True with rollout.max_staleness={r.max_staleness} and "
+            f"SGLang servers cannot run on {jax.process_count()} hosts: the hosts share the "
+            "servers' one weight version, and their producers would swap it under each "
+            "other. Set rollout.deterministic=False (free-running: every token's version "
+            "is tracked), rollout.max_staleness=0, or use the embedded JAX sampler "
+            "(--rollout_urls unset)")
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
@@ -233,6 +254,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
             # marked a worker healthy, which can be a minute after everything started.
             engine.wait_healthy()
         engine.update_weights(parallel.host_copies(params), version)
+        wait_for_shared_weights(engine, version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
     shapes = config_lib.warmup_shapes(r.warmup)
@@ -253,6 +275,15 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     sampler.warmup(shapes)
     return sampler
 
+
+
+def wait_for_shared_weights(engine: RolloutEngine, version) -> None:
+    """After a weight update of servers every host shares (SGLang's `shared_across_hosts`),
+    which process 0 alone performs while the others return at once: a barrier, so that no
+    host samples before the servers hold `version`. Main thread only; nothing for an engine
+    of this host's own (the embedded sampler)."""
+    if getattr(engine, "shared_across_hosts", False):
+        parallel.sync_hosts(f"weights_{version}_loaded")
 
 
 def eval_horizon(config: ml_collections.ConfigDict) -> int:

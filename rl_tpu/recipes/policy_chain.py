@@ -155,6 +155,7 @@ class PolicyChain:
                                                   self.tokenizer, self.workdir, version=version)
         else:
             self._engine.update_weights(parallel.host_copies(params), version)
+            components.wait_for_shared_weights(self._engine, version)
         return self._engine
 
     def evaluate(self, params, version: str) -> dict[str, float]:

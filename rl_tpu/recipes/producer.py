@@ -56,6 +56,7 @@ import numpy as np
 
 from rl_tpu import parallel
 from rl_tpu.data.tasks import TaskStream
+from rl_tpu.recipes import components
 from rl_tpu.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class SyncProducer:
 
     def publish(self, params, version: int) -> None:
         self._engine.update_weights(self._to_engine(params), str(version))
+        components.wait_for_shared_weights(self._engine, version)
 
     @contextlib.contextmanager
     def engine_at(self, params, version: int):
@@ -446,6 +448,7 @@ class AsyncProducer:
         if not self.deterministic:
             self._wait_for(lambda: self._published >= version and self._to_publish is None,
                            version)
+            components.wait_for_shared_weights(self._engine, version)
             yield self._engine
             return
         copy = self._engine_copy(params)  # here, on the main thread: a collective

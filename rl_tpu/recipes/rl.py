@@ -48,7 +48,7 @@ from rl_tpu import parallel, schedules
 from rl_tpu.agent import play_partial
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.tasks import TaskStream, eval_tasks
-from rl_tpu.evaluation import episode_stats
+from rl_tpu.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
@@ -138,6 +138,7 @@ class Trainer:
         self.config, self.workdir = config, workdir
         self.is_chief = jax.process_index() == 0
         self.asynchronous = config.rollout.max_staleness > 0
+        components.check_hosts(config)
         learner_devices, sampler_devices = components.split_devices(config, jax.devices())
         self.mesh = components.make_mesh(config, learner_devices)
         path = components.model_path(config, workdir)
@@ -480,14 +481,13 @@ class Trainer:
         """Of the trajectories trained on (after DAPO's selection), over every host."""
         stats, out = episode_stats(trajectories), {}
         n = max(stats["episodes"], 1)
-        versions = [t.oldest_version for t in trajectories]
         # an env that reports rule decisions (envs/tipping.py): the rate of rule-breaking
         # among valid replies, and the share of replies that were valid, apart
         for rate in ("violation_rate", "format_valid_rate"):
             if rate in stats:
                 out[f"rollout/{rate}"] = stats[rate]
         return out | {
-            "rollout/weight_version": float(min((v for v in versions if v != -1), default=-1)),
+            "rollout/weight_version": float(oldest_version_over_hosts(trajectories)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],
             "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
             "rollout/env_error_frac": stats["env_errors"] / n,

@@ -476,6 +476,11 @@ class SGLangEngine(RolloutEngine):
         """(model_path, HF tensor name -> shape) of what `url` serves."""
         return self.weight_sync.served_shapes(url, info)
 
+    # The servers are the same for every host of a multi-host job, and process 0 alone loads
+    # new weights into them: a caller on several hosts waits for every host (on its main
+    # thread) before anyone samples with a version just loaded (producer.py).
+    shared_across_hosts = True
+
     def update_weights(self, params, version: str) -> None:
         """Exports `params` to `weights_dir/<version>` and has every server load them
         (weight_sync.py). Refuses (ValueError / RolloutError, before any request that could

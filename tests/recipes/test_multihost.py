@@ -18,6 +18,7 @@ The cases CI runs are `slow`; the rest of the matrix is marked `multihost` too a
 """
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -188,3 +189,63 @@ def test_sft_trains_like_one_process(tmp_path):
     assert job.ok, job.tail()
     _assert_metrics_match(one, many)
 
+
+
+# ---------------------------------------------------------------- servers every host shares
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """rl_tpu's own SGLang-compatible server on the math_sglang smoke's tiny model, which
+    every host of a job sends its rollouts to (process 0 alone loads new weights into it)."""
+    import importlib
+    import sys
+
+    from multihost import REPO
+    from rl_tpu.recipes import components
+    sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
+    sys.path.insert(0, REPO)
+    try:
+        from sglang_server import start_rollout_server
+        config = importlib.import_module("configs.math_sglang").get_config("smoke")
+    finally:
+        sys.path.remove(REPO)
+    config.model.path = ""
+    model_dir = components.model_path(config, str(tmp_path_factory.mktemp("shared")))
+    server = start_rollout_server(model_dir)
+    yield model_dir, server.url
+    server.stop()
+
+
+@pytest.mark.multihost
+@pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "free_running"])
+def test_hosts_sharing_servers_sample_the_version_each_step_names(tmp_path, shared_server,
+                                                                  staleness):
+    """Two hosts on one server: process 0 loads each version, and no host samples before the
+    server holds it (a barrier on the main thread), so synchronous step s samples with
+    version s - 1 on every host and every eval at step s with version s."""
+    model_dir, url = shared_server
+    args = _config_args("math_sglang.py:smoke", tmp_path / "run", f"--rollout_urls={url}",
+                        f"--config.model.path={model_dir}", "--config.train.steps=3",
+                        "--config.eval.every=1", f"--config.rollout.max_staleness={staleness}",
+                        "--config.rollout.deterministic=False")
+    job = run_job(args, 2, 1, str(tmp_path / "logs"))
+    assert job.ok, job.tail()
+    records = read_metrics(str(tmp_path / "run"))
+    evals = [(r["step"], r["eval/weight_version"]) for r in records if "eval/success" in r]
+    assert evals == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    if not staleness:  # the oldest version of any host's tokens
+        rollouts = [(r["step"], r["rollout/weight_version"]) for r in records
+                    if "rollout/reward" in r]
+        assert rollouts == [(1, 0), (2, 1), (3, 2)]
+
+
+@pytest.mark.multihost
+def test_lock_step_on_shared_servers_is_refused_on_several_hosts(tmp_path):
+    args = _config_args("math_sglang.py:smoke", tmp_path / "run",
+                        "--rollout_urls=http://127.0.0.1:9", "--config.rollout.max_staleness=1",
+                        "--config.rollout.deterministic=True")
+    job = run_job(args, 2, 1, str(tmp_path / "logs"), timeout_s=300)
+    assert all(code != 0 for code in job.returncodes), job.tail()
+    assert all("cannot run on 2 hosts" in log for log in job.logs), job.tail()
