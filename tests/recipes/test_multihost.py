@@ -147,14 +147,21 @@ def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatc
 
 
 @pytest.mark.multihost
-@pytest.mark.parametrize("name,overrides", [
-    ("quickstart.py:smoke", ("--config.rollout.sampler_devices=1",)),
-    ("bapo_offpolicy.py:clip,replay,smoke", ()),
-    ("quickstart.py:smoke", ("--config.algo.name=ppo", "--config.algo.advantage=gae")),
-    ("tl_grpo_babyai.py:smoke", ()),
+@pytest.mark.parametrize("name,overrides,devices", [
+    ("quickstart.py:smoke", ("--config.rollout.sampler_devices=1",), 2),
+    ("bapo_offpolicy.py:clip,replay,smoke", (), 2),
+    ("quickstart.py:smoke", ("--config.algo.name=ppo", "--config.algo.advantage=gae"), 2),
+    # TL-GRPO's BabyAI model on 2 x 2 fake devices: the hosts' Gloo all-reduces inside the
+    # update paired wrongly ("Received data size doesn't match expected size", 16384 vs 4
+    # bytes) although both hosts built identical batches and issued identical host
+    # collectives (traced): XLA:CPU runs independent collectives of one program concurrently,
+    # in an order of its own on each process. 2 x 1 runs it; so does every TPU, where the
+    # compiler orders collectives. Unscanned layers: the scanned update's in-process
+    # all-reduce deadlocks now and then (tests/recipes/test_rl.py's _train_smoke).
+    ("tl_grpo_babyai.py:smoke", ("--config.model.scan_layers=False",), 1),
 ], ids=["rl_sync", "sync_replay", "ppo_critic", "tl_grpo"])
-def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides):
-    _run_like_one(tmp_path, name, *overrides)
+def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides, devices):
+    _run_like_one(tmp_path, name, *overrides, devices=devices)
 
 
 @pytest.mark.multihost
