@@ -18,8 +18,9 @@ learner trains. Two modes:
 - deterministic (`rollout.deterministic`): lock-step, exactly k versions behind: chunk c is
   sampled with version max(0, c - 1 - k), so step s trains on data of staleness exactly
   min(k, s - 1) and the run is a function of the config alone. Published versions are held
-  (at most k + 1 copies) until the chunk that needs them starts; weights never change
-  within a chunk.
+  as the engine's host-local copies (at most k + 1, made by the learner) until the chunk that
+  needs them starts; weights never change within a chunk (an eval that borrows the engine,
+  `engine_at`, waits for the chunk to end and puts the chunk's version back after).
 - free-running: a chunk may start while fewer than k steps' worth of groups wait for the
   learner (admission: the producer is never more than about k steps ahead; counted in
   groups, since a partial-rollout chunk completes a varying number of them); new weights
