@@ -170,10 +170,15 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_stop_at_the_same_step_when_one_is_signalled(tmp_path):
-    """SIGTERM reaches process 1 only: both stop after the same step (agreed), that step's
-    checkpoint is written, and the rerun on two processes resumes there and finishes."""
+    """SIGTERM reaches process 1 only: both stop after the same step (agreed; on several
+    processes JAX's pre-emption notifier takes the signal and names the step), that step's
+    checkpoint is written, and the rerun on two processes resumes there and ends as an
+    uninterrupted two-process run does, metric for metric and weight for weight."""
     workdir, logs = tmp_path / "run", str(tmp_path / "logs")
-    args = _command(workdir)[3:] + ["--config.rollout.sampler_devices=1"]
+    straight = tmp_path / "straight"
+    flags = ["--config.rollout.sampler_devices=1"]
+    uninterrupted = start_job(_command(straight)[3:] + flags, 2, 2, str(tmp_path / "s"))
+    args = _command(workdir)[3:] + flags
     procs = start_job(args, 2, 2, logs)
     _signal_after_step(procs, workdir, 2, signal.SIGTERM)
     job = wait_job(procs, logs, timeout_s=300)
@@ -189,3 +194,10 @@ def test_two_processes_stop_at_the_same_step_when_one_is_signalled(tmp_path):
         assert re.findall(r"resumed from step (\d+)", log) == [str(k0)]
     steps = [r["step"] for r in read_metrics(str(workdir)) if "rollout/reward" in r]
     assert steps == list(range(1, KILL_STEPS + 1))
+    done = wait_job(uninterrupted, str(tmp_path / "s"), timeout_s=600)
+    assert done.ok, done.tail()
+    assert [_finite(r) for r in read_metrics(str(straight))] == \
+        [_finite(r) for r in read_metrics(str(workdir))]
+    a, b = _final_params(straight), _final_params(workdir)
+    for key in a:
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
