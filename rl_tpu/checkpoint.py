@@ -137,7 +137,6 @@ class Checkpointer:
         # Steps on disk past the one restored when it was restored: an abandoned timeline,
         # set aside by the next save. Steps this instance wrote since are never among them.
         self._abandoned: set[int] = set()
-        self._written: set[int] = set()
         self._host_dir = os.path.join(self.directory, HOST_DIR)
         self._restored_host_state: Optional[tuple[int, Any]] = None  # (step, its host state)
         self._saved_here: set[int] = set()
@@ -184,7 +183,6 @@ class Checkpointer:
         # force: the trainer decides when to save; orbax's own interval policy must not skip
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._saved_here.add(step)
-        self._written.add(step)
         self._pending = step if self.async_save else None
         log.info("checkpoint step %d: %s in %.2fs", step,
                  "handed to the background writer" if self.async_save else "written",
@@ -221,7 +219,7 @@ class Checkpointer:
         """Move checkpoints of an abandoned timeline to `superseded/`, keeping them: those
         past the restored step when it was restored, and any other at or above `step`; never
         one this instance wrote on the timeline it continues."""
-        stale = [s for s in self.all_steps() if s not in self._written
+        stale = [s for s in self.all_steps() if s not in self._saved_here
                  and (s >= step or s in self._abandoned)]
         self._abandoned = set()  # once: later saves only add to the restored timeline
         if not self._tmp_cleaned and jax.process_index() == 0:
@@ -318,7 +316,6 @@ class Checkpointer:
             # steps above it saved earlier in this run are now superseded, not done; saving
             # the restored step itself again would only rewrite the same state
             self._saved_here = {s for s in self._saved_here if s < candidate} | {candidate}
-            self._written = {s for s in self._written if s <= candidate}
             return candidate, state, meta
         detail = "; ".join(f"step {s}: {_short(e)}" for s, e in errors)
         raise RuntimeError(f"none of the checkpoints in {self.directory} could be read ({detail})."

@@ -397,12 +397,13 @@ def across_hosts_bytes(data: bytes) -> list[bytes]:
     return [gathered[i, :n].tobytes() for i, n in enumerate(sizes)]
 
 
-def check_same_on_every_host(what: str, data: bytes) -> None:
-    """Raises, on every host, when the hosts' `data` differ: for what a recipe assumes every
-    host holds alike (each then takes its own slice of it), compared by a hash of it."""
+def check_same_on_every_host(what: str, value) -> None:
+    """Raises, on every host, when the hosts' `value` differ: for what a recipe assumes every
+    host holds alike (each then takes its own slice of it), compared by a hash of its repr
+    (made only when there are several hosts: an SFT set's repr is large)."""
     if jax.process_count() == 1:
         return
-    digest = np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+    digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest(), np.uint8)
     digests = across_hosts(digest, "gather")
     differ = [i for i in range(len(digests)) if not np.array_equal(digests[i], digests[0])]
     if differ:

@@ -39,9 +39,9 @@ def main(out_prefix):
     payload = b"x" * (3 + 5 * me)  # 3 bytes on host 0, 8 on host 1
     result["gathered"] = [b.decode() for b in parallel.across_hosts_bytes(payload)]
 
-    parallel.check_same_on_every_host("tasks", b"the same everywhere")
+    parallel.check_same_on_every_host("tasks", ["the same", "everywhere"])
     try:
-        parallel.check_same_on_every_host("examples", f"host {me}".encode())
+        parallel.check_same_on_every_host("examples", [f"host {me}"])
         result["differ"] = "not caught"
     except ValueError as e:
         result["differ"] = str(e)

@@ -178,8 +178,7 @@ class PolicyChain:
         position `offset` of the round's list (every host plays its own, with per-task seeds
         keyed by position, so the split does not change what is sampled)."""
         tasks = self.round_tasks(r, num)
-        parallel.check_same_on_every_host(
-            f"round {r}'s tasks", json.dumps([t.task_id for t in tasks]).encode())
+        parallel.check_same_on_every_host(f"round {r}'s tasks", [t.task_id for t in tasks])
         index, count = jax.process_index(), jax.process_count()
         start, end = index * len(tasks) // count, (index + 1) * len(tasks) // count
         return start, tasks[start:end]

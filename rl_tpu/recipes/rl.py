@@ -200,7 +200,9 @@ class Trainer:
             self.start, restored, meta = self.ckpt.restore(self._checkpoint_state())
             resume.check_resume(meta.get("config"), config, workdir)
             self._load_checkpoint_state(restored)
-            host_state = self._read_host_state(self.start) or {
+            # None for a checkpoint from before host state existed (the stream is in meta);
+            # a damaged one already made `ckpt.restore` fall back to an earlier step
+            host_state = self.ckpt.restore_host_state(self.start) or {
                 "producer": {"stream": meta["stream"]}}
             self.writer = metrics_lib.MetricsWriter(
                 workdir, resume_step=self.start + 1, tensorboard=config.log.tensorboard,
@@ -284,15 +286,16 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """The trajectories step `step` trains on (fresh, then replayed) and rollout metrics."""
         trajectories, metrics = self.producer.next_batch(step)
-        metrics = dict(metrics_over_hosts(metrics), **self._rollout_metrics(trajectories, step),
+        metrics = dict(metrics, **self._rollout_metrics(trajectories, step),
                        **self._prefill_metrics())
         if self.replay.cfg.capacity:
             groups, replay_metrics = self.replay.mix(
                 groups_of(trajectories), step - 1, step,
                 lambda n: int(parallel.across_hosts(n, "min")))
             trajectories = [t for g in groups for t in g]
-            metrics.update(metrics_over_hosts(replay_metrics))
-        return trajectories, metrics
+            metrics.update(replay_metrics)
+        # the producer's and the replay buffer's per-host counts over every host, in one go
+        return trajectories, metrics_over_hosts(metrics)
 
     def batch(self, trajectories: list[Trajectory], step: int) -> dict:
         """Trajectories -> the global padded batch the learner takes."""
@@ -360,7 +363,7 @@ class Trainer:
         # during this save resumes from. (`ckpt.save` waits for it anyway.)
         self.ckpt.wait()
         state = {"producer": self.producer.state(step), "replay": self.replay.state()}
-        self._write_host_state(step, state)
+        self.ckpt.save_host_state(step, state)  # checksummed data, no pickle
         meta = {"config": self.config_record}
         if not self.asynchronous:
             meta["stream"] = state["producer"]["stream"]
@@ -531,20 +534,6 @@ class Trainer:
         if self.learner.reference_params is not None:
             self.learner.reference_params = self.ckpt.restore_static(
                 REFERENCE, self.learner.reference_params)
-
-    def _host_state_path(self, step: int) -> str:
-        return self.ckpt.host_state_path(step)
-
-    def _write_host_state(self, step: int, state: dict) -> None:
-        """This host's producer and replay state of step `step`, beside its checkpoint, in
-        rl_tpu/host_state.py's checksummed data format (no pickle)."""
-        self.ckpt.save_host_state(step, state)
-
-    def _read_host_state(self, step: int):
-        """The host state of the restored step (a damaged one made `ckpt.restore` fall back to
-        an earlier step); None for a checkpoint from before host state existed (the stream is
-        then in its meta). A workdir whose host state an earlier rl_tpu pickled is refused."""
-        return self.ckpt.restore_host_state(step)
 
 
 # ----------------------------------------------------------------------------- shapes

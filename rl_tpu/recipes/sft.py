@@ -162,7 +162,7 @@ class ExampleBatches:
             raise ValueError("no examples to make SFT batches of")
         # each host takes its slice of the same global list: a host with another list would
         # train on rows no one chose (or skip some), silently
-        parallel.check_same_on_every_host("SFT examples", repr(list(examples)).encode())
+        parallel.check_same_on_every_host("SFT examples", list(examples))
         self.examples, self.batch_size, self.buckets = examples, batch_size, tuple(buckets)
         self.host, self.group_by_length = host, group_by_length
         self._rng = np.random.RandomState(seed)

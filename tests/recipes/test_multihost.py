@@ -18,7 +18,6 @@ The cases CI runs are `slow`; the rest of the matrix is marked `multihost` too a
 """
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -204,19 +203,10 @@ def test_sft_trains_like_one_process(tmp_path):
 def shared_server(tmp_path_factory):
     """rl_tpu's own SGLang-compatible server on the math_sglang smoke's tiny model, which
     every host of a job sends its rollouts to (process 0 alone loads new weights into it)."""
-    import importlib
-    import sys
-
-    from multihost import REPO
     from rl_tpu.recipes import components
-    sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
-    sys.path.insert(0, REPO)
-    try:
-        from sglang_server import start_rollout_server
-        config = importlib.import_module("configs.math_sglang").get_config("smoke")
-    finally:
-        sys.path.remove(REPO)
-    config.model.path = ""
+    from test_rl_sglang import _smoke_config  # puts tests/rollout on the path
+    from sglang_server import start_rollout_server
+    config = _smoke_config()
     model_dir = components.model_path(config, str(tmp_path_factory.mktemp("shared")))
     server = start_rollout_server(model_dir)
     yield model_dir, server.url
