@@ -276,14 +276,42 @@ class SafetensorsDir:
 
     @staticmethod
     def _read_header(file: str) -> dict[str, dict]:
+        """The file's tensors (name -> dtype, shape, data_offsets, data_start), each checked to
+        lie whole inside the file: a truncated copy fails here, naming the file, not later as
+        a reshape of too few bytes."""
+        again = "copy or download it again"
         try:
+            length = os.path.getsize(file)
             with open(file, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
+                if size > length - 8:
+                    raise CheckpointError(f"{file}: truncated ({length} bytes, but its header "
+                                          f"alone says {8 + size}); {again}")
                 header = json.loads(f.read(size))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
+            raise CheckpointError(f"{file}: not a readable safetensors file ({err}); "
+                                  f"{again}") from err
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{file}: not a safetensors file (its header is not a JSON "
+                                  f"object); {again}")
         header.pop("__metadata__", None)
-        for meta in header.values():
+        for name, meta in header.items():
+            try:
+                begin, end = (int(x) for x in meta["data_offsets"])
+                shape = [int(n) for n in meta["shape"]]
+                itemsize = np.dtype(_ST_DTYPES[meta["dtype"]]).itemsize \
+                    if meta["dtype"] in _ST_DTYPES else None
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry "
+                                      f"({err!r}); {again}") from None
+            if itemsize is not None and not 0 <= begin <= end == begin + itemsize * int(
+                    np.prod(shape, dtype=np.int64)):
+                raise CheckpointError(f"{file}: tensor {name!r} of shape {shape} and dtype "
+                                      f"{meta['dtype']} has data_offsets {[begin, end]}, which "
+                                      f"do not hold it; {again}")
+            if 8 + size + end > length:
+                raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at byte "
+                                      f"{8 + size + end} but the file has {length}; {again}")
             meta["data_start"] = 8 + size
         return header
 
@@ -311,9 +339,32 @@ def read_config(path: str, **overrides) -> ModelConfig:
             hf = json.load(f)
     except FileNotFoundError as err:
         raise CheckpointError(f"{path}: no config.json (is this an HF model dir?)") from err
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{file}: unreadable ({err})") from err
-    return config_from_hf(hf, source=file, **overrides)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: unreadable JSON ({err}); fix or replace the "
+                              "file") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: holds a {type(hf).__name__}, not an HF config object")
+    try:
+        return config_from_hf(hf, source=file, **overrides)
+    except KeyError as err:  # a key every supported architecture's config.json has
+        raise CheckpointError(f"{file}: no {err.args[0]!r} (an HF model config has it); fix "
+                              "or replace the file") from None
+    except (TypeError, AttributeError) as err:  # a value of the wrong kind
+        raise CheckpointError(f"{file}: {err}") from None
+
+
+def check_model_dir(path: str) -> ModelConfig:
+    """What `load` needs of an HF model dir, read from its small parts only (config.json and
+    each safetensors header; no tensor data): a config.json of a supported architecture, and
+    safetensors files, none truncated, holding exactly the tensors of that config in their
+    shapes. Returns the config; raises CheckpointError naming the file and what is wrong. Run
+    it before writing anything (the trainer's start-up), and `load` runs the same checks."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such model directory" if not os.path.exists(path)
+                              else f"{path}: not a directory (an HF model dir is one)")
+    cfg = read_config(path)
+    _check_tensors(SafetensorsDir(path), cfg, path)
+    return cfg
 
 
 def _check_tensors(files: SafetensorsDir, cfg: ModelConfig, path: str):

@@ -484,6 +484,61 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
     envs.check_kwargs(name, kwargs)  # and those it needs
 
 
+# Rates that must be positive, and the sampling settings' ranges (each read by the trainer's
+# optimizers or sampler only after the run has written to its workdir, so checked here).
+_POSITIVE = ("optim.lr", "sft.lr", "loop.sft_lr", "dpo.lr", "algo.value_lr")
+_NOT_NEGATIVE = ("optim.warmup_steps", "optim.weight_decay", "optim.grad_clip",
+                 "sft.warmup_steps", "sft.group_by_length", "rollout.sampler_devices")
+
+
+def _check_rates(config: ml_collections.ConfigDict) -> None:
+    for key in _POSITIVE + _NOT_NEGATIVE:
+        block, _, leaf = key.partition(".")
+        value = config[block][leaf]
+        if key in _POSITIVE and not value > 0:
+            raise ValueError(f"{key}={value} must be > 0 (a learning rate); e.g. {key}=1e-5")
+        if key in _NOT_NEGATIVE and value < 0:
+            raise ValueError(f"{key}={value} must be >= 0")
+    from rl_tpu.train.state import SCHEDULES
+    if config.optim.schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule={config.optim.schedule!r}; choose one of {SCHEDULES}")
+    s = config.sft
+    for key in ("batch_size", "num_demos", "max_length"):
+        if s[key] < 1:
+            raise ValueError(f"sft.{key}={s[key]} must be >= 1")
+    if not 0 <= s.teacher_skill <= 1:
+        raise ValueError(f"sft.teacher_skill={s.teacher_skill} must be in [0, 1] (how often "
+                         "the teacher's demonstrations are right)")
+    r = config.rollout
+    if not r.temperature > 0:
+        raise ValueError(f"rollout.temperature={r.temperature} must be > 0: rollouts sample at "
+                         "it and the trainer divides the logits by it to recompute log-probs "
+                         "(evals are greedy whatever it is); 1.0 samples the model as it is")
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1 = no truncation)")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ValueError(f"rollout.top_k={r.top_k} must be -1 (every token) or >= 1")
+
+
+def _check_urls(config: ml_collections.ConfigDict) -> None:
+    """Each URL well formed, without any network: a rollout server's http(s)://host:port (it
+    always has a port), an env server's the same, or host:port. A bare word ('garbage') is a
+    mistake, not a host name to look up."""
+    from rl_tpu.rollout.http_transport import normalise_url
+    for url in (u.strip() for u in config.rollout.urls.split(",") if u.strip()):
+        try:
+            normalise_url(url)
+        except ValueError as e:
+            raise ValueError(f"rollout.urls (--rollout_urls): {e}; give comma-separated "
+                             "http://host:port of SGLang-compatible servers") from None
+    for url in (u.strip() for u in config.env.remote_url.split(",") if u.strip()):
+        host_port = url.split("://", 1)[-1].rstrip("/")
+        if "://" not in url and ":" not in host_port:
+            raise ValueError(f"env.remote_url: {url!r} is not a URL; give the env server's "
+                             "http://host:port (e.g. http://127.0.0.1:8000 for `python -m "
+                             "launch.serve_env --port 8000`)")
+
+
 def _check_remote_env(env: ml_collections.ConfigDict) -> None:
     if not env.remote_url:
         return
@@ -571,7 +626,9 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"algo: {e}") from e
     _check_counts(config)
     warmup_shapes(config.rollout.warmup)  # a malformed list fails here, not at start-up
+    _check_rates(config)
     _check_env(config)
+    _check_urls(config)
     _check_remote_env(config.env)
     if config.rollout.engine not in ("jax", "sglang"):
         raise ValueError(f"rollout.engine={config.rollout.engine!r}; choose 'jax' or 'sglang'")

@@ -301,3 +301,61 @@ def test_scanned_load_reads_only_each_devices_layers_and_slice(tiny_dir, monkeyp
     assert up["nbytes"] == 1 * 32 * 64 * 4
     # It allocated its shard (8 KiB), not the layer's tensor (32 KiB) nor the stack (64 KiB).
     assert up["peak"] < 2 * up["nbytes"], up["peak"]
+
+
+def test_a_truncated_safetensors_file_is_named_by_check_and_load(tiny_dir, tmp_path):
+    path = copy_dir(tiny_dir, tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:  # a copy cut short: the header whole, the last tensor not
+        f.truncate(size - 10)
+    for check in (hf.check_model_dir, hf.load):
+        with pytest.raises(hf.CheckpointError, match=rf"model\.safetensors: truncated: tensor "
+                                                     rf".* ends at byte {size} but the file "
+                                                     rf"has {size - 10}; copy or download"):
+            check(path)
+    with open(file, "r+b") as f:  # cut inside the header
+        f.truncate(20)
+    with pytest.raises(hf.CheckpointError, match=r"model\.safetensors: truncated \(20 bytes"):
+        hf.check_model_dir(path)
+
+
+def test_a_header_whose_offsets_do_not_hold_the_tensor_is_refused(tiny_dir, tmp_path):
+    path = copy_dir(tiny_dir, tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header, data = json.loads(f.read(size)), f.read()
+    name = "model.norm.weight"  # hidden 64 floats: 256 bytes
+    begin, end = header[name]["data_offsets"]
+    assert end - begin == 256
+    header[name]["data_offsets"] = [begin, begin + 4]
+    raw = json.dumps(header).encode()
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
+    with pytest.raises(hf.CheckpointError, match=rf"'model\.norm\.weight' of shape \[64\] and "
+                                                 rf"dtype F32 has data_offsets \[{begin}, "
+                                                 rf"{begin + 4}\], which do not hold it"):
+        hf.check_model_dir(path)
+
+
+@pytest.mark.parametrize("text,named", [
+    ("{broken", r"config\.json: unreadable JSON"),
+    ("[1, 2]", r"config\.json: holds a list, not an HF config object"),
+    ('{"architectures": ["Qwen2ForCausalLM"], "vocab_size": 320}',
+     r"config\.json: no 'num_attention_heads'"),
+])
+def test_a_broken_config_json_is_one_named_error(tiny_dir, tmp_path, text, named):
+    path = copy_dir(tiny_dir, tmp_path / "m")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(hf.CheckpointError, match=named) as err:
+        hf.check_model_dir(path)
+    e = err.value  # one traceback, not a chain of two
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+
+
+def test_check_model_dir_accepts_a_good_dir_and_names_a_missing_one(tiny_dir, tmp_path):
+    assert hf.check_model_dir(tiny_dir) == hf.read_config(tiny_dir)
+    with pytest.raises(hf.CheckpointError, match="no such model directory"):
+        hf.check_model_dir(str(tmp_path / "nope"))
