@@ -1,11 +1,15 @@
 """Thin command-line entry points; `python -m launch` lists them.
 
 The launchers that take a `--config` (train, sft, eval) start through `launch.run(main)`: the
-flags are parsed and the config finished and checked (`finish_config`) before `main` builds
-anything. A mistake a user can make there (an unknown key, a value of the wrong type, a failed
-`check`, a bad env kwarg, a config file that is not there), and a missing file or package once
-the run has started, ends the process with one line on stderr and exit status 2;
-RL_TPU_DEBUG=1 shows the full traceback instead.
+flags are parsed and the config finished and checked (`finish_config`), and the model
+directory and env servers it names checked (`check_model_and_servers`), before `main` builds or
+writes anything. A mistake a user can make there (an unknown key, a value of the wrong type, a
+failed `check`, a bad env kwarg, a config file that is not there, a broken model directory, an
+env server that is down or serves another env), and a missing file or package, a damaged model
+file or a resume under a changed config once the run has started, ends the process with one
+line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full traceback instead. A start that
+fails so leaves no workdir behind if it created one and wrote nothing in it. `--help` prints
+the flags and exits 0.
 
 They also turn on JAX's persistent compilation cache (`use_compilation_cache`), so a rerun, a
 resume and every run of a sweep compile each program once per machine.
@@ -33,27 +37,83 @@ START_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OS
 # a FloatingPointError naming the step and the last finite checkpoint). Anything else is a
 # bug and keeps its traceback.
 RUN_ERRORS = (FileNotFoundError, ModuleNotFoundError, FloatingPointError)
+HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
-def run(main, prepare=None) -> None:
+def run_errors() -> tuple:
+    """RUN_ERRORS and the user's mistakes only the run itself finds, imported when a launcher
+    starts (not by `python -m launch`): a model file damaged between the start-up check and
+    its load (hf.CheckpointError), a rerun under a config its checkpoint was not saved with
+    (resume.ResumeConfigError)."""
+    from rl_tpu.models.hf import CheckpointError
+    from rl_tpu.recipes.resume import ResumeConfigError
+
+    return RUN_ERRORS + (CheckpointError, ResumeConfigError)
+
+
+def run(main, prepare=None, check=None) -> None:
     """`app.run(main)` for a launcher with a `--config` flag (see the module docstring);
-    `prepare(config)` applies the launcher's own flags to the config before it is checked."""
+    `prepare(config)` applies the launcher's own flags to the config before it is checked,
+    `check(config)` then checks what lies outside the config (default none; train and sft pass
+    `check_model_and_servers`)."""
     def parse(argv):
-        args = flags.FLAGS(argv)
-        finish_config(prepare=prepare)
+        args = parse_flags(argv)
+        config = finish_config(prepare=prepare)
+        if check:
+            check(config)
         return args
 
     def start_and_main(argv):
         start(argv)
+        workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+        created = bool(workdir) and not os.path.exists(workdir)
         try:
             with PreemptionGuard():  # SIGTERM / SIGINT: the recipe stops after a step, saved
                 return main(argv)
         except Preempted as e:  # checkpointed: where it stopped, and how to go on
             print(e, file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
+        except BaseException:
+            if created:
+                remove_if_nothing_written(workdir)
+            raise
 
-    app.run(lambda argv: one_line_errors(RUN_ERRORS, start_and_main, argv),
+    app.run(lambda argv: one_line_errors(run_errors(), start_and_main, argv),
             flags_parser=lambda argv: one_line_errors(START_ERRORS, parse, argv))
+
+
+def parse_flags(argv, flag_values: flags.FlagValues = flags.FLAGS):
+    """`flag_values(argv)`, where `--help` exits 0 (absl's help flags print the flags, then
+    exit with status 1, as if asking for help were an error)."""
+    try:
+        return flag_values(argv)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=", 1)[0] in HELP_FLAGS for a in argv[1:]):
+            sys.exit(0)
+        raise
+
+
+def check_model_and_servers(config, model_path=None) -> None:
+    """rl_tpu.recipes.components.check_model_and_servers (imported late: it loads JAX)."""
+    from rl_tpu.recipes import components
+
+    components.check_model_and_servers(config, model_path)
+
+
+def remove_if_nothing_written(workdir: str) -> None:
+    """Removes `workdir`, which this run created, if all it holds is empty directories and
+    empty files (what a start writes before its first result: a metrics file, checkpoint and
+    log directories). Anything with content stays."""
+    for root, _, files in os.walk(workdir):
+        for name in files:
+            try:
+                if os.path.getsize(os.path.join(root, name)):
+                    return
+            except OSError:  # gone, or a broken link: not ours to judge, keep everything
+                return
+    import shutil
+
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def start(argv) -> None:

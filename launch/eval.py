@@ -17,6 +17,16 @@ flags.DEFINE_string("model_path", "", "An HF model directory (instead of a check
 flags.mark_flags_as_required(["config"])
 
 
+def check(config):
+    """A policy to evaluate, named on the command line, and a model dir and env servers that
+    are there; checked before anything is built."""
+    f = flags.FLAGS
+    if not f.workdir and not f.model_path:
+        raise ValueError("launch.eval needs --workdir=W (a training run: its latest checkpoint) "
+                         "or --model_path=D (an HF model directory, e.g. W/final_hf)")
+    launch.check_model_and_servers(config, f.model_path or None)
+
+
 def main(argv):
     del argv  # launch.run has checked it
     f = flags.FLAGS
@@ -25,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    launch.run(main)
+    launch.run(main, check=check)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+import launch
 from rl_tpu import parallel
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compu
 def main(argv):
     del argv
     f = flags.FLAGS
+    hf.check_model_dir(f.model_path)  # a broken dir in one line, before any compile
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
@@ -52,4 +54,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(lambda argv: launch.one_line_errors(launch.run_errors(), main, argv),
+            flags_parser=launch.parse_flags)

@@ -45,9 +45,14 @@ def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = N
 
     Synchronous (and with SGLang servers, which sample elsewhere) both span every device, the
     sampler `rollout.sampler_devices` of them (0 = all local): they take turns. Asynchronous
-    with the embedded sampler they run at once, so they must not share a device: the sampler
+    with the embedded sampler they run at once, so they get devices of their own: the sampler
     takes the first `rollout.sampler_devices` local devices of each host (0 = half of them)
-    and the learner's mesh every other device of every host.
+    and the learner's mesh every other device of every host. A host of one device (a plain
+    CPU: what `python -m launch.train` gets without XLA flags) cannot split: there the
+    asynchronous producer's sampler shares the device with the learner, each on its own copy
+    of the weights as in a synchronous run, and the two take turns on it instead of
+    overlapping (the learner's mesh and the sampler are one device either way, so a lock-step
+    run's numbers are those of a two-device host's).
     """
     r = config.rollout
     devices = list(jax.devices() if devices is None else devices)
@@ -55,6 +60,12 @@ def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = N
     local = [d for d in devices if d.process_index == host]
     if r.max_staleness == 0 or r.engine != "jax":
         return devices, local[:r.sampler_devices] if r.sampler_devices else local
+    if len(local) == 1 and r.sampler_devices in (0, 1):
+        log.warning("rollout.max_staleness=%d on a host of one device: the embedded sampler "
+                    "shares it with the learner and they take turns (on a CPU, "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=2 gives each its own)",
+                    r.max_staleness)
+        return devices, local
     n = r.sampler_devices or len(local) // 2
     if not 1 <= n < len(local):
         raise ValueError(
@@ -113,6 +124,85 @@ def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
                               init_scale=m.tiny_init_scale, **tiny_shape(config))
     parallel.sync_hosts("tiny_model")
     return out
+
+
+# Seconds a start-up probe of an env server waits (at most env.remote_timeout_s): a server
+# that is up answers GET /info in milliseconds, and a dead one should not hold the start.
+PROBE_TIMEOUT_S = 5.0
+
+
+def check_model_and_servers(config: ml_collections.ConfigDict,
+                            model_path: Optional[str] = None) -> None:
+    """What the config points at outside itself, checked before a run writes anything (the
+    launchers call it right after `config.check`): the model directory (`model_path`, default
+    `model.path`; none for the tiny model) loads (`hf.check_model_dir`: config.json and every
+    safetensors header, no tensor data), and each env server of `env.remote_url` is up and
+    serves `env.name` (`probe_env_server`). Raises hf.CheckpointError or ValueError, naming
+    the key or file and what to do."""
+    path = model_path or config.model.path
+    if path:
+        try:
+            hf.check_model_dir(path)
+        except hf.CheckpointError as e:
+            key = "--model_path" if model_path else "model.path"
+            raise hf.CheckpointError(f"{key}={path!r}: {e}") from None
+    if config.env.remote_url:
+        from rl_tpu.envs.remote import parse_urls
+        for url in parse_urls(config.env.remote_url):
+            probe_env_server(config, url)
+
+
+def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
+    """One quick GET /info to the env server at `url` (GET / where it has no /info, as
+    AgentGym's servers): ValueError naming the url unless it answers and serves `env.name`
+    (or, for an AgentGym env, its AgentGym task). A server that asks for a key (401/403) is up;
+    which env it serves is then checked by the run's own client, which sends the key."""
+    import httpx
+
+    name = config.env.name
+    start = (f"start it with `python -m launch.serve_env --env {name} --port PORT` (or fix "
+             "env.remote_url)")
+    timeout = min(PROBE_TIMEOUT_S, config.env.remote_timeout_s)
+    try:
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            reply = client.get(f"{url}/info")
+            if reply.status_code == 404:  # AgentGym's own servers have no /info: is it up?
+                reply = client.get(f"{url}/")
+                info = None
+            else:
+                info = reply.json() if reply.status_code == 200 else None
+    except httpx.HTTPError as e:
+        raise ValueError(f"env.remote_url: no env server answers at {url} within {timeout:g}s "
+                         f"({type(e).__name__}: {e}); {start}") from None
+    except ValueError:  # a 200 that is not JSON: not rl_tpu's env server
+        raise ValueError(f"env.remote_url: {url} answered GET /info with something other than "
+                         f"JSON; it is not an env server: {start}") from None
+    if reply.status_code in (401, 403):
+        return
+    if reply.status_code >= 400:
+        raise ValueError(f"env.remote_url: the env server at {url} answered GET "
+                         f"{reply.request.url.path} with HTTP {reply.status_code}; check its "
+                         f"log, or {start}")
+    served = info.get("env") if isinstance(info, dict) else None
+    if served == name:
+        return
+    from rl_tpu.envs.remote import agentgym_name
+    local = make_env_by_name(name, **config.env.kwargs.to_dict())
+    try:
+        theirs = agentgym_name(local)
+    finally:
+        local.close()
+    if info is None and theirs is not None:
+        return  # an AgentGym server: it cannot be asked which env it serves
+    if isinstance(info, dict) and theirs is not None and info.get("agentgym_name") == theirs:
+        return
+    if info is None:
+        raise ValueError(f"env.remote_url: {url} has no /info, so it is not rl_tpu's env "
+                         f"server, and env {name!r} has no AgentGym task name: only `python -m "
+                         f"launch.serve_env --env {name}` can serve it")
+    raise ValueError(f"env.remote_url: the env server at {url} serves {served!r}, but env.name "
+                     f"is {name!r}; point env.remote_url at a server of {name!r} (`python -m "
+                     f"launch.serve_env --env {name} --port PORT`), or set env.name={served!r}")
 
 
 def tiny_shape(config: ml_collections.ConfigDict) -> dict:

@@ -535,8 +535,8 @@ def _check_urls(config: ml_collections.ConfigDict) -> None:
         host_port = url.split("://", 1)[-1].rstrip("/")
         if "://" not in url and ":" not in host_port:
             raise ValueError(f"env.remote_url: {url!r} is not a URL; give the env server's "
-                             "http://host:port (e.g. http://127.0.0.1:8000 for `python -m "
-                             "launch.serve_env --port 8000`)")
+                             "http://host:port (e.g. http://127.0.0.1:36001, where `python -m "
+                             "launch.serve_env --env NAME` serves by default)")
 
 
 def _check_remote_env(env: ml_collections.ConfigDict) -> None:

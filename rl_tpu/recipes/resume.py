@@ -52,6 +52,11 @@ RESUME_MAY_CHANGE = (
 )
 
 
+class ResumeConfigError(ValueError):
+    """A rerun whose config differs from its checkpoint's: a user's mistake, which the
+    launchers report in one line (exit status 2) rather than as a traceback."""
+
+
 def config_record(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The resolved config as a flat JSON-able dict, keys sorted: {"algo.clip_high": 0.28, ...}.
 
@@ -103,7 +108,8 @@ def _same(a, b) -> bool:
 
 def check_resume(saved_record: Optional[dict[str, Any]], config: ml_collections.ConfigDict,
                  workdir: str) -> None:
-    """Raises ValueError naming every key where `config` differs from the checkpoint's record.
+    """Raises ResumeConfigError (a ValueError) naming every key where `config` differs from
+    the checkpoint's record.
 
     `saved_record` is the checkpoint meta's "config" (None for checkpoints saved before meta
     held one: accepted, with a warning). Keys in RESUME_MAY_CHANGE may differ.
@@ -125,19 +131,20 @@ def check_resume(saved_record: Optional[dict[str, Any]], config: ml_collections.
             steps_refused = True
         elif may_change(key):
             continue
-        lines.append(f"  {key}: saved {_show(old_value, missing)}, now {_show(new_value, missing)}")
+        lines.append(f"{key}: saved {_show(old_value, missing)}, now {_show(new_value, missing)}")
     if not lines:
         return
-    why = (f"\n(train.steps may change only with optim.schedule='constant': with "
+    why = (f" (train.steps may change only with optim.schedule='constant': with "
            f"optim.schedule={saved_record.get('optim.schedule')!r} the learning rate decays "
            "over train.steps, so the steps already taken followed another schedule)"
            if steps_refused else "")
-    raise ValueError(
+    # One line, as the launchers print it: the keys first, then what to do.
+    raise ResumeConfigError(
         f"cannot resume the run in {workdir}: its config differs from the one its checkpoint "
-        f"was saved with, in {len(lines)} key(s):\n" + "\n".join(lines) + why +
-        "\nRerun with the original config and overrides to continue this run, or pass a new "
-        "--workdir to start a new run with this config. Keys that may change on resume: "
-        + ", ".join(RESUME_MAY_CHANGE))
+        f"was saved with, in {len(lines)} key(s): " + "; ".join(lines) + why +
+        ". Rerun with the original config and overrides to continue this run, or pass a new "
+        "--workdir to start a new run with this config (keys that may change on resume: "
+        + ", ".join(RESUME_MAY_CHANGE) + ")")
 
 
 def _show(value, missing) -> str:
