@@ -140,11 +140,16 @@ def check_model_and_servers(config: ml_collections.ConfigDict,
     serves `env.name` (`probe_env_server`). Raises hf.CheckpointError or ValueError, naming
     the key or file and what to do."""
     path = model_path or config.model.path
+    key = "--model_path" if model_path else "model.path"
+    if path and not os.path.isdir(path):
+        raise hf.CheckpointError(f"{key}={path!r}: no such directory; point it at an HF model "
+                                 "directory (config.json and *.safetensors)" +
+                                 ("" if model_path else ", or leave it empty for the config's "
+                                  "tiny random model"))
     if path:
         try:
             hf.check_model_dir(path)
         except hf.CheckpointError as e:
-            key = "--model_path" if model_path else "model.path"
             raise hf.CheckpointError(f"{key}={path!r}: {e}") from None
     if config.env.remote_url:
         from rl_tpu.envs.remote import parse_urls
@@ -338,7 +343,10 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         urls = [u.strip() for u in r.urls.split(",") if u.strip()]
         engine = SGLangEngine(urls, model_config=model_cfg,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
-                              tokenizer=tokenizer, router_url=r.router_url or None)
+                              tokenizer=tokenizer, router_url=r.router_url or None,
+                              # a server started with --api_key (launch.serve_rollout reads
+                              # the same variable); kept out of configs and their logs
+                              api_key=os.environ.get("RL_TPU_ROLLOUT_API_KEY") or None)
         if engine.router is not None:
             # The router answers 503 until its own health checks (every 60 s by default) have
             # marked a worker healthy, which can be a minute after everything started.
