@@ -68,12 +68,14 @@ def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = N
         return devices, local
     n = r.sampler_devices or len(local) // 2
     if not 1 <= n < len(local):
+        allowed = ("rollout.sampler_devices to 0 (the one device, shared)" if len(local) == 1
+                   else f"rollout.sampler_devices to 0 (half of them) or 1 <= "
+                        f"rollout.sampler_devices < {len(local)}")
         raise ValueError(
-            f"rollout.max_staleness={r.max_staleness} runs the embedded sampler beside the "
-            f"learner, each on devices of its own: this host has {len(local)} device(s) and "
-            f"rollout.sampler_devices={r.sampler_devices}. Set 1 <= rollout.sampler_devices < "
-            f"{len(local)} (on a CPU, more devices: XLA_FLAGS="
-            "--xla_force_host_platform_device_count=2), or use SGLang servers")
+            f"rollout.sampler_devices={r.sampler_devices}, but this host has {len(local)} "
+            f"device(s): rollout.max_staleness={r.max_staleness} runs the embedded sampler "
+            f"beside the learner on the first rollout.sampler_devices of them, the learner on "
+            f"the rest. Set {allowed}")
     # every host gives its first n devices to its sampler: the rest of all hosts form the mesh
     by_host: dict[int, list] = {}
     for d in devices:

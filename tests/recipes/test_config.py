@@ -183,3 +183,25 @@ def test_a_router_url_needs_sglang_workers_and_a_url():
     c.rollout.router_url = "http://router"  # no port
     with pytest.raises(ValueError, match="rollout.router_url: .*http://host:port"):
         check(c)
+
+
+def test_an_asynchronous_run_on_one_device_shares_it_between_sampler_and_learner():
+    # a plain CPU (no XLA flags) has one device: bapo_offpolicy's smoke (max_staleness=2)
+    import jax
+    c = load("bapo_offpolicy", "smoke")
+    assert c.rollout.max_staleness == 2 and c.rollout.engine == "jax"
+    one = jax.devices()[:1]
+    assert components.split_devices(c, one, 0) == (one, one)
+    c.rollout.sampler_devices = 1
+    assert components.split_devices(c, one, 0) == (one, one)
+    c.rollout.sampler_devices = 2
+    with pytest.raises(ValueError, match=r"rollout.sampler_devices=2, but this host has 1 "
+                                         r"device\(s\).* Set rollout.sampler_devices to 0 "):
+        components.split_devices(c, one, 0)
+    c.rollout.sampler_devices = 0  # two or more devices: each gets its own, as before
+    learner, sampler = components.split_devices(c, jax.devices()[:2], 0)
+    assert [d.id for d in sampler] == [0] and [d.id for d in learner] == [1]
+    c.rollout.sampler_devices = 2
+    with pytest.raises(ValueError, match=r"Set rollout.sampler_devices to 0 \(half of them\) "
+                                         r"or 1 <= rollout.sampler_devices < 2"):
+        components.split_devices(c, jax.devices()[:2], 0)
