@@ -32,10 +32,20 @@ in rl_tpu/host_state.py's checksummed format (never a pickle). It is part of its
 process has saved host state, `restore` treats a step whose host-state file is missing or
 fails its checksum as damaged and falls back to the step before it, like an unreadable array.
 A directory holding host state pickled by an earlier rl_tpu is refused, never unpickled.
+
+A step that cannot be written (a full disk, no permission, a read-only filesystem: an OSError
+here or a write tensorstore refuses in orbax's background threads) raises one
+`CheckpointWriteError` naming the step, its path, the cause and the last good step, from `save`
+or from the `wait` that finds the background write failed; the steps before it stay intact.
+The background threads' own reports of that failure (orbax logs each with its traceback,
+tensorstore's late callbacks print "Event loop is closed") are cut to one line or dropped,
+so the error is the one thing a user reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -49,6 +59,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from rl_tpu import host_state, parallel
+from rl_tpu.checkpoint_errors import (  # noqa: F401 - CheckpointWriteError: public here
+    CheckpointWriteError, is_storage_error, quiet_background_failure_reports)
 from rl_tpu.checkpoint_integrity import (  # noqa: F401 - CheckpointCorruptError: public here
     CheckpointCorruptError, check_savable, flat, path_name)
 from rl_tpu.checkpoint_integrity import record as integrity_record
@@ -64,6 +76,8 @@ _ITEMS = ("state", "meta", "integrity")
 
 class CheckpointTargetMismatchError(ValueError):
     """The restore target's structure or shapes differ from what the checkpoint holds."""
+
+
 
 
 def _abstract_target(target):
@@ -142,6 +156,8 @@ class Checkpointer:
         self._saved_here: set[int] = set()
         self._tmp_cleaned = False
         self._closed = False
+        self._write_failed: Optional[CheckpointWriteError] = None
+        quiet_background_failure_reports()
 
     # -- listing ------------------------------------------------------------------------------
 
@@ -175,13 +191,14 @@ class Checkpointer:
             raise TypeError(f"checkpoint meta for step {step} is not JSON-serialisable ({err}); "
                             "keep it to dicts, lists, strings, numbers, bools and None") from err
         self.wait()  # the previous save must land before this one's garbage collection
-        self._set_aside_abandoned(step)
         items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if self.checksums:
             items["integrity"] = ocp.args.JsonSave(integrity_record(state))
         start = time.perf_counter()
-        # force: the trainer decides when to save; orbax's own interval policy must not skip
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._writing(f"checkpoint step {step}", os.path.join(self.directory, str(step))):
+            self._set_aside_abandoned(step)
+            # force: the trainer decides when to save; orbax's interval policy must not skip
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._saved_here.add(step)
         self._pending = step if self.async_save else None
         log.info("checkpoint step %d: %s in %.2fs", step,
@@ -198,7 +215,9 @@ class Checkpointer:
         Host states of earlier steps whose checkpoints are gone (retention, a save that never
         completed) are deleted; call it after `wait()`, so the step in flight is not one."""
         self._check_open()
-        host_state.write(self.host_state_path(step), state)
+        path = self.host_state_path(step)
+        with self._writing(f"the host state of checkpoint step {step}", path):
+            host_state.write(path, state)
         host_state.prune(self._host_dir, jax.process_index(), set(self.all_steps()) | {step},
                          below=int(step))
 
@@ -258,19 +277,44 @@ class Checkpointer:
         """Block until the saves in flight (a step's, a static item's) are complete on disk."""
         if self._static_pending is not None:
             name, self._static_pending = self._static_pending, None
-            self._finish(self._static_writer, f"static item {name!r}")
+            self._finish(self._static_writer, f"static item {name!r}", self._static_path(name))
         if self._pending is not None:
             step, self._pending = self._pending, None
-            self._finish(self._manager, f"checkpoint step {step}")
+            self._finish(self._manager, f"checkpoint step {step}",
+                         os.path.join(self.directory, str(step)))
 
-    def _finish(self, writer, what: str) -> None:
+    def _finish(self, writer, what: str, path) -> None:
+        """Waits for `writer`'s save; one that failed in the background raises
+        CheckpointWriteError (whatever orbax raised: the write was not completed)."""
         try:
             writer.wait_until_finished()
             writer.check_for_errors()
-        except Exception as err:
-            raise RuntimeError(
-                f"writing {what} to {self.directory} failed in the background: {err}. Earlier "
-                "checkpoints are intact; check the disk (space, permissions)") from err
+        except Exception as err:  # pylint: disable=broad-except
+            raise self._write_error(what, str(path), err) from err
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, path: str):
+        """A storage error (an OSError, a tensorstore write error) in the block raises
+        CheckpointWriteError naming `what` and `path`; anything else passes unchanged."""
+        try:
+            yield
+        except CheckpointWriteError:
+            raise
+        except Exception as err:  # pylint: disable=broad-except
+            if not is_storage_error(err):
+                raise
+            raise self._write_error(what, path, err) from err
+
+    def _write_error(self, what: str, path: str, err: BaseException) -> CheckpointWriteError:
+        # Orbax's abandoned write coroutines are finalised now, while the interpreter can
+        # still run their cleanup, not at exit (where each would print a traceback).
+        gc.collect()
+        try:
+            last_good = self.latest_step()
+        except Exception:  # pylint: disable=broad-except - an unreadable directory
+            last_good = None
+        self._write_failed = CheckpointWriteError(what, path, err, last_good)
+        return self._write_failed
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -378,7 +422,6 @@ class Checkpointer:
             log.warning("static item %r in %s holds other arrays (%s) and no checkpoint "
                         "refers to it (its run stopped before its first checkpoint); "
                         "replacing it", name, path, differs)
-        self._clear_static(name)
         items = {"state": ocp.args.StandardSave(tree)}
         if record is not None:
             items["integrity"] = ocp.args.JsonSave(record)
@@ -386,7 +429,9 @@ class Checkpointer:
             self._static_writer = (ocp.AsyncCheckpointer if self.async_save else
                                    ocp.Checkpointer)(_static_handler())
         start = time.perf_counter()
-        self._static_writer.save(path, args=ocp.args.Composite(**items))
+        with self._writing(f"static item {name!r}", str(path)):
+            self._clear_static(name)
+            self._static_writer.save(path, args=ocp.args.Composite(**items))
         self._static_pending = name if self.async_save else None
         log.info("static item %r: %s in %.2fs", name,
                  "handed to the background writer" if self.async_save else "written",
@@ -472,15 +517,25 @@ class Checkpointer:
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Waits for the saves in flight, then stops orbax's writers. After a failed write
+        (raised already), closing reports nothing more: orbax's writers would raise the same
+        failure again."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
-            self._manager.close()
-            if self._static_writer is not None:
-                self._static_writer.close()
             self._closed = True
+            for writer in (self._manager, self._static_writer):
+                if writer is None:
+                    continue
+                try:
+                    writer.close()
+                except Exception:  # pylint: disable=broad-except
+                    if self._write_failed is None:
+                        raise
+                    log.debug("closing the checkpoint writer after a failed write",
+                              exc_info=True)
 
     def __enter__(self) -> "Checkpointer":
         return self

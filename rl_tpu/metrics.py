@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from rl_tpu.checkpoint_errors import RunWriteError
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -112,6 +114,7 @@ class MetricsWriter:
         self.enabled = bool(enabled)
         self._file = None
         self._tb = None
+        self._failed = False  # a write failed: closing may fail the same way, quietly
         self._warned_nonfinite: set[str] = set()
         if not self.enabled:
             return
@@ -158,13 +161,23 @@ class MetricsWriter:
         record: dict[str, Any] = {"step": int(step)}
         for key, value in values.items():
             record[key] = self._scalar(key, value, int(step))
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as err:
+            self._failed = True
+            raise RunWriteError(f"the metrics of step {step}", self.path, err) from err
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(key, float(value), int(step))
-            self._tb.flush()
+            try:
+                for key, value in record.items():
+                    if key != "step" and value is not None:
+                        self._tb.add_scalar(key, float(value), int(step))
+                self._tb.flush()
+            except OSError as err:
+                self._failed = True
+                raise RunWriteError(f"the TensorBoard events of step {step}",
+                                    os.path.join(self.workdir, TENSORBOARD_DIR), err) from err
 
     def _scalar(self, key, value, step: int):
         if not isinstance(key, str):
@@ -186,18 +199,41 @@ class MetricsWriter:
         return item
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Closes the file and the TensorBoard writer. After a failed write (raised already),
+        their final flushes fail the same way: that is logged at DEBUG, not raised again."""
+        for name in ("_file", "_tb"):
+            writer, _ = getattr(self, name), setattr(self, name, None)
+            if writer is None:
+                continue
+            try:
+                writer.close()
+            except OSError:
+                if not self._failed:
+                    raise
+                log.debug("closing %s after a failed write", name, exc_info=True)
+                if name == "_tb":
+                    _abandon_event_files(writer)
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _abandon_event_files(summary_writer) -> None:
+    """tensorboardX's close failed (its flush hit the failure already raised): its logger
+    threads are stopped and its event files marked closed, so its exit hook does not flush
+    into the same failure again and print a traceback after the run's error."""
+    for file_writer in (getattr(summary_writer, "all_writers", None) or {}).values():
+        events = getattr(file_writer, "event_writer", None)
+        if events is None or getattr(events, "_closed", True):
+            continue
+        try:
+            events._worker.stop()  # pylint: disable=protected-access
+        except Exception:  # pylint: disable=broad-except - the thread may have died already
+            pass
+        events._closed = True  # pylint: disable=protected-access
 
 
 # ---------------------------------------------------------------------------------------------

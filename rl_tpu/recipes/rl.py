@@ -47,6 +47,7 @@ from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel, schedules
 from rl_tpu.agent import play_partial
 from rl_tpu.checkpoint import Checkpointer
+from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import hf
@@ -92,8 +93,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
                 trainer.end_step(step, record)            # eval (when due), log, checkpoint
                 trainer.stop_if_signalled(step)           # pre-emption: every host agrees
             trainer.finish()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(after_error=True)  # the error that stopped the run is the one raised
+        raise
+    trainer.close()
     return {k: v for k, v in trainer.last_eval.items() if k.startswith("eval/")}
 
 
@@ -353,7 +356,13 @@ class Trainer:
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 
     def log(self, step: int, record: dict) -> None:
-        self.writer.write(step, record)
+        try:
+            self.writer.write(step, record)
+        except RunWriteError:
+            # a full disk fails the checkpoint in flight too: that error, naming the last
+            # good step, is the one to report
+            self.ckpt.wait()
+            raise
 
     def save(self, step: int) -> None:
         """Host-side state first (producer, replay), then the sharded state: a checkpoint
@@ -405,13 +414,25 @@ class Trainer:
             metrics_lib.atomic_write_text(os.path.join(self.workdir, FINISHED_FILE),
                                           json.dumps(record, indent=1) + "\n")
 
-    def close(self) -> None:
+    def close(self, after_error: bool = False) -> None:
+        """Stops the producer, lets the checkpoint in flight land, closes the writers: each
+        of them, whichever fails. The first failure is raised after all are closed, unless
+        the run is `after_error` (a checkpoint or metrics write that failed: closing fails
+        the same way): that error is the one reported, these are logged in a line each."""
+        closers = [self.ckpt.close] + ([self.writer.close] if self.writer is not None else [])
         if getattr(self, "producer", None) is not None:
-            self.producer.close()
-        self.ckpt.wait()
-        self.ckpt.close()
-        if self.writer is not None:
-            self.writer.close()
+            closers.insert(0, self.producer.close)
+        first = None
+        for close in closers:
+            try:
+                close()
+            except Exception as err:  # pylint: disable=broad-except
+                if after_error:
+                    log.warning("while stopping after an error, closing failed too: %s",
+                                str(err).splitlines()[0][:300] if str(err) else repr(err))
+                first = first or err
+        if first is not None and not after_error:
+            raise first
 
     def start_producer(self) -> None:
         if self.asynchronous:
