@@ -181,6 +181,12 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True
     c.log.plot = True
+    # a Weights & Biases project: the same scalars go to a W&B run named after the workdir
+    # ("" = off; needs `pip install 'rl_tpu[wandb]'`)
+    c.log.wandb_project = ""
+    # stdout not a terminal (a log file): a progress line at most every `every_s` seconds,
+    # the first and the last step always
+    c.log.every_s = 5.0
 
     # SFT warm start before RL (steps = 0: none). Demonstrations come from the env's teacher
     # (`teacher_skill`) or from a JSONL of chats (`data_path`).
