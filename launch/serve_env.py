@@ -8,11 +8,19 @@
 `rl_tpu env server: <env> at http://<host>:<port>`; scripts that start the server in a
 subprocess read the URL from it. `--error_style agentgym` answers errors as AgentGym's servers
 do (HTTP 200 `{"error": "..."}`) instead of rl_tpu's 4xx/5xx `{"error": {"message": "..."}}`;
-`--idle_timeout_s` closes instances no request has touched for that long (0: never). Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a
-training run given `--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
+`--idle_timeout_s` closes instances no request has touched for that long (0: never).
+Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a training run given
+`--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
 name or kwarg fails before the socket is bound, naming the envs or kwargs there are.
 An env defined outside rl_tpu is served by importing the module that registers it first:
 `--env_module my_envs --env add_digits` (the module must be importable: on PYTHONPATH).
+
+An env server runs whatever actions it is sent: give it a key before exposing it
+(`RL_TPU_ENV_API_KEY=... python -m launch.serve_env ...`, which keeps the key out of process
+lists, or `--api_key`); every request then needs `Authorization: Bearer <key>`, and RemoteEnv
+sends it from RL_TPU_ENV_API_KEY. The HTTP limits (--max_header_bytes, --header_timeout_s,
+--max_body_bytes, --body_timeout_s, --keep_alive_s, --max_connections, --max_json_depth) bound
+what one client can make the server hold; --docs serves /docs, /redoc and /openapi.json.
 """
 
 import importlib
@@ -21,6 +29,7 @@ import sys
 
 from absl import app, flags
 
+from rl_tpu import serving
 from rl_tpu.envs import ENV_MODULES, base, server
 
 flags.DEFINE_string("env", None, "Registered env name, one of: " + ", ".join(sorted(ENV_MODULES))
@@ -36,6 +45,10 @@ flags.DEFINE_enum("error_style", "rl_tpu", server.ERROR_STYLES, "rl_tpu: errors 
 flags.DEFINE_integer("threads", 0, "Threads that run env calls, so requests on different "
                      "instances run in parallel; 0 = one per instance (--max_instances).")
 flags.DEFINE_string("env_kwargs", "{}", "JSON object of keyword arguments for the env.")
+flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer <key>'; "
+                    f"default: the environment variable {server.API_KEY_ENV} (which keeps it "
+                    "out of process lists).")
+serving.add_http_flags(flags, server.ENV_LIMITS)
 flags.DEFINE_multi_string("env_module", [], "Python module to import first, e.g. my_envs: one "
                           "that registers envs defined outside rl_tpu (repeatable).")
 
@@ -68,9 +81,15 @@ def main(argv):
         raise app.UsageError("--idle_timeout_s and --threads must be >= 0, --max_instances "
                              ">= 1")
     try:
+        limits = serving.http_limits_from_flags(f)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    try:
         server.serve(f.env, host=f.host, port=f.port, max_instances=f.max_instances,
                      env_kwargs=env_kwargs, ready=ready, error_style=f.error_style,
-                     idle_timeout_s=f.idle_timeout_s or None, threads=f.threads or None)
+                     idle_timeout_s=f.idle_timeout_s or None, threads=f.threads or None,
+                     limits=limits, api_key=serving.api_key_from(f.api_key, server.API_KEY_ENV),
+                     docs=f.docs)
     except ModuleNotFoundError as e:  # the env's package, named with its pip extra
         sys.exit(f"launch.serve_env: {e}")
     except (TypeError, ValueError) as e:  # a kwarg value the env refuses, at construction

@@ -8,6 +8,11 @@ batched continuously in a fixed pool of --max_batch rows of --max_context_tokens
 each: its memory is set at start, and a request waits for a free row rather than running the
 server out of memory. Binds 127.0.0.1 unless --host says otherwise. A request over a limit
 (--max_n, --max_rows, --max_context_tokens, --max_request_tokens) is answered 400 naming it.
+The HTTP limits (--max_header_bytes, --header_timeout_s, --max_body_bytes, --body_timeout_s,
+--keep_alive_s, --max_connections, --max_json_depth) bound what one client can make the server
+hold. A key (`RL_TPU_ROLLOUT_API_KEY=... python -m launch.serve_rollout ...`, which keeps it
+out of process lists, or --api_key) makes every request need `Authorization: Bearer <key>`;
+the trainer sends RL_TPU_ROLLOUT_API_KEY. --docs serves /docs, /redoc and /openapi.json.
 """
 
 import logging
@@ -15,7 +20,8 @@ import logging
 import jax
 from absl import app, flags
 
-from rl_tpu import parallel
+from rl_tpu import parallel, serving
+from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.rollout.continuous import ContinuousBatcher
@@ -25,7 +31,9 @@ from rl_tpu.rollout.server import RolloutService, ServerLimits, serve
 flags.DEFINE_string("model_path", None, "HF model directory to serve.", required=True)
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 exposes it to the network).")
 flags.DEFINE_integer("port", 30000, "Port.")
-flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer <key>'.")
+flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bearer <key>'; "
+                    "default: the environment variable RL_TPU_ROLLOUT_API_KEY (which keeps it "
+                    "out of process lists).")
 flags.DEFINE_integer("max_batch", 64, "Rows decoded together: the KV pool's rows.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_string("weight_version", "0", "Version reported for the initial weights.")
@@ -42,6 +50,7 @@ flags.DEFINE_float("stall_timeout_s", 300.0, "/health fails once one device call
                    "this long (a wedged sampler).")
 flags.DEFINE_float("health_timeout_s", 20.0, "/health_generate fails when its one-token "
                    "generation has not come back in this long.")
+serving.add_http_flags(flags, HttpLimits())
 _LIMITS = ServerLimits()
 flags.DEFINE_integer("max_n", _LIMITS.max_n, "Samples per prompt a request may ask for.")
 flags.DEFINE_integer("max_rows", _LIMITS.max_rows, "Prompts x n in one request.")
@@ -69,6 +78,10 @@ def main(argv):
     del argv
     f = flags.FLAGS
     logging.basicConfig(level=logging.INFO)
+    try:
+        http_limits = serving.http_limits_from_flags(f)
+    except ValueError as e:
+        raise app.UsageError(str(e))
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
@@ -84,9 +97,11 @@ def main(argv):
                           max_request_tokens=f.max_request_tokens)
     service = RolloutService(sampler, f.model_path, tokenizer, limits, batcher=batcher,
                              stall_timeout_s=f.stall_timeout_s)
-    server = serve(service, f.host, f.port, f.api_key, health_timeout_s=f.health_timeout_s)
-    print(f"serving {f.model_path} on http://{f.host}:{f.port} ({rows} rows x {slots} KV "
-          "slots)", flush=True)
+    server = serve(service, f.host, f.port,
+                   serving.api_key_from(f.api_key, "RL_TPU_ROLLOUT_API_KEY"),
+                   health_timeout_s=f.health_timeout_s, limits=http_limits, docs=f.docs)
+    print(f"serving {f.model_path} on {server.url} ({rows} rows x {slots} KV slots)",
+          flush=True)
     server.serve_forever()
 
 

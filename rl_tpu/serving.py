@@ -1,10 +1,13 @@
 """What rl_tpu's HTTP servers (the rollout and env servers) share: one error shape, reading a
-JSON body into a pydantic model, and uvicorn bound to a socket, served from a thread or a CLI.
+JSON body into a pydantic model, the HTTP limits, the API key, and uvicorn bound to a socket,
+served from a thread or a CLI.
 
 Every error any rl_tpu server answers is `{"error": {"message": "..."}}` with a 4xx or 5xx
 status, SGLang's shape (and OpenAI's): a request FastAPI cannot validate is a 400 naming the
 field, not FastAPI's 422 list; an unknown route a 404; an exception a 500 with its type and
-message, after which the server goes on serving.
+message, after which the server goes on serving. What a client may make a server hold (header
+and body sizes and deadlines, JSON depth, connections) is bounded by `HttpLimits`
+(rl_tpu/http_limits.py), each limit a flag of both launchers (`add_http_flags`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
+import resource
 import socket
 import threading
 import time
@@ -23,6 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rl_tpu.http_limits import (PARSED_JSON, BodyGuard, HttpLimits, JSONLimitError, KeyGuard,
+                                Refusal, loads, protocol_for)
 
 log = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
@@ -92,15 +100,22 @@ def where(request: Request) -> str:
     return f"{request.method} {request.url.path}"
 
 
-async def read_json(request: Request, model: type[ModelT]) -> ModelT:
+async def read_json(request: Request, model: type[ModelT],
+                    max_depth: int = HttpLimits.max_json_depth) -> ModelT:
     """The request's JSON body as `model`, whatever its Content-Type says (clients that send
     JSON as form data, as urllib does, are read too); an empty body is `{}`. BadRequest
-    naming what is wrong otherwise."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"body is not JSON: {err}") from err
+    naming what is wrong otherwise, a body over the JSON limits included. The body as
+    `BodyGuard` parsed it is used when there is one (no second parse)."""
+    if PARSED_JSON in request.scope:
+        data = request.scope[PARSED_JSON]
+    else:
+        raw = await request.body()
+        try:
+            data = loads(raw, max_depth) if raw.strip() else {}
+        except JSONLimitError as err:
+            raise BadRequest(str(err)) from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise BadRequest(f"body is not JSON: {err}") from err
     if not isinstance(data, dict):
         raise BadRequest(f"body must be a JSON object, got {type(data).__name__}")
     try:
@@ -135,17 +150,83 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"{type(err).__name__}: {err}")
 
 
+def closing_error(status: int, message: str) -> JSONResponse:
+    """`error_response` that also ends the connection (its request was not read to its end)."""
+    return JSONResponse({"error": {"message": message}}, status_code=status,
+                        headers={"connection": "close"})
+
+
+def guard(app: FastAPI, limits: HttpLimits, api_key: Optional[str] = None,
+          refuse: Refusal = closing_error, key_hint: str = "") -> None:
+    """Every request to `app` read whole within `limits` first (`BodyGuard`, its refusals
+    shaped by `refuse`), and with `api_key` checked before that (`KeyGuard`: a client without
+    the key cannot make the server read a body; `key_hint` ends its 401 message). Call once,
+    after the app's other middleware."""
+    app.add_middleware(BodyGuard, limits=limits, refuse=refuse)
+    if api_key:  # a real 401 in rl_tpu's shape whatever `refuse` says: not an app error
+        app.add_middleware(KeyGuard, api_key=api_key, refuse=closing_error, hint=key_hint)
+
+
 def bearer_auth(app: FastAPI, api_key: Optional[str]) -> None:
     """With `api_key`, every request needs `Authorization: Bearer <api_key>` (SGLang's
-    --api-key), else 401."""
-    if not api_key:
-        return
+    --api-key), else 401; compared in constant time."""
+    if api_key:
+        app.add_middleware(KeyGuard, api_key=api_key, refuse=closing_error)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        return await call_next(request)
+
+def docs_routes(docs: bool) -> dict:
+    """FastAPI(...) arguments: the interactive docs (/docs, /redoc, /openapi.json) only when
+    asked for (`--docs`): they describe every route and field to anyone who can connect."""
+    return {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def api_key_from(flag_value: Optional[str], env_var: str) -> Optional[str]:
+    """The key a launcher's --api_key gives, else the environment variable `env_var` (which
+    keeps it out of process lists); None for neither (or an empty one)."""
+    return flag_value or os.environ.get(env_var) or None
+
+
+def add_http_flags(flags, defaults: HttpLimits) -> None:
+    """Defines a launcher's HTTP-limit flags (absl `flags`), defaulting to `defaults`."""
+    d = defaults
+    flags.DEFINE_integer("max_header_bytes", d.max_header_bytes, "Request line + headers "
+                         "may be at most this many bytes; more is answered 431.")
+    flags.DEFINE_float("header_timeout_s", d.header_timeout_s, "A connection's request line "
+                       "+ headers must arrive within this many seconds of its start (or of "
+                       "the request's first byte), else it is closed.")
+    flags.DEFINE_integer("max_body_bytes", d.max_body_bytes, "A request body may be at most "
+                         "this many bytes; a bigger Content-Length is answered 413 at once.")
+    flags.DEFINE_float("body_timeout_s", d.body_timeout_s, "A request body must arrive "
+                       "within this many seconds of its headers, else 408.")
+    flags.DEFINE_float("keep_alive_s", d.keep_alive_s, "An idle connection is closed after "
+                       "this many seconds without a request.")
+    flags.DEFINE_integer("max_connections", d.max_connections, "Connections served at once; "
+                         "a request on one beyond them is answered 503 and it is closed.")
+    flags.DEFINE_integer("max_json_depth", d.max_json_depth, "JSON bodies nested deeper than "
+                         "this are answered 400.")
+    flags.DEFINE_bool("docs", False, "Serve the interactive API docs (/docs, /redoc, "
+                      "/openapi.json).")
+
+
+def http_limits_from_flags(flag_values) -> HttpLimits:
+    """The HttpLimits `add_http_flags`' flags give; ValueError naming a bad one."""
+    f = flag_values
+    return HttpLimits(max_header_bytes=f.max_header_bytes, header_timeout_s=f.header_timeout_s,
+                      max_body_bytes=f.max_body_bytes, body_timeout_s=f.body_timeout_s,
+                      keep_alive_s=f.keep_alive_s, max_connections=f.max_connections,
+                      max_json_depth=f.max_json_depth)
+
+
+def _allow_open_files(needed: int) -> None:
+    """Raises this process's open-file limit towards `needed` (as far as the hard limit lets
+    it): past it, accept() fails before --max_connections is reached."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as err:  # not allowed here: the cap may then not be reached
+        log.warning("could not raise the open-file limit to %d: %s", needed, err)
 
 
 class Server:
@@ -156,14 +237,16 @@ class Server:
     Binds loopback unless told otherwise.
 
     Args:
-      keep_alive_s: how long an idle client connection stays open (uvicorn's 5 s default
-        would close a trainer's or an agent's connection between two of its calls).
+      limits: the HTTP limits (rl_tpu/http_limits.py) enforced on every connection; its
+        keep_alive_s is how long an idle client connection stays open (uvicorn's 5 s default
+        would close a trainer's or an agent's connection between two of its calls). The body
+        limits are the app's own (`guard`).
       on_unserved_close: called by `shutdown()` when the server never served (the app's
         lifespan, which would clean up otherwise, never ran).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
-                 keep_alive_s: float = 75.0,
+                 limits: HttpLimits = HttpLimits(),
                  on_unserved_close: Optional[Callable[[], None]] = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
@@ -178,8 +261,11 @@ class Server:
         shown = f"[{self.server_address[0]}]" if family == socket.AF_INET6 else \
             self.server_address[0]
         self.url = f"http://{shown}:{self.server_address[1]}"
+        self.limits = limits
+        _allow_open_files(limits.max_connections + 256)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_keep_alive=int(keep_alive_s), backlog=2048)
+                                http=protocol_for(limits), timeout_keep_alive=limits.keep_alive_s,
+                                backlog=2048)
         self._uvicorn = uvicorn.Server(config)
         self._on_unserved_close = on_unserved_close
         self._thread: Optional[threading.Thread] = None

@@ -46,6 +46,10 @@ AgentGym-RL does with an episode whose server answered an error (it scores it 0)
   practice); a dropped `/step` on a fresh connection is raised, never replayed;
 - no reply within `timeout` seconds: raised at once (a hung server is not helped by waiting).
 
+A server started with a key (`launch.serve_env --api_key`, or RL_TPU_ENV_API_KEY) answers 401
+without it: RemoteEnv sends `api_key`, by default the same environment variable, and a 401 is
+a RemoteEnvError saying to set it.
+
 HTTP goes through httpx (`rl_tpu.envs.remote_http`): keep-alive connections from a pool,
 the RemoteEnv's own or one shared by every env a `RemoteEnvFactory` builds for that server, and
 a lock that serialises the calls on one RemoteEnv (a timed-out step still running in its
@@ -60,6 +64,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import re
 import threading
 import urllib.parse
@@ -71,12 +76,13 @@ from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
 from rl_tpu.envs.remote_http import RemoteEnvError, Transport, shared_client
 
-__all__ = ["AGENTGYM_ENVS", "RemoteEnv", "RemoteEnvError", "RemoteEnvFactory",
+__all__ = ["AGENTGYM_ENVS", "API_KEY_ENV", "RemoteEnv", "RemoteEnvError", "RemoteEnvFactory",
            "RemoteTaskSource", "agentgym_name", "parse_urls", "split_url"]
 
 log = logging.getLogger(__name__)
 
 AGENTGYM_ENVS = ("babyai", "textcraft", "sciworld", "searchqa")
+API_KEY_ENV = "RL_TPU_ENV_API_KEY"  # the key `launch.serve_env` reads too
 PROTOCOLS = ("agentgym", "rl_tpu")
 # AgentGym-RL's fixed assistant turn after the instruction (rl_dataset.py).
 ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve the task."
@@ -147,6 +153,8 @@ class RemoteEnv(Env):
         `conversation_start()` and `tasks()` in place of asking the server (`/info`, `/task`).
       client: an httpx.Client pool to send through, shared with other envs (never closed
         here; `remote_http.shared_client`); None: a pool of this env's own.
+      api_key: sent as `Authorization: Bearer <key>` to a server started with a key; None:
+        the environment variable RL_TPU_ENV_API_KEY, if set.
     """
 
     def __init__(self, url: str, env_name: Optional[str] = None, timeout: float = 60.0,
@@ -154,7 +162,7 @@ class RemoteEnv(Env):
                  instruction: Optional[str] = None, system_prompt: Optional[str] = None,
                  conversation: Optional[Sequence[dict]] = None,
                  task_source: Optional[TaskSource] = None,
-                 client: Optional[httpx.Client] = None):
+                 client: Optional[httpx.Client] = None, api_key: Optional[str] = None):
         parts = split_url(url)
         if not timeout > 0 or retries < 0 or backoff < 0:
             raise ValueError(f"RemoteEnv needs timeout > 0, retries >= 0 and backoff >= 0 "
@@ -172,7 +180,8 @@ class RemoteEnv(Env):
         self.protocol = protocol
         self.instruction = instruction
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
-        self._transport = Transport(self.url, timeout, retries, backoff, client)
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self._transport = Transport(self.url, timeout, retries, backoff, client, api_key)
         self._id: Optional[int] = None
         self._info: Optional[dict] = None
         self._done = True
@@ -213,6 +222,11 @@ class RemoteEnv(Env):
                 if isinstance(message, dict) and "message" in message:
                     message = message["message"]  # rl_tpu's {"error": {"message": ...}}
             hint = ""
+            if status == 401:
+                raise RemoteEnvError(
+                    f"{what}: the env server at {self.url} wants an API key ({message}): set "
+                    f"{API_KEY_ENV} to the key it was started with", status,
+                    message if isinstance(message, str) else None)
             if status == 404 and message == "Not Found":
                 hint = (" (no such route: AgentGym's servers have no /info, /task or /health, "
                         "so an rl_tpu-only call such as tasks() or system_prompt cannot work "
@@ -489,10 +503,12 @@ class RemoteEnvFactory:
     /info to ask. Its AgentGym name (`agentgym_name`) picks the protocol: "agentgym" (the
     model's reply parsed here as AgentGym's client parses it; works against AgentGym's own
     servers and `launch.serve_env`), else "rl_tpu" (the reply sent whole; `launch.serve_env`
-    serving an env of the same name)."""
+    serving an env of the same name). `api_key` goes to every server (None: the environment
+    variable RL_TPU_ENV_API_KEY, if set)."""
 
     def __init__(self, local: Env, urls: Sequence[str], *, env_name: Optional[str] = None,
-                 timeout: float = 30.0, retries: int = 3, backoff: float = 0.5):
+                 timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
+                 api_key: Optional[str] = None):
         if not urls:
             raise ValueError("RemoteEnvFactory needs at least one env server url")
         self.urls = [f"{p.scheme}://{p.netloc}" for p in map(split_url, urls)]
@@ -506,7 +522,7 @@ class RemoteEnvFactory:
         self.system_prompt = getattr(local, "system_prompt", "") or ""
         start = getattr(local, "conversation_start", None)
         self.conversation = start() if callable(start) else None
-        self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff)
+        self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff, api_key=api_key)
         self._next = itertools.count()
         self._next_lock = threading.Lock()  # make_env runs in the agent loop's worker threads
         # One connection pool per server, shared by the envs built for it: an episode that
@@ -544,6 +560,8 @@ class RemoteEnvFactory:
                         raise
                     info = None  # AgentGym's own servers have no /info
             except RemoteEnvError as e:
+                if e.status == 401:
+                    raise ValueError(f"env.remote_url: {e}") from None
                 raise ValueError(f"env.remote_url: the env server at {url} does not answer "
                                  f"({e})") from None
             finally:

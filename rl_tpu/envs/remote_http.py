@@ -60,11 +60,13 @@ def shared_client(timeout: float, connections: int = 512) -> httpx.Client:
 class Transport:
     """Requests to the env server at `url` (scheme://host:port), each retried as the module
     docstring says. `client`: a shared pool (never closed here); None builds one of this
-    transport's own on first use."""
+    transport's own on first use. `api_key`: sent as `Authorization: Bearer <key>`."""
 
     def __init__(self, url: str, timeout: float, retries: int, backoff: float,
-                 client: Optional[httpx.Client] = None):
+                 client: Optional[httpx.Client] = None, api_key: Optional[str] = None):
         self.url = url
+        # sent with every request (`launch.serve_env --api_key`); never logged
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self._shared = client
         self._own: Optional[httpx.Client] = None
@@ -94,6 +96,7 @@ class Transport:
                 ) -> tuple[int, bytes]:
         """(status, raw reply body) of one API call; RemoteEnvError when no reply came."""
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers.update(self._auth)
         route = path.split("?")[0]
         repeatable = method == "GET" or route in _IDEMPOTENT
         what = f"{method} {self.url}{route}"

@@ -41,12 +41,14 @@ int), `POST /reset {"env_idx", "id"}` -> the first observation (a string), `POST
 `POST /close {"env_idx"}`; the action goes to the env as sent (SearchQA sends the whole reply).
 
 Errors, each answered and never fatal to the server, in one shape shared with rl_tpu's rollout
-server: HTTP 4xx/5xx with `{"error": {"message": "..."}}`. A malformed request (bad JSON, a
-missing or mistyped field, named in the message) gets 400, as does a task the env cannot
-start from its data, or a body shorter than its Content-Length once `body_timeout_s` has
-passed; an unknown or expired id gets 404; past `max_instances` live envs `/create` gets 503;
-an env that raises gets 500 with the exception's message, and that instance is dropped (its
-state is suspect). With `error_style="agentgym"` (`--error_style agentgym`) every error is
+server: HTTP 4xx/5xx with `{"error": {"message": "..."}}`. A malformed request (bad JSON, JSON
+nested deeper than the limit or holding an integer of more than 4300 digits, a missing or
+mistyped field, named in the message) gets 400, as does a task the env cannot start from its
+data; a body shorter than its Content-Length gets 408 once `body_timeout_s` has passed, one
+over `max_body_bytes` 413 (the HTTP limits, `limits`: rl_tpu/http_limits.py); without the
+server's `api_key`, 401; an unknown or expired id gets 404; past `max_instances` live envs
+`/create` gets 503; an env that raises gets 500 with the exception's message, and that
+instance is dropped (its state is suspect). With `error_style="agentgym"` (`--error_style agentgym`) every error is
 instead HTTP 200 `{"error": "..."}`, as AgentGym's BabyAI, TextCraft and SciWorld servers
 answer; `RemoteEnv` raises a `RemoteEnvError` either way, but only the status codes let it
 re-create an instance the server dropped or expired.
@@ -58,7 +60,10 @@ by its lock (env_service.py).
 Instances idle for `idle_timeout_s` are closed (see env_service.py).
 
 Bind address defaults to loopback: an env server executes whatever actions it is sent, so
-exposing it beyond the host is an explicit choice (`--host 0.0.0.0`).
+exposing it beyond the host is an explicit choice (`--host 0.0.0.0`), best made with an
+`api_key` (`--api_key`, or RL_TPU_ENV_API_KEY): every request then needs `Authorization:
+Bearer <key>`, which RemoteEnv sends from the same variable. The interactive docs (/docs,
+/redoc, /openapi.json) are served only with `docs=True` (`--docs`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Optional, Union
@@ -77,28 +83,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rl_tpu.envs import base
 from rl_tpu.envs.base import Env
 from rl_tpu.envs.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestError, jsonable
-from rl_tpu.envs.server_wire import (ERROR_STYLES, BodyGuard, Close, Create, JSONReply, Reset,
-                                     SearchQAClose, SearchQACreate, SearchQAReset, SearchQAStep,
-                                     Step, error_reply)
-from rl_tpu.serving import Server, validation_message, where
+from rl_tpu.envs.server_wire import (ERROR_STYLES, Close, Create, JSONReply, Reset, SearchQAClose,
+                                     SearchQACreate, SearchQAReset, SearchQAStep, Step,
+                                     error_reply)
+from rl_tpu.http_limits import ENV_LIMITS, HttpLimits
+from rl_tpu.serving import Server, docs_routes, guard, validation_message, where
 
-__all__ = ["DIALECTS", "ERROR_STYLES", "PARSING_ENVS", "EnvServer", "EnvService",
-           "RequestError", "build_app", "make_server", "serve"]
+__all__ = ["API_KEY_ENV", "DIALECTS", "ENV_LIMITS", "ERROR_STYLES", "PARSING_ENVS",
+           "EnvServer", "EnvService", "RequestError", "build_app", "make_server", "serve"]
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 << 20  # far above any action; bounds what a broken client can make us read
+API_KEY_ENV = "RL_TPU_ENV_API_KEY"  # the key's variable, for the server and RemoteEnv alike
 
 _POST = ("/close", "/create", "/reset", "/step")
 _GET = ("/", "/health", "/info", "/observation", "/task")
 
 
 def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optional[int] = None,
-              body_timeout_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              *, limits: HttpLimits = ENV_LIMITS, api_key: Optional[str] = None,
+              docs: bool = False) -> FastAPI:
     """The ASGI app serving `service`; see the module docstring for the routes and errors.
     `threads` run env calls; None: one per instance the service may hold, so a call never
     waits for a thread while another instance's env is busy (a thread is started only when
-    calls overlap that much)."""
+    calls overlap that much). Bodies are read within `limits` (its body and JSON limits);
+    with `api_key` every request needs it; `docs` serves /docs, /redoc and /openapi.json."""
     if error_style not in ERROR_STYLES:
         raise ValueError(f"error_style must be one of {ERROR_STYLES}, got {error_style!r}")
     threads = service.max_instances if threads is None else threads
@@ -123,10 +132,10 @@ def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optiona
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"rl_tpu env server: {service.env_name}", lifespan=lifespan,
-                  default_response_class=JSONReply)
+                  default_response_class=JSONReply, **docs_routes(docs))
     _add_error_handlers(app, error_style)
-    app.add_middleware(BodyGuard, error_style=error_style, max_bytes=max_body_bytes,
-                       timeout_s=body_timeout_s)
+    guard(app, limits, api_key, functools.partial(_refusal, style=error_style),
+          key_hint=f"; RemoteEnv sends the key in {API_KEY_ENV}")
 
     def created(env_id: int, observation: str) -> dict:
         return {"id": env_id, "observation": observation, "reward": 0.0, "score": 0.0,
@@ -209,6 +218,10 @@ def build_app(service: EnvService, error_style: str = "rl_tpu", threads: Optiona
     return app
 
 
+def _refusal(status: int, message: str, style: str) -> JSONReply:
+    return error_reply(status, message, style, close=True)
+
+
 async def _expire_periodically(service: EnvService, run: Callable) -> None:
     """Closes idle instances even when no /create comes to do it."""
     if service.idle_timeout_s is None:
@@ -241,7 +254,7 @@ def _add_error_handlers(app: FastAPI, style: str) -> None:
             other = "POST" if request.url.path in _POST else "GET"
             message = f"{request.url.path} takes {other}, not {request.method}"
         elif error.status_code == 400:  # FastAPI's "There was an error parsing the body"
-            message = f"{what}: the body is not valid JSON ({error.detail}; nested too deep?)"
+            message = f"{what}: the body is not valid JSON ({error.detail})"
         else:
             message = f"{what}: {error.detail}"
         return error_reply(error.status_code, message, style)
@@ -259,9 +272,8 @@ class EnvServer(Server):
     closes its envs on shutdown."""
 
     def __init__(self, app: FastAPI, service: EnvService, host: str = "127.0.0.1",
-                 port: int = 0, keep_alive_s: float = 600.0):
-        super().__init__(app, host, port, keep_alive_s=keep_alive_s,
-                         on_unserved_close=service.shutdown)
+                 port: int = 0, limits: HttpLimits = ENV_LIMITS):
+        super().__init__(app, host, port, limits=limits, on_unserved_close=service.shutdown)
         self.app, self.service = app, service
 
 
@@ -269,7 +281,9 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
                 max_instances: int = 256, env_kwargs: Optional[dict] = None,
                 action_prefix: Optional[str] = None, dialect: Optional[str] = None, *,
                 error_style: str = "rl_tpu", idle_timeout_s: Optional[float] = 600.0,
-                threads: Optional[int] = None, body_timeout_s: float = 10.0) -> EnvServer:
+                threads: Optional[int] = None, limits: HttpLimits = ENV_LIMITS,
+                body_timeout_s: Optional[float] = None, api_key: Optional[str] = None,
+                docs: bool = False) -> EnvServer:
     """A bound (not yet serving) server for `make(env, **env_kwargs)`, or for envs built by
     `env()` when it is a factory; port 0 picks a free port (`server.url`). Serve it with
     `start()` (a background thread) or `serve_forever()`, stop it with `shutdown()`.
@@ -277,7 +291,11 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
     PARSING_ENVS' AgentGym names, "" otherwise), `dialect` is "searchqa" (the default for
     AgentGym's SearchQA) or "agentgym", `error_style` "rl_tpu" or "agentgym"; an instance
     idle for `idle_timeout_s` seconds is closed (None: never); env calls run on `threads`
-    threads (None: one per instance); see the module docstring."""
+    threads (None: one per instance); `limits` are the HTTP limits (`body_timeout_s`, when
+    given, replaces theirs), `api_key` the key every request needs (None: none), `docs` serves
+    the interactive docs; see the module docstring."""
+    if body_timeout_s is not None:
+        limits = dataclasses.replace(limits, body_timeout_s=body_timeout_s)
     if isinstance(env, str):
         env_kwargs = dict(env_kwargs or {})
         base.check_kwargs(env, env_kwargs)  # unknown env or kwarg: one line naming the valid
@@ -288,8 +306,9 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
     service = EnvService(factory, max_instances, name, action_prefix, dialect,
                          idle_timeout_s=idle_timeout_s)
     try:
-        app = build_app(service, error_style, threads, body_timeout_s)
-        return EnvServer(app, service, host, port)
+        app = build_app(service, error_style, threads, limits=limits, api_key=api_key,
+                        docs=docs)
+        return EnvServer(app, service, host, port, limits)
     except BaseException:
         service.shutdown()
         raise

@@ -1,6 +1,7 @@
-"""What the env server reads and writes on the wire: the pydantic request models, the error
-replies (in rl_tpu's shape or AgentGym's), and the middleware that reads every request body
-before the app sees it (size cap, deadline, JSON whatever the Content-Type).
+"""What the env server reads and writes on the wire: the pydantic request models and the error
+replies (in rl_tpu's shape or AgentGym's). Every request body is read before the app sees it
+by rl_tpu.http_limits.BodyGuard (size cap, deadline, JSON limits, JSON whatever the
+Content-Type), whose refusals `error_reply` shapes.
 
 The models are strict: `"id": "0"` or `"data_idx": true` is an error naming the field, not a
 guess, since a client that sends them has a bug worth seeing (AgentGym's clients send ints).
@@ -9,7 +10,6 @@ Unknown fields are ignored, as AgentGym's servers ignore them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Annotated, Any, Optional
 
@@ -90,74 +90,3 @@ def error_reply(status: int, message: str, style: str, close: bool = False) -> J
     if style == "agentgym":
         return JSONReply({"error": message}, status_code=200, headers=headers)
     return JSONReply({"error": {"message": message}}, status_code=status, headers=headers)
-
-
-# -- the body reader --------------------------------------------------------------------------
-
-
-class BodyGuard:
-    """ASGI middleware: reads a request's whole body before the app runs, so that
-
-    - a body larger than `max_bytes` is refused with 413 without reading it all;
-    - a body shorter than its Content-Length (a client that stalls or lies) is answered 400
-      once `timeout_s` has passed, instead of holding the request open until the client
-      gives up;
-    - any non-empty body is read as JSON whatever its Content-Type says (`curl -d` sends a
-      form type; the hand-written server never looked at it either).
-    """
-
-    def __init__(self, app, error_style: str, max_bytes: int, timeout_s: float):
-        self.app, self.style = app, error_style
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        declared = None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                declared = int(value)  # the HTTP parser has checked it is a number >= 0
-        if declared is not None and declared > self.max_bytes:
-            return await self._refuse(413, f"a body of {declared} bytes exceeds the limit of "
-                                           f"{self.max_bytes}", scope, receive, send)
-        chunks, size = [], 0
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):  # no task per read, unlike wait_for
-                    message = await receive()
-            except TimeoutError:
-                expected = f" of the {declared} its Content-Length announces" if declared else ""
-                return await self._refuse(
-                    400, f"incomplete body: {size} bytes{expected} arrived within "
-                         f"{self.timeout_s:g}s", scope, receive, send)
-            if message["type"] == "http.disconnect":
-                return  # the client is gone: nobody to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:  # a chunked body has no Content-Length to check first
-                return await self._refuse(413, f"the body exceeds the limit of "
-                                               f"{self.max_bytes} bytes", scope, receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        if body:
-            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
-                                         if k != b"content-type"]
-                         + [(b"content-type", b"application/json")])
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later messages: a disconnect, passed on
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, status, message, scope, receive, send):
-        path = f"{scope['method']} {scope['path']}"
-        await error_reply(status, f"{path}: {message}", self.style, close=True)(
-            scope, receive, send)

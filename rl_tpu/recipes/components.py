@@ -171,7 +171,7 @@ def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
              "env.remote_url)")
     timeout = min(PROBE_TIMEOUT_S, config.env.remote_timeout_s)
     try:
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
+        with httpx.Client(timeout=timeout) as client:  # as the env client: proxies honoured
             reply = client.get(f"{url}/info")
             if reply.status_code == 404:  # AgentGym's own servers have no /info: is it up?
                 reply = client.get(f"{url}/")

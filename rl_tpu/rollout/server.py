@@ -35,6 +35,8 @@ from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
+from rl_tpu.http_limits import HttpLimits
+from rl_tpu.serving import docs_routes, guard
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bearer_auth,
                             bounded_int, error_response, install_error_handlers, read_json)
 
@@ -348,10 +350,11 @@ async def _await_ticket(ticket: Ticket, request: Optional[Request],
 
 
 def make_app(service: RolloutService, api_key: Optional[str] = None,
-             health_timeout_s: float = 20.0) -> FastAPI:
-    app = FastAPI(title="rl_tpu rollout server", docs_url=None, redoc_url=None)
+             health_timeout_s: float = 20.0, limits: Optional[HttpLimits] = None,
+             docs: bool = False) -> FastAPI:
+    app = FastAPI(title="rl_tpu rollout server", **docs_routes(docs))
     install_error_handlers(app)
-    bearer_auth(app, api_key)
+    guard(app, limits or HttpLimits(), api_key)  # body limits, then the key before them
     text = lambda body="", status=200: Response(body, status, media_type="text/plain")  # noqa
 
     @app.post("/generate")
@@ -424,7 +427,11 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
 
 
 def serve(service: RolloutService, host: str = "127.0.0.1", port: int = 30000,
-          api_key: Optional[str] = None, health_timeout_s: float = 20.0) -> Server:
+          api_key: Optional[str] = None, health_timeout_s: float = 20.0,
+          limits: Optional[HttpLimits] = None, docs: bool = False) -> Server:
     """Binds (loopback unless told otherwise) and returns the server: `serve_forever()`, or
-    `start()` to serve from a thread (it returns the URL)."""
-    return Server(make_app(service, api_key, health_timeout_s), host, port)
+    `start()` to serve from a thread (it returns the URL). `limits`: the HTTP limits
+    (rl_tpu/http_limits.py; default HttpLimits()); `docs` serves /docs and /openapi.json."""
+    limits = limits or HttpLimits()
+    return Server(make_app(service, api_key, health_timeout_s, limits, docs), host, port,
+                  limits=limits)
