@@ -3,8 +3,9 @@ rl_tpu/http_limits.py), tried as a hostile client would on real servers on 127.0
 sockets: half-sent and silent connections, a header over the cap, a body over the cap or
 shorter than its Content-Length, more connections than the cap, JSON too deep or with a
 5,000-digit integer, a missing key. Each is answered (or closed) within its limit, logs one
-warning line, and leaves the server serving; the rollout server's greedy output is unchanged
-(tests/rollout/test_serving_limits.py is not needed: the slow tests at the end do that)."""
+warning line, and leaves the server serving. The env server's tests run by default (about
+12 s); the rollout server's, with a tiny model, are slow ones at the end, each checking that
+its greedy output for a fixed prompt is unchanged after the abuse."""
 
 import json
 import logging
@@ -386,3 +387,101 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 def _peak_rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
         return int(re.search(r"VmHWM:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+# -- the rollout server (slow: a tiny model) --------------------------------------------------
+
+GREEDY = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {
+    "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}).encode()
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    from rl_tpu.models import hf, tiny
+    from rl_tpu.models.tokenizer import load_tokenizer
+    from rl_tpu.rollout.sampler import JaxSampler
+    from rl_tpu.rollout.server import RolloutService, serve
+
+    root = str(tmp_path_factory.mktemp("rollout"))
+    tiny.write_tiny_model(root, "qwen2", vocab_size=320, seed=0)
+    cfg, params = hf.load(root)
+    tok = load_tokenizer(root)
+    service = RolloutService(JaxSampler(cfg, params, tokenizer=tok), root, tok)
+    srv = serve(service, "127.0.0.1", 0, api_key="k3y", limits=LIMITS)
+    srv.start()
+    srv.greedy = greedy(srv)
+    yield srv
+    srv.shutdown()
+    service.batcher.close()
+
+
+def greedy(server) -> list:
+    status, body = ask(server, post("/generate", GREEDY), key="k3y")
+    assert status == 200, body
+    return json.loads(body)["output_ids"]
+
+
+def refused(server, data: bytes) -> tuple[int, float]:
+    """(status, seconds until the server closed) for `data` sent on a fresh connection."""
+    started = time.perf_counter()
+    with connect(server) as sock:
+        try:
+            sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, _ = read_reply(sock)
+        assert closed(sock, 10.0)
+    return status, time.perf_counter() - started
+
+
+def over_the_connection_cap(server) -> tuple[int, float]:
+    ask_health = b"GET /health HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k3y\r\n\r\n"
+    held = [connect(server) for _ in range(LIMITS.max_connections)]
+    try:
+        for sock in held:
+            sock.sendall(ask_health)
+            assert read_reply(sock)[0] == 200
+        return refused(server, ask_health)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+KEY = b"Host: t\r\nAuthorization: Bearer k3y\r\n"
+# name: (abuse, status answered (0: closed without one), most seconds it may take)
+ROLLOUT_ABUSES = {
+    "half-sent request": (lambda s: refused(s, b"POST /generate HTTP/1.1\r\nHost: t"), 408, 5.0),
+    "silent connection": (lambda s: refused(s, b""), 0, 5.0),
+    "64 KiB+ header": (lambda s: refused(s, b"GET /health HTTP/1.1\r\nX: " + b"a" * (1 << 20)),
+                       431, 3.0),
+    "Content-Length 1e18": (lambda s: refused(
+        s, b"POST /generate HTTP/1.1\r\n" + KEY + b"Content-Length: 10" + b"0" * 17 +
+        b"\r\n\r\n"), 413, 1.0),
+    "short body": (lambda s: refused(s, b"POST /generate HTTP/1.1\r\n" + KEY +
+                                     b"Content-Length: 100\r\n\r\n{\"input_ids\""), 408, 5.0),
+    "no key": (lambda s: refused(s, b"POST /generate HTTP/1.1\r\nHost: t\r\nConnection: close"
+                                    b"\r\nContent-Length: 1000000\r\n\r\n"), 401, 1.0),
+    "connections over the cap": (over_the_connection_cap, 503, 1.0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ROLLOUT_ABUSES))
+def test_the_rollout_server_bounds_each_abuse_and_its_output_is_unchanged(rollout, name):
+    abuse, status, most_s = ROLLOUT_ABUSES[name]
+    answered, took = abuse(rollout)
+    assert answered == status and took < most_s, (answered, took)
+    assert healthy(rollout, key="k3y") and greedy(rollout) == rollout.greedy
+
+
+@pytest.mark.slow
+def test_the_rollout_server_answers_json_limits_400_and_keeps_its_docs_off(rollout):
+    status, body = ask(rollout, post("/generate", b"[" * 30_000 + b"]" * 30_000), key="k3y")
+    assert status == 400 and error_of(body) == "POST /generate: JSON nested deeper than 16 levels"
+    status, body = ask(rollout, post("/generate", b'{"input_ids": [' + b"7" * 5000 + b"]}"),
+                       key="k3y")
+    assert status == 400 and "a number of 5000 digits" in error_of(body)
+    for path in (b"/docs", b"/redoc", b"/openapi.json"):
+        assert ask(rollout, b"GET " + path + b" HTTP/1.1\r\n\r\n", key="k3y")[0] == 404
+    assert ask(rollout, b"GET /health HTTP/1.1\r\n\r\n", key="wrong")[0] == 401
+    assert healthy(rollout, key="k3y") and greedy(rollout) == rollout.greedy
