@@ -2,10 +2,10 @@
 
 The launchers that take a `--config` (train, sft, eval) start through `launch.run(main)`: the
 flags are parsed and the config finished and checked (`finish_config`), and the model
-directory and env servers it names checked (`check_model_and_servers`), before `main` builds or
-writes anything. A mistake a user can make there (an unknown key, a value of the wrong type, a
+directory, data files and env servers it names checked (`check_inputs`), before `main` builds
+or writes anything. A mistake a user can make there (an unknown key, a value of the wrong type, a
 failed `check`, a bad env kwarg, a config file that is not there, a broken model directory, an
-env server that is down or serves another env), and a missing file or package, a damaged model
+data file that is not there, an env server that is down or serves another env), and a missing file or package, a damaged model
 file or a resume under a changed config once the run has started, ends the process with one
 line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full traceback instead. A start that
 fails so leaves no workdir behind if it created one and wrote nothing in it. `--help` prints
@@ -55,7 +55,7 @@ def run(main, prepare=None, check=None) -> None:
     """`app.run(main)` for a launcher with a `--config` flag (see the module docstring);
     `prepare(config)` applies the launcher's own flags to the config before it is checked,
     `check(config)` then checks what lies outside the config (default none; train and sft pass
-    `check_model_and_servers`)."""
+    `check_inputs`)."""
     def parse(argv):
         args = parse_flags(argv)
         config = finish_config(prepare=prepare)
@@ -73,8 +73,8 @@ def run(main, prepare=None, check=None) -> None:
         except Preempted as e:  # checkpointed: where it stopped, and how to go on
             print(e, file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
-        except BaseException:
-            if created:
+        except BaseException as e:
+            if created and not (isinstance(e, SystemExit) and e.code in (0, None)):
                 remove_if_nothing_written(workdir)
             raise
 
@@ -93,11 +93,11 @@ def parse_flags(argv, flag_values: flags.FlagValues = flags.FLAGS):
         raise
 
 
-def check_model_and_servers(config, model_path=None) -> None:
-    """rl_tpu.recipes.components.check_model_and_servers (imported late: it loads JAX)."""
+def check_inputs(config, model_path=None) -> None:
+    """rl_tpu.recipes.components.check_inputs (imported late: it loads JAX)."""
     from rl_tpu.recipes import components
 
-    components.check_model_and_servers(config, model_path)
+    components.check_inputs(config, model_path)
 
 
 def remove_if_nothing_written(workdir: str) -> None:

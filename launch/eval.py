@@ -24,7 +24,7 @@ def check(config):
     if not f.workdir and not f.model_path:
         raise ValueError("launch.eval needs --workdir=W (a training run: its latest checkpoint) "
                          "or --model_path=D (an HF model directory, e.g. W/final_hf)")
-    launch.check_model_and_servers(config, f.model_path or None)
+    launch.check_inputs(config, f.model_path or None)
 
 
 def main(argv):

@@ -24,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    launch.run(main, check=launch.check_model_and_servers)
+    launch.run(main, check=launch.check_inputs)

@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    launch.run(main, prepare=use_rollout_urls, check=launch.check_model_and_servers)
+    launch.run(main, prepare=use_rollout_urls, check=launch.check_inputs)

@@ -254,10 +254,10 @@ def test_a_model_dir_that_cannot_load_is_named_before_anything_is_written(models
                                                                           message):
     c = finish("--config", "configs/quickstart.py:smoke", f"--config.model.path={models / name}")
     with pytest.raises(hf.CheckpointError, match=message):
-        components.check_model_and_servers(c)
+        components.check_inputs(c)
     with pytest.raises(hf.CheckpointError, match=message.replace("model.path", "--model_path")):
         evaluate.run(c, model_path=str(models / name))  # launch.eval --model_path
-    components.check_model_and_servers(finish(  # the good one passes
+    components.check_inputs(finish(  # the good one passes
         "--config", "configs/quickstart.py:smoke", f"--config.model.path={models / 'good'}"))
 
 
@@ -269,22 +269,35 @@ def countdown_server():
     server.shutdown()
 
 
+@pytest.mark.parametrize("override,message", [
+    ("--config.sft.data_path={tmp}/chats.jsonl", "sft.data_path='.*/chats.jsonl': no such file; "
+                                                 "give a JSONL of chats, or leave it empty"),
+    ("--config.env.dataset_dir={tmp}/data", "env.dataset_dir='.*/data': no such directory"),
+])
+def test_a_data_path_that_is_not_there_is_named_before_anything_is_written(tmp_path, override,
+                                                                          message):
+    c = finish("--config", "configs/quickstart.py:smoke", "--config.sft.steps=2",
+               override.format(tmp=tmp_path))
+    with pytest.raises(FileNotFoundError, match=message):
+        components.check_inputs(c)
+
+
 def test_env_servers_are_probed_before_anything_is_written(countdown_server):
     c = finish("--config", "configs/countdown_grpo.py:smoke",
                f"--config.env.remote_url={countdown_server}")
-    components.check_model_and_servers(c)  # up, and serving env.name
+    components.check_inputs(c)  # up, and serving env.name
     c = finish("--config", "configs/quickstart.py:smoke",
                f"--config.env.remote_url={countdown_server}")
     with pytest.raises(ValueError, match=rf"the env server at {countdown_server} serves "
                                          r"'countdown', but env.name is 'largest'; point "
                                          r"env.remote_url at a server of 'largest'"):
-        components.check_model_and_servers(c)
+        components.check_inputs(c)
     dead = dead_url()
     c = finish("--config", "configs/quickstart.py:smoke", f"--config.env.remote_url={dead}")
     with pytest.raises(ValueError, match=rf"env.remote_url: no env server answers at {dead} "
                                          r"within 5s \(ConnectError: .*\); start it with "
                                          r"`python -m launch.serve_env --env largest"):
-        components.check_model_and_servers(c)
+        components.check_inputs(c)
 
 
 def test_a_failed_start_removes_only_a_workdir_with_nothing_in_it(tmp_path):

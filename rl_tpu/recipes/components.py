@@ -133,14 +133,14 @@ def model_path(config: ml_collections.ConfigDict, workdir: str) -> str:
 PROBE_TIMEOUT_S = 5.0
 
 
-def check_model_and_servers(config: ml_collections.ConfigDict,
-                            model_path: Optional[str] = None) -> None:
-    """What the config points at outside itself, checked before a run writes anything (the
+def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = None) -> None:
+    """What the config reads from outside itself, checked before a run writes anything (the
     launchers call it right after `config.check`): the model directory (`model_path`, default
     `model.path`; none for the tiny model) loads (`hf.check_model_dir`: config.json and every
-    safetensors header, no tensor data), and each env server of `env.remote_url` is up and
-    serves `env.name` (`probe_env_server`). Raises hf.CheckpointError or ValueError, naming
-    the key or file and what to do."""
+    safetensors header, no tensor data), the data files it names are there (`sft.data_path`,
+    `dpo.data_path`, `env.dataset_dir`), and each env server of `env.remote_url` is up and
+    serves `env.name` (`probe_env_server`). Raises hf.CheckpointError, FileNotFoundError or
+    ValueError, naming the key or file and what to do."""
     path = model_path or config.model.path
     key = "--model_path" if model_path else "model.path"
     if path and not os.path.isdir(path):
@@ -153,6 +153,18 @@ def check_model_and_servers(config: ml_collections.ConfigDict,
             hf.check_model_dir(path)
         except hf.CheckpointError as e:
             raise hf.CheckpointError(f"{key}={path!r}: {e}") from None
+    # each data path the run will read (an SFT file with no SFT steps is not read)
+    for key, kind, what, read in (
+            ("sft.data_path", "file", "a JSONL of chats",
+             config.sft.steps > 0 or config.recipe == "sft"),
+            ("dpo.data_path", "file", "a JSONL of preference pairs", config.recipe == "dpo"),
+            ("env.dataset_dir", "directory", "a dataset made by launch.make_dataset", True)):
+        block, _, leaf = key.partition(".")
+        given = config[block][leaf]
+        is_there = os.path.isfile if kind == "file" else os.path.isdir
+        if read and given and not is_there(given):
+            raise FileNotFoundError(f"{key}={given!r}: no such {kind}; give {what}, or leave "
+                                    "it empty")
     if config.env.remote_url:
         from rl_tpu.envs.remote import parse_urls
         for url in parse_urls(config.env.remote_url):

@@ -59,7 +59,7 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     if not model_path and not _has_checkpoint(workdir):  # before anything is written there
         raise FileNotFoundError(f"no checkpoint in {workdir}: pass --model_path (an HF "
                                 "directory) or the workdir of a training run")
-    components.check_model_and_servers(config, model_path)  # before a compile or a write
+    components.check_inputs(config, model_path)  # before a compile or a write
     parallel.maybe_initialize_distributed()
     mesh = components.make_mesh(config)
     path = model_path or components.model_path(config, workdir)
