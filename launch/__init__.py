@@ -3,11 +3,11 @@
 The launchers that take a `--config` (train, sft, eval) start through `launch.run(main)`: the
 flags are parsed and the config finished and checked (`finish_config`), and the model
 directory, data files and env servers it names checked (`check_inputs`), before `main` builds
-or writes anything. A mistake a user can make there (an unknown key, a value of the wrong type, a
-failed `check`, a bad env kwarg, a config file that is not there, a broken model directory, an
-data file that is not there, an env server that is down or serves another env), and a missing file or package, a damaged model
-file or a resume under a changed config once the run has started, ends the process with one
-line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full traceback instead. A start that
+or writes anything. A mistake a user can make there (an unknown key, a value of the wrong type,
+a failed `check`, a bad env kwarg, a config file, model directory or data file that is not
+there or is broken, an env server that is down or serves another env), and a missing file or
+package, a damaged model file or a resume under a changed config once the run has started,
+ends the process with one line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full traceback instead. A start that
 fails so leaves no workdir behind if it created one and wrote nothing in it. `--help` prints
 the flags and exits 0.
 
