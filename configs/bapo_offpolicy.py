@@ -22,7 +22,8 @@ and one of the off-policy settings:
                more than 2 versions old carry no loss)
 Variants are comma-separated: `bapo,s4`, `clip_higher,replay`; `smoke` shrinks any of them.
 Without the XLA flag (one CPU device) every setting runs too: the asynchronous ones' sampler
-and learner then share the device and take turns, with the same numbers, only slower.
+and learner then share the device and take turns (s2 and s4, in lock-step, give the same
+numbers as on two devices), only without the overlap.
 The comparison, its figure and what it shows are in docs/off_policy.md.
 """
 
