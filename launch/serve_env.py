@@ -29,6 +29,7 @@ import sys
 
 from absl import app, flags
 
+from launch import parse_flags
 from rl_tpu import serving
 from rl_tpu.envs import ENV_MODULES, base, server
 
@@ -83,7 +84,7 @@ def main(argv):
     try:
         limits = serving.http_limits_from_flags(f)
     except ValueError as e:
-        raise app.UsageError(str(e))
+        sys.exit(f"launch.serve_env: {e}")  # one line, not the flag help
     try:
         server.serve(f.env, host=f.host, port=f.port, max_instances=f.max_instances,
                      env_kwargs=env_kwargs, ready=ready, error_style=f.error_style,
@@ -102,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)  # --help exits 0

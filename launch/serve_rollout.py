@@ -16,10 +16,12 @@ the trainer sends RL_TPU_ROLLOUT_API_KEY. --docs serves /docs, /redoc and /opena
 """
 
 import logging
+import sys
 
 import jax
 from absl import app, flags
 
+from launch import parse_flags
 from rl_tpu import parallel, serving
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models import hf
@@ -81,7 +83,7 @@ def main(argv):
     try:
         http_limits = serving.http_limits_from_flags(f)
     except ValueError as e:
-        raise app.UsageError(str(e))
+        sys.exit(f"launch.serve_rollout: {e}")  # one line, not the flag help
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
@@ -106,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)  # --help exits 0

@@ -375,6 +375,22 @@ def test_serve_env_takes_the_limits_and_the_key_and_never_buffers_a_huge_header(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("launcher,args", [
+    ("serve_env", ["--env", "arithmetic"]),
+    pytest.param("serve_rollout", ["--model_path", "/nonexistent"], marks=pytest.mark.slow),
+])
+def test_the_launchers_help_exits_0_and_a_bad_limit_is_one_line(launcher, args):
+    run = lambda *more: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", f"launch.{launcher}", *more], cwd=REPO, capture_output=True,
+        text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    shown = run("--help")
+    assert shown.returncode == 0 and "--max_header_bytes" in shown.stdout
+    assert "--api_key" in shown.stdout and "--docs" in shown.stdout
+    bad = run(*args, "--max_body_bytes", "0")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
+        f"launch.{launcher}: --max_body_bytes must be an integer >= 1, got 0"]
+
+
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     result = []
     reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
