@@ -18,7 +18,9 @@ Nothing a client sends may hold a socket, memory or the event loop without bound
 
 A limit hit is answered (or the connection closed) at once and logged as one WARNING line
 without a traceback; lines of one kind are kept to one a second under a flood, each saying how
-many were left out since the last.
+many were left out since the last. The connection-level answers (408 for headers, 431, 503)
+are rl_tpu's error shape with a real status whatever the app's error style; the body's (408,
+413, 400) are shaped by the app (`refuse`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class _Warnings:
             return
         self._last[kind] = now
         held = self._held.pop(kind, 0)
-        suffix = f" ({held} more like it in the last second)" if held else ""
+        suffix = f" (and {held} more like it since the last such line)" if held else ""
         log.warning(message + suffix, *args)
 
 
