@@ -44,15 +44,20 @@ setup(
     extras_require={
         # The environments (rl_tpu/envs). ScienceWorld also needs a Java runtime (8 or newer).
         "envs": ENVS,
+        # `tensorboard --logdir W/tensorboard` (the run writes the event files without it).
+        "tensorboard": ["tensorboard>=2.14"],
+        # A Weights & Biases writer beside TensorBoard (config `log.wandb_project`).
+        "wandb": ["wandb>=0.17"],
         # torch (CPU) is only for parity tests against transformers' own models.
         # libtpu compiles for TPU slices on any machine (launch.compile_check); its version is
         # the one jax's own `tpu` extra pins.
         "tpu-aot": ["libtpu==0.0.42.*"],
         # nbclient + ipykernel run the notebooks (tests/test_notebooks.py). sglang-router runs
         # in front of rollout servers in tests/rollout/test_router.py, pinned to the release
-        # whose behaviour rl_tpu/rollout/router.py describes.
+        # whose behaviour rl_tpu/rollout/router.py describes. wandb: tests/test_metrics_wandb.py
+        # (offline).
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0",
                 "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6",
-                "sglang-router==0.3.2"] + ENVS,
+                "sglang-router==0.3.2", "wandb>=0.17"] + ENVS,
     },
 )

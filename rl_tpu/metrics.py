@@ -7,7 +7,13 @@ from a checkpoint `MetricsWriter(workdir, resume_step=s)` first drops the lines 
 which the resumed run logs again, so the file ends up as an uninterrupted run's would be.
 
 TensorBoard event files go to `<workdir>/tensorboard/` (tensorboardX); on resume the writer
-asks TensorBoard to discard the earlier events at steps >= s (`purge_step`).
+asks TensorBoard to discard the earlier events at steps >= s (`purge_step`). With a W&B project
+(`wandb_project=`, the config's `log.wandb_project`) the same scalars also go to a Weights &
+Biases run (rl_tpu/metrics_wandb.py). A line or event that cannot be written (a full disk)
+raises RunWriteError, one line naming the file and the cause.
+
+`StepLog` prints a progress line per step (at most one every few seconds) when the output is
+not a terminal, where the progress bar is off.
 """
 
 from __future__ import annotations
@@ -101,19 +107,22 @@ def atomic_write_text(path: str, text: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class MetricsWriter:
-    """Append `{"step": s, **metrics}` lines to W/metrics.jsonl and scalars to TensorBoard.
+    """Append `{"step": s, **metrics}` lines to W/metrics.jsonl and scalars to TensorBoard
+    (and to W&B with a `wandb_project`).
 
     enabled=False (every process but process 0 of a multi-host run) writes nothing.
     resume_step=s drops the file's lines of steps >= s first (atomically); None appends.
     """
 
     def __init__(self, workdir: str, *, resume_step: Optional[int] = None,
-                 tensorboard: bool = True, enabled: bool = True):
+                 tensorboard: bool = True, enabled: bool = True, wandb_project: str = "",
+                 wandb_config: Optional[Mapping[str, Any]] = None):
         self.workdir = os.fspath(workdir)
         self.path = os.path.join(self.workdir, METRICS_FILE)
         self.enabled = bool(enabled)
         self._file = None
         self._tb = None
+        self._wandb = None
         self._failed = False  # a write failed: closing may fail the same way, quietly
         self._warned_nonfinite: set[str] = set()
         if not self.enabled:
@@ -128,6 +137,9 @@ class MetricsWriter:
                                   "tensorboardX`, or pass tensorboard=False") from err
             self._tb = SummaryWriter(logdir=os.path.join(self.workdir, TENSORBOARD_DIR),
                                      purge_step=resume_step)
+        if wandb_project:
+            from rl_tpu.metrics_wandb import WandbWriter
+            self._wandb = WandbWriter(self.workdir, wandb_project, wandb_config)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _trim(self, resume_step: Optional[int]) -> None:
@@ -178,6 +190,9 @@ class MetricsWriter:
                 self._failed = True
                 raise RunWriteError(f"the TensorBoard events of step {step}",
                                     os.path.join(self.workdir, TENSORBOARD_DIR), err) from err
+        if self._wandb is not None:
+            self._wandb.write(step, {k: v for k, v in record.items()
+                                     if k != "step" and v is not None})
 
     def _scalar(self, key, value, step: int):
         if not isinstance(key, str):
@@ -201,7 +216,7 @@ class MetricsWriter:
     def close(self) -> None:
         """Closes the file and the TensorBoard writer. After a failed write (raised already),
         their final flushes fail the same way: that is logged at DEBUG, not raised again."""
-        for name in ("_file", "_tb"):
+        for name in ("_file", "_tb", "_wandb"):
             writer, _ = getattr(self, name), setattr(self, name, None)
             if writer is None:
                 continue
@@ -424,6 +439,70 @@ def progress(iterable_or_total: Union[Iterable, int], desc: str, enabled: bool =
     if isinstance(iterable_or_total, (int, np.integer)):
         return tqdm(total=int(iterable_or_total), desc=desc, disable=disable, dynamic_ncols=True)
     return tqdm(iterable_or_total, desc=desc, disable=disable, dynamic_ncols=True)
+
+
+def progress_bar_shown(enabled: bool = True) -> bool:
+    """Whether `progress(..., enabled=enabled)` shows a bar (else it is a silent no-op)."""
+    return enabled and _interactive() and not os.environ.get("TQDM_DISABLE")
+
+
+def announce_start(config, workdir: str, steps: int, unit: str = "steps") -> Optional[str]:
+    """The run's first line, printed (process 0) as soon as the recipe starts, before the
+    model is built and the first step compiles (which take the longest): what runs, where,
+    for how long and on what."""
+    if jax.process_index() != 0:
+        return None
+    devices = jax.devices()
+    line = (f"rl_tpu: starting {config.recipe} ({config.algo.name} on {config.env.name}) in "
+            f"{workdir}: {steps} {unit}, {len(devices)} {devices[0].platform} device"
+            f"{'s' if len(devices) != 1 else ''}; building the model and compiling...")
+    print(line, flush=True)
+    return line
+
+
+# What a step's progress line shows, in this order, when the record has it: (key, label,
+# format). The step time is the whole step's; eval success only at an eval.
+STEP_LINE_KEYS = (("rollout/reward", "reward", "{:.3f}"), ("train/loss", "loss", "{:.4g}"),
+                  ("sft/loss", "loss", "{:.4g}"), ("eval/success", "eval success", "{:.3f}"),
+                  ("time/step_s", "step", "{:.2f}s"))
+
+
+class StepLog:
+    """A progress line per step for a log file, where the progress bar is off (stdout or
+    stderr not a terminal): `step 3/10: reward 0.250, loss 0.0123, step 1.52s`. The first
+    and the last step always; between them at most one line every `every_s` seconds, so a run
+    of fast steps writes a line every few seconds, not thousands. Prints nothing where the bar
+    shows progress (`shown=None`: decided as `progress` decides) or when not `enabled`."""
+
+    def __init__(self, total: int, *, every_s: float = 5.0, enabled: bool = True,
+                 shown: Optional[bool] = None, clock=None, out=None, what: str = "step"):
+        import time
+
+        self.total, self.every_s, self.what = int(total), float(every_s), what
+        self.active = enabled and not (progress_bar_shown(enabled) if shown is None else shown)
+        self._clock = clock or time.monotonic
+        self._out = out
+        self._last: Optional[float] = None  # when the last line was printed
+
+    def __call__(self, step: int, record: Mapping[str, Any]) -> Optional[str]:
+        """Prints (and returns) step `step`'s line when one is due, else returns None."""
+        if not self.active:
+            return None
+        now = self._clock()
+        due = (self._last is None or step >= self.total
+               or now - self._last >= self.every_s)
+        if not due:
+            return None
+        self._last = now
+        shown, parts = set(), []
+        for key, label, fmt in STEP_LINE_KEYS:
+            value = record.get(key)
+            if value is not None and label not in shown:
+                shown.add(label)
+                parts.append(f"{label} {fmt.format(float(value))}")
+        line = f"{self.what} {step}/{self.total}" + (": " + ", ".join(parts) if parts else "")
+        print(line, file=self._out or sys.stdout, flush=True)
+        return line
 
 
 # ---------------------------------------------------------------------------------------------

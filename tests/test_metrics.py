@@ -1,6 +1,7 @@
-"""MetricsWriter, read_metrics, plot_curves and progress on real files."""
+"""MetricsWriter, read_metrics, plot_curves, progress and the step log on real files."""
 
 import glob
+import io
 import json
 import logging
 import os
@@ -10,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_tpu.metrics import (METRICS_FILE, TENSORBOARD_DIR, MetricsWriter, curves_figure,
-                            plot_curves, progress, read_metrics)
+from rl_tpu.checkpoint_errors import RunWriteError
+from rl_tpu.metrics import (METRICS_FILE, TENSORBOARD_DIR, MetricsWriter, StepLog,
+                            curves_figure, plot_curves, progress, read_metrics)
 
 
 def read_events(workdir):
@@ -220,3 +222,39 @@ def test_eval_curves_carry_their_yardsticks_and_axis_labels():
     fig = curves_figure(records[1:], ["eval/success"])
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels[-1] == "start of RL 0.400"
+
+
+def test_a_metrics_line_the_disk_refuses_is_one_error_naming_the_file(tmp_path):
+    """The writer's open metrics.jsonl is swapped for /dev/full (dup2 onto its descriptor):
+    every write fails with ENOSPC, as on a full disk. The error names the step, the file and
+    the cause; closing afterwards is quiet."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, writer._file.fileno())  # pylint: disable=protected-access
+    os.close(full)
+    with pytest.raises(RunWriteError) as raised:
+        writer.write(3, {"rollout/reward": 0.5})
+    assert str(raised.value) == (f"cannot write the metrics of step 3 to {tmp_path}/"
+                                 f"{METRICS_FILE}: No space left on device; free space there "
+                                 "or pick another --workdir")
+    writer.close()  # its final flush fails the same way: not raised again
+
+
+def test_step_log_prints_the_first_and_last_step_and_at_most_one_line_per_interval():
+    """A fake clock: steps at t = 0, 1, 5, 6, 7, 11 s of a 10-step run, every_s = 5."""
+    out, times = io.StringIO(), iter([0.0, 1.0, 5.0, 6.0, 7.0, 11.0])
+    log = StepLog(10, every_s=5.0, shown=False, clock=lambda: next(times), out=out)
+    record = {"rollout/reward": 0.25, "train/loss": 0.012345, "time/step_s": 1.5,
+              "rollout/success": 1.0}
+    printed = [log(step, record) for step in (1, 2, 3, 4, 10)]
+    assert printed == ["step 1/10: reward 0.250, loss 0.01235, step 1.50s", None,
+                       "step 3/10: reward 0.250, loss 0.01235, step 1.50s", None,
+                       "step 10/10: reward 0.250, loss 0.01235, step 1.50s"]
+    assert out.getvalue().splitlines() == [p for p in printed if p]
+    # an eval's success joins the line; a record without the keys still names the step
+    assert log(11, {"eval/success": 0.5}) == "step 11/10: eval success 0.500"
+    # where the bar shows progress, or on another process than 0: nothing
+    for quiet in (StepLog(10, shown=True, out=out), StepLog(10, enabled=False, out=out)):
+        assert quiet(1, record) is None

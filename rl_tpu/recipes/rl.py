@@ -83,6 +83,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
     finished = finished_run(config, workdir)
     if finished is not None:
         return finished
+    metrics_lib.announce_start(config, workdir, config.train.steps)
     trainer = (trainer_class or Trainer)(config, workdir)
     try:
         with PreemptionGuard():  # SIGTERM / SIGINT: stop after the step, checkpointed
@@ -140,6 +141,8 @@ class Trainer:
         os.makedirs(workdir, exist_ok=True)
         self.config, self.workdir = config, workdir
         self.is_chief = jax.process_index() == 0
+        self.step_log = metrics_lib.StepLog(config.train.steps, every_s=config.log.every_s,
+                                            enabled=self.is_chief)
         self.asynchronous = config.rollout.max_staleness > 0
         components.check_hosts(config)
         learner_devices, sampler_devices = components.split_devices(config, jax.devices())
@@ -159,7 +162,8 @@ class Trainer:
         if resume_step is None:
             self.writer = metrics_lib.MetricsWriter(
                 workdir, resume_step=-sys.maxsize, tensorboard=config.log.tensorboard,
-                enabled=self.is_chief)
+                enabled=self.is_chief, wandb_project=config.log.wandb_project,
+                wandb_config=self.config_record)
 
         # --- warm start (fresh runs only: a checkpoint already holds its result) ---------
         self.eval_list = [t for _, t in eval_tasks(source, env_cfg.eval_split,
@@ -209,7 +213,8 @@ class Trainer:
                 "producer": {"stream": meta["stream"]}}
             self.writer = metrics_lib.MetricsWriter(
                 workdir, resume_step=self.start + 1, tensorboard=config.log.tensorboard,
-                enabled=self.is_chief)
+                enabled=self.is_chief, wandb_project=config.log.wandb_project,
+                wandb_config=self.config_record)
             log.warning("resumed from step %d", self.start)
         elif self.learner.reference_params is not None:
             self.ckpt.save_static(REFERENCE, self.learner.reference_params)
@@ -281,6 +286,7 @@ class Trainer:
                       f"rollout reward {record['rollout/reward']:.3f}", flush=True)
         record.update(self.compiles.take())
         self.log(step, record)
+        self.step_log(step, record)  # a line every few seconds when the bar is off
         if step % config.checkpoint.every == 0 or step == config.train.steps:
             self.save(step)
 

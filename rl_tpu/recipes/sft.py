@@ -363,6 +363,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     check(config)
     os.makedirs(workdir, exist_ok=True)
     parallel.maybe_initialize_distributed()
+    metrics_lib.announce_start(config, workdir, config.sft.steps, "SFT steps")
     mesh = components.make_mesh(config)
     path = components.model_path(config, workdir)
     model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
@@ -380,14 +381,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         log.warning("resumed SFT from step %d", start)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start + 1,
                                        enabled=jax.process_index() == 0,
-                                       tensorboard=config.log.tensorboard)
+                                       tensorboard=config.log.tensorboard,
+                                       wandb_project=config.log.wandb_project)
     save = checkpoint_every(ckpt, data, config.checkpoint.every, s.steps)
-    started = time.time()
+    step_log = metrics_lib.StepLog(s.steps, every_s=config.log.every_s,
+                                   enabled=jax.process_index() == 0, what="SFT step")
+    started = last = time.time()
 
     def after(step, state, m):
+        nonlocal last
+        record = {f"sft/{k}": v for k, v in m.items()} | {"time/sft_s": time.time() - started}
         if step % 10 == 0 or step == s.steps:
-            writer.write(step, {f"sft/{k}": v for k, v in m.items()}
-                         | {"time/sft_s": time.time() - started})
+            writer.write(step, record)
+        step_log(step, record | {"time/step_s": time.time() - last})
+        last = time.time()
         save(step, state)
 
     try:
@@ -404,6 +411,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         hf.save(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                 tokenizer=tokenizer.hf)
     finally:
-        ckpt.close()
-        writer.close()
+        try:
+            ckpt.close()
+        finally:
+            writer.close()  # also after a failed checkpoint: its files must be closed
     return result

@@ -1,7 +1,10 @@
-"""A run that cannot write its checkpoint stops with one clear last line, exit 2, and the
-checkpoints before it intact: the rerun resumes from the last good one and finishes.
+"""What a run tells its user, read from a launcher subprocess with stdout and stderr piped (a
+log file, not a terminal): its first line at once, a progress line per step (at most one every
+`log.every_s` seconds, the first and the last always), and, when it cannot write its
+checkpoint, one clear last line, exit 2, with the checkpoints before it intact: the rerun
+resumes from the last good one and finishes.
 
-The fault is real: a sitecustomize on the subprocess's PYTHONPATH sets a file-size limit
+The write fault is real: a sitecustomize on the subprocess's PYTHONPATH sets a file-size limit
 (RLIMIT_FSIZE, no root needed) when step 3's save starts, so the OS refuses that step's data
 files (EFBIG) inside orbax's background threads, as a full disk refuses them (ENOSPC). With
 root and a mountable tmpfs, the full disk itself is tried too."""
@@ -80,6 +83,15 @@ def test_a_checkpoint_refused_by_the_os_ends_in_one_line_and_resumes_from_the_la
     rerun = _train(workdir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert resumed_from(rerun) == FAIL_AT - 1
+    # its output: the first line before anything is built, then a line for its first step
+    # and its last (steps under every_s = 5 s apart print no line between them)
+    out = rerun.stdout.splitlines()
+    assert out[0] == (f"rl_tpu: starting rl (grpo on largest) in {workdir}: {STEPS} steps, "
+                      "1 cpu device; building the model and compiling..."), rerun.stdout
+    progress = [line for line in out if re.match(r"step \d+/", line)]
+    assert [line.split(":")[0] for line in progress][0] == f"step {FAIL_AT}/{STEPS}"
+    assert progress[-1].startswith(f"step {STEPS}/{STEPS}: reward "), rerun.stdout
+    assert ", loss " in progress[-1] and ", eval success " in progress[-1]
 
 
 def _mount_tmpfs(path, size: str) -> bool:
