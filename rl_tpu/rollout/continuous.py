@@ -307,6 +307,9 @@ class ContinuousBatcher:
             self._end_aborted_running()
             self.sampler._resume.wait(timeout=0.05)
             return
+        # aborted rows leave before the admission (a prefill can take longer than a chunk),
+        # and again after it (rows aborted while they were being prefilled)
+        self._end_aborted_running()
         self._admit()
         self._end_aborted_running()
         if not self._active:

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
+import math
+import os
+import struct
 import uuid
 from typing import Any, Optional, Union
 
@@ -43,41 +47,93 @@ from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server,
 log = logging.getLogger(__name__)
 
 
-def sampling_from_json(raw: Any) -> SamplingParams:
-    """SGLang `sampling_params` dict -> SamplingParams (unknown keys ignored, as SGLang does)."""
+def _integer(value: Any, field: str, low: int, high: int) -> int:
+    """`bounded_int`, but a bool or a fractional number is refused (int() would take True as 1
+    and 2.5 as 2: a client that sends them has a bug worth seeing)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(f"'{field}' must be an integer, got {value!r}")
+    return bounded_int(value, field, low, high)
+
+
+def _number(value: Any, field: str, low: float, high: float, low_open: bool = False) -> float:
+    """A finite float in [low, high] ((low, high] with low_open), else BadRequest naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BadRequest(f"'{field}' must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError) as err:  # "x", or an int past float's range
+        raise BadRequest(f"'{field}' must be a number, got {_shown(value)}") from err
+    inside = (low < number if low_open else low <= number) and number <= high
+    if not (math.isfinite(number) and inside):
+        bounds = f">= {low:g}" if high == math.inf else \
+            f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"'{field}' must be a finite number {bounds}, got {_shown(value)}")
+    return number
+
+
+def _flag(value: Any, field: str) -> bool:
+    """true or false (bool('false') would be True: a string is refused, not guessed at)."""
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{field}' must be true or false, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingParams:
+    """SGLang `sampling_params` dict -> SamplingParams (unknown keys ignored, as SGLang does).
+    Every key it reads is checked here, so a bad one is a BadRequest naming `where.<key>`,
+    what it must be and what was sent, never an error while the request runs."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise BadRequest(f"sampling_params must be an object, got {type(raw).__name__}")
-    stop = raw.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        raise BadRequest(f"'{where}' must be an object, got {_shown(raw)}")
+    given = lambda name: raw.get(name) is not None  # noqa: E731 - null is "not given"
+    stop = raw.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest(f"'{where}.stop' must be a string or a list of strings, got "
+                         f"{_shown(raw.get('stop'))}")
     stop_ids = raw.get("stop_token_ids") or ()
     if not isinstance(stop_ids, (list, tuple)):
-        raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids, got "
-                         f"{type(stop_ids).__name__}")
+        raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
+                         f"{_shown(stop_ids)}")
 
-    def field(name: str, low: int, high: int, default: Any) -> int:
+    def integer(name: str, low: int, high: int, default: Any) -> int:
         # every integer is bounded here: one that does not fit the sampler's arrays would
         # otherwise pass and fail later, while its row is built beside other requests'
-        value = raw[name] if raw.get(name) is not None else default
-        return bounded_int(value, f"sampling_params.{name}", low, high)
+        return _integer(raw[name] if given(name) else default, f"{where}.{name}", low, high)
 
+    def number(name: str, low: float, high: float, default: float, low_open=False) -> float:
+        return _number(raw[name], f"{where}.{name}", low, high, low_open) if given(name) \
+            else default
+
+    max_new = integer("max_new_tokens", 0, INT32_MAX, 128)
+    min_new = integer("min_new_tokens", 0, INT32_MAX, 0)
+    if min_new > max_new:
+        raise BadRequest(f"'{where}.min_new_tokens' must be at most max_new_tokens={max_new}, "
+                         f"got {min_new}")
+    top_k = integer("top_k", -1, INT32_MAX, -1)
+    if top_k == 0:
+        raise BadRequest(f"'{where}.top_k' must be -1 (all tokens) or >= 1, got 0")
     try:
         return SamplingParams(
-            max_new_tokens=field("max_new_tokens", 0, INT32_MAX, 128),
-            min_new_tokens=field("min_new_tokens", 0, INT32_MAX, 0),
-            temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)), top_k=field("top_k", -1, INT32_MAX, -1),
-            stop_token_ids=tuple(bounded_int(t, f"sampling_params.stop_token_ids[{i}]", 0,
-                                             INT32_MAX) for i, t in enumerate(stop_ids)),
-            stop=tuple(str(s) for s in stop), ignore_eos=bool(raw.get("ignore_eos", False)),
-            n=field("n", 1, INT32_MAX, 1),
-            seed=None if raw.get("sampling_seed") is None else field(
-                "sampling_seed", INT64_MIN, INT64_MAX, None))
-    except BadRequest:
-        raise
-    except (TypeError, ValueError, OverflowError) as err:
-        raise BadRequest(f"bad sampling_params: {err}") from err
+            max_new_tokens=max_new, min_new_tokens=min_new,
+            temperature=number("temperature", 0.0, float("inf"), 1.0),
+            top_p=number("top_p", 0.0, 1.0, 1.0, low_open=True), top_k=top_k,
+            stop_token_ids=tuple(_integer(t, f"{where}.stop_token_ids[{i}]", 0, INT32_MAX)
+                                 for i, t in enumerate(stop_ids)),
+            stop=tuple(stop),
+            ignore_eos=_flag(raw["ignore_eos"], f"{where}.ignore_eos") if given("ignore_eos")
+            else False,
+            n=integer("n", 1, INT32_MAX, 1),
+            seed=integer("sampling_seed", INT64_MIN, INT64_MAX, None) if given("sampling_seed")
+            else None)
+    except ValueError as err:  # SamplingParams' own checks, should one be missed above
+        raise BadRequest(f"bad {where}: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +169,41 @@ class ServerLimits:
                              "(--max_request_tokens); split the request or ask for fewer tokens")
 
 
+def _bad_file(path: str) -> str:
+    """"<file>: " for the first file of model dir `path` that is visibly broken (a config.json
+    that is not a JSON object, a safetensors file shorter than its header says), else ""."""
+    config = os.path.join(path, "config.json")
+    try:
+        with open(config) as f:
+            if not isinstance(json.load(f), dict):
+                return f"{config}: not a JSON object: "
+        for name in sorted(os.listdir(path)):
+            if not name.endswith(".safetensors"):
+                continue
+            file = os.path.join(path, name)
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            end = max((m["data_offsets"][1] for k, m in header.items()
+                       if k != "__metadata__"), default=0)
+            if os.path.getsize(file) < 8 + size + end:
+                return (f"{file}: truncated ({os.path.getsize(file)} bytes, its header "
+                        f"needs {8 + size + end}): ")
+    except (OSError, ValueError, TypeError, KeyError, IndexError, struct.error):
+        return ""  # broken in some other way: the error itself says what
+    return ""
+
+
 class GenerateBody(BaseModel):
     """SGLang's /generate body: the fields rl_tpu reads (others are accepted and ignored, as
     SGLang ignores what a backend does not use)."""
 
     model_config = ConfigDict(extra="allow")
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    # prompts and sampling_params are checked by RolloutService.prepare, element by element,
+    # so a bad one is named with its index and the vocab or limit it broke
+    text: Optional[Union[str, list[Any]]] = None
+    input_ids: Optional[list[Any]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[Any]]] = None
     rid: Optional[Union[str, list[Optional[str]]]] = None
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
@@ -177,6 +260,8 @@ class RolloutService:
     # -- /generate -----------------------------------------------------------------------
 
     def prepare(self, body: dict) -> Prepared:
+        """Checks every field of a /generate body (BadRequest naming the first bad one: the
+        field, what it must be and what came), then the request against `limits`."""
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
@@ -184,14 +269,23 @@ class RolloutService:
         raw = body.get("sampling_params")
         if isinstance(raw, list):
             if len(raw) != len(prompts):
-                raise BadRequest(f"{len(raw)} sampling_params for {len(prompts)} prompts")
+                raise BadRequest(f"'sampling_params': {len(raw)} objects for {len(prompts)} "
+                                 "prompts; send one, or one a prompt")
+            sampling = [sampling_from_json(p, f"sampling_params[{i}]")
+                        for i, p in enumerate(raw)]
         else:
             raw = [raw] * len(prompts)
-        sampling = [sampling_from_json(p) for p in raw]
+            sampling = [sampling_from_json(raw[0])] * len(prompts)
+        for i, params in enumerate(raw):
+            for name in ("skip_special_tokens", "no_stop_trim"):  # read by _reply
+                if (params or {}).get(name) is not None:
+                    where = "sampling_params" + (f"[{i}]" if len(raw) > 1 else "")
+                    _flag(params[name], f"{where}.{name}")
         rids = body.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
         if len(rids) != len(prompts):
-            raise BadRequest(f"{len(rids)} rids for {len(prompts)} prompts")
+            raise BadRequest(f"'rid': {len(rids)} ids for {len(prompts)} prompts; send one "
+                             "a prompt")
         rids = [r or uuid.uuid4().hex for r in rids]
         context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
         self.limits.check(prompts, sampling, context)
@@ -211,22 +305,41 @@ class RolloutService:
         return replies[0] if prepared.single and len(replies) == 1 else replies
 
     def _prompts(self, body) -> tuple[list[list[int]], bool]:
+        vocab = self.sampler.cfg.vocab_size
         if body.get("input_ids") is not None:
             ids = body["input_ids"]
-            single = bool(ids) and all(isinstance(t, int) for t in ids)
+            single = bool(ids) and not isinstance(ids[0], list)
             batch = [ids] if single else ids
-            if not batch or not all(isinstance(p, list) and p and
-                                    all(isinstance(t, int) for t in p) for p in batch):
-                raise BadRequest("input_ids must be a non-empty list of ints or of such lists")
+            if not batch:
+                raise BadRequest("'input_ids' is empty: send a list of token ids or of such "
+                                 "lists")
+            for i, prompt in enumerate(batch):
+                where = "input_ids" if single else f"input_ids[{i}]"
+                if not isinstance(prompt, list) or not prompt:
+                    raise BadRequest(f"'{where}' must be a non-empty list of token ids, got "
+                                     f"{_shown(prompt)}")
+                for j, token in enumerate(prompt):
+                    if isinstance(token, bool) or not isinstance(token, int) or \
+                            not 0 <= token < vocab:
+                        raise BadRequest(f"'{where}[{j}]' must be a token id in [0, {vocab}) "
+                                         f"(the model's vocab), got {_shown(token)}")
             return batch, single
         if self.tokenizer is None:
             raise BadRequest("this server has no tokenizer: send input_ids instead of text")
         text = body["text"]
         single = isinstance(text, str)
         texts = [text] if single else text
-        if not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a list of strings")
-        return [self.tokenizer.encode(t) for t in texts], single
+        if not isinstance(texts, list) or not texts:
+            raise BadRequest("'text' must be a string or a non-empty list of strings")
+        prompts = []
+        for i, t in enumerate(texts):
+            where = "text" if single else f"text[{i}]"
+            if not isinstance(t, str):
+                raise BadRequest(f"'{where}' must be a string, got {_shown(t)}")
+            prompts.append(self.tokenizer.encode(t))
+            if not prompts[-1]:
+                raise BadRequest(f"'{where}' encodes to no tokens: a prompt needs one at least")
+        return prompts, single
 
     def _reply(self, req: GenerateRequest, res: GenerateResult, body: dict, raw_params: dict
                ) -> dict:
@@ -272,6 +385,15 @@ class RolloutService:
         except (hf.CheckpointError, OSError) as err:
             return 400, {"success": False, "message": f"failed to load {path}: {err}",
                          "num_paused_requests": 0}
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as err:
+            # what hf.load raises today for a checkpoint it cannot read past its checks (a
+            # truncated safetensors file: "cannot reshape array of size 0"; a config.json
+            # that is JSON but not an object): the client sent a bad directory, not a bug
+            # of this server, so 400, naming the file when it can be told
+            log.info("update_weights_from_disk %s failed: %r", path, err)
+            return 400, {"success": False, "num_paused_requests": 0,
+                         "message": f"failed to load {path}: {_bad_file(path)}"
+                                    f"{type(err).__name__}: {err}"}
         if new_cfg.replace(eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id) != cfg:
             return 400, {"success": False, "num_paused_requests": 0,
                          "message": f"{path} has a different architecture than the served model"}
@@ -329,24 +451,44 @@ class RolloutService:
 async def _await_ticket(ticket: Ticket, request: Optional[Request],
                         timeout_s: Optional[float] = None) -> bool:
     """Waits for `ticket` without holding a thread; False if the client went away (its rows
-    are then aborted) or `timeout_s` passed first."""
+    are then aborted) or `timeout_s` passed first.
+
+    The client's leaving is seen the moment its connection closes: a task waits on the ASGI
+    receive() for `http.disconnect` (the body has been read, so that is all it can bring),
+    where polling is_disconnected() would see it only at its next poll."""
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     ticket.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
-    waited = 0.0
-    while True:
-        try:
-            await asyncio.wait_for(done.wait(), timeout=0.25)
-            return True
-        except asyncio.TimeoutError:
-            waited += 0.25
-        if request is not None and await request.is_disconnected():
-            log.info("client gone: aborting its rows")
-            ticket.cancel()
-            return False
-        if timeout_s is not None and waited >= timeout_s:
-            ticket.cancel()
-            return False
+    finished = asyncio.ensure_future(done.wait())
+    waiters = {finished}
+    if request is not None:
+        waiters.add(asyncio.ensure_future(_disconnected(request)))
+    try:
+        ended, _ = await asyncio.wait(waiters, timeout=timeout_s,
+                                      return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    if finished in ended:
+        return True
+    if request is not None and not ended:
+        log.info("no result within %s s: aborting its rows", timeout_s)
+    elif request is not None:
+        log.info("client gone: aborting its rows")
+    ticket.cancel()
+    return False
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of `request`, whose body has been read, disconnects."""
+    for messages in itertools.count():
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+        # the body again first (BodyGuard hands the app its body on the first receive, and
+        # the app read the parsed copy instead); after that uvicorn waits for the disconnect,
+        # but a server that answered at once would be polled at the old pace, not spun on
+        if messages >= 2:
+            await asyncio.sleep(0.25)
 
 
 def make_app(service: RolloutService, api_key: Optional[str] = None,

@@ -73,7 +73,7 @@ def test_bad_requests_get_400_and_the_server_lives(server):
         "top_p": 3}})
     assert status == 400 and "top_p" in reply["error"]["message"]
     status, reply = call(server, "/generate", {"input_ids": [1, 99999]})
-    assert status == 400 and "outside the vocab" in reply["error"]["message"]
+    assert status == 400 and "must be a token id in [0, 320)" in reply["error"]["message"]
     assert call(server, "/generate", {"input_ids": [1]}, key="wrong")[0] == 401
     assert call(server, "/nowhere", {})[0] == 404
     assert call(server, "/health_generate")[0] == 200
@@ -90,12 +90,14 @@ def test_bad_requests_get_400_and_the_server_lives(server):
     ({"top_k": 2**31}, "'sampling_params.top_k' must be in [-1, 2147483647], got 2147483648"),
     ({"stop_token_ids": [7, 2**63]}, "'sampling_params.stop_token_ids[1]' must be in [0, "),
     ({"stop_token_ids": [-3]}, "'sampling_params.stop_token_ids[0]' must be in [0, "),
-    ({"stop_token_ids": 7}, "sampling_params.stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": 7}, "'sampling_params.stop_token_ids' must be a list of token ids"),
     ({"min_new_tokens": 2**63}, "'sampling_params.min_new_tokens' must be in [0, 2147483647]"),
     ({"n": 2**63}, "'sampling_params.n' must be in [1, 2147483647]"),
     ({"sampling_seed": 2**64}, "'sampling_params.sampling_seed' must be in [-9223372036854775808"),
     ({"top_k": "many"}, "'sampling_params.top_k' must be an integer, got 'many'"),
-    ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+    ({"temperature": float("nan")},
+     "'sampling_params.temperature' must be a finite number >= 0, got nan"),
+    ({"stop": 5}, "'sampling_params.stop' must be a string or a list of strings, got 5"),
     ({"n": 64}, "2560 rows (prompts x n) are over this server's limit of 1024 a request"),
 ])
 def test_requests_over_a_limit_get_400_naming_it_and_the_next_one_is_served(server, params,
@@ -188,7 +190,7 @@ def wait_for(condition, what, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(0.002)
 
 
 def long_request(server, rid, tokens=1500, result=None):
@@ -257,6 +259,29 @@ def test_a_client_that_disconnects_aborts_its_rows(server):
     status, reply = call(server, "/generate", {"input_ids": [5], "sampling_params": {
         "max_new_tokens": 2, "ignore_eos": True}})
     assert status == 200 and reply["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_client_that_disconnects_frees_its_rows_within_a_decode_chunk(server):
+    """The client's leaving is seen at once (a task waits on the ASGI receive for the
+    disconnect, no polling) and its rows leave at the end of the decode chunk running then.
+    Measured here (tiny model, 2 CPU cores, 20 trials): median 5 ms, max 0.23 s; the bounds
+    are 5x and more, and the median is what polling every 0.25 s could never reach."""
+    batcher = server["service"].batcher
+    host, port = server["url"].removeprefix("http://").split(":")
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 1900, "ignore_eos": True}}).encode()
+    took = []
+    for trial in range(6):  # the first compiles the abort's programs: not timed
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         b"secret\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            wait_for(lambda: batcher.load()["running_rows"] >= 1, "the request to start")
+            time.sleep(0.02 * trial)  # somewhere inside a chunk
+        left = time.perf_counter()
+        wait_for(lambda: batcher.load()["running_rows"] == 0, "its rows to be freed", 60)
+        took.append(time.perf_counter() - left)
+    took = sorted(took[1:])
+    assert took[len(took) // 2] < 0.25 and took[-1] < 1.5, took
 
 
 def test_many_stop_ids_widen_the_pool(server):
