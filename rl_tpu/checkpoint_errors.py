@@ -12,8 +12,8 @@ traceback from each thread and again from its finaliser, and tensorstore's write
 arriving after orbax's event loop has given up, print `RuntimeError: Event loop is closed`
 through sys.unraisablehook, dozens of times. `quiet_background_failure_reports` cuts the
 first to one line each and drops the second, and asyncio's "Task exception was never
-retrieved" for the failed writes' sibling tasks. Nothing here imports jax or orbax, so a launcher
-can catch RunWriteError cheaply.
+retrieved" for the failed writes' sibling tasks. Nothing here imports jax or orbax, so a
+launcher can catch RunWriteError cheaply.
 """
 
 from __future__ import annotations
@@ -137,11 +137,13 @@ _quieted = False
 
 
 def quiet_background_failure_reports() -> None:
-    """Installs the two above, once per process."""
+    """Installs the filters and the hook above, once per process (orbax's tracebacks stay
+    whole with RL_TPU_DEBUG=1)."""
     global _quieted, _previous_unraisablehook  # pylint: disable=global-statement
     if _quieted:
         return
-    logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
+    if os.environ.get("RL_TPU_DEBUG") != "1":  # the launchers' switch for full tracebacks
+        logging.getLogger("absl").addFilter(_OneLineOrbaxErrors())
     logging.getLogger("asyncio").addFilter(_NoUnretrievedWriteErrors())
     if sys.unraisablehook is not _quiet_late_loop_callbacks:
         _previous_unraisablehook = sys.unraisablehook

@@ -112,7 +112,7 @@ def test_a_full_disk_ends_in_one_line(tmp_path):
     try:
         workdir = small / "run"
         result = _train(workdir)
-        _assert_one_clear_last_line(result, re.escape(f"error: cannot write ") + ".* to "
+        _assert_one_clear_last_line(result, re.escape("error: cannot write ") + ".* to "
                                     + re.escape(f"{workdir}/") + ".*"
                                     + re.escape(": No space left on device; free space there "
                                                 "or pick another --workdir") + ".*")
