@@ -56,6 +56,30 @@ class _Instance:
     observation: str = ""
     closed: bool = False
     expired_after: Optional[float] = None  # idle seconds, once expired
+    client_task: Optional[Task] = None  # the task it plays, when the client sent its data
+
+
+class _KeysRead(dict):
+    """A task's data that notes the keys an env reads from it: by subscript, unless the env
+    looked first (`in`, `get`: a key it can do without)."""
+
+    def __init__(self, data: dict):
+        super().__init__(data)
+        self.needed: set = set()
+        self.optional: set = set()
+
+    def __getitem__(self, key):
+        if key not in self.optional:
+            self.needed.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.optional.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.optional.add(key)
+        return super().__contains__(key)
 
 
 def jsonable(value: Any) -> Any:
@@ -105,6 +129,8 @@ class EnvService:
         self.dialect = dialect
         self.id_key = "env_idx" if dialect == "searchqa" else "id"
         self.action_prefix = action_prefix
+        self._needed_keys: Optional[tuple[frozenset, list]] = None  # see needed_keys
+        self._needed_lock = threading.Lock()
 
     # -- tasks ------------------------------------------------------------------------------
 
@@ -113,12 +139,59 @@ class EnvService:
         """(the task a request names, whether the client supplied it rather than the env's
         own task source). `task` is `{"task_id": str, "data": dict}`, already type-checked."""
         if task is not None:
-            return Task(task_id=task["task_id"], data=dict(task.get("data") or {})), True
+            built = Task(task_id=task["task_id"], data=dict(task.get("data") or {}))
+            self.check_client_task(built)
+            return built, True
         index = 0 if data_idx is None else data_idx
         if split is None and self.agentgym is not None:
             # AgentGym's item number: the env itself says whether it has item i (at reset).
             return Task(f"{self.agentgym}_{index}", {"data_idx": index}), True
         return self.get_task("train" if split is None else split, index), False
+
+    def needed_keys(self) -> tuple[frozenset, list]:
+        """(the data keys this env cannot do without, every key its own tasks' data has),
+        learnt once: a fresh env plays the first task of its own task source through a reset
+        and one step (an empty action), noting which data keys it reads by subscript (see
+        `_KeysRead`). A client task lacking one would be accepted at /create and fail at
+        /step, when the env reaches for it; `check_client_task` refuses it at /create
+        instead. An env without a task source, or one the probe fails on, is not checked."""
+        with self._needed_lock:
+            if self._needed_keys is None:
+                self._needed_keys = (frozenset(), [])
+                try:
+                    self._needed_keys = self._probe_keys()
+                except Exception as e:  # noqa: BLE001 - the check is a help, not a gate
+                    log.warning("could not learn which task data env %r needs (%s: %s); "
+                                "client tasks are not checked at /create", self.env_name,
+                                type(e).__name__, e)
+            return self._needed_keys
+
+    def _probe_keys(self) -> tuple[frozenset, list]:
+        try:
+            source = self._meta_env.tasks()
+        except TypeError:
+            return frozenset(), []
+        split = next((s for s in source.splits if source.size(s) != 0), None)
+        if split is None:
+            return frozenset(), []
+        reference = source.get(split, 0)
+        data = _KeysRead(reference.data)
+        env = self._factory()
+        try:
+            env.reset(Task(reference.task_id, data))
+            env.step(self.action_prefix)
+        finally:
+            env.close()
+        return frozenset(data.needed), sorted(map(str, reference.data))
+
+    def check_client_task(self, task: Task) -> None:
+        """RequestError 400 naming what a client's task lacks that the env reads."""
+        needed, known = self.needed_keys()
+        missing = sorted(map(str, needed - set(task.data)))
+        if missing:
+            raise RequestError(400, f"task {task.task_id!r}: 'data' lacks {missing}, which env "
+                                    f"{self.env_name!r} reads (its own tasks' data has keys "
+                                    f"{known}); send them in the task's data")
 
     def get_task(self, split: str, index: int) -> Task:
         try:
@@ -130,8 +203,9 @@ class EnvService:
             raise RequestError(400, f"unknown split {split!r}; this env has {source.splits}")
         size = source.size(split)
         if index < 0 or (size is not None and index >= size):
-            raise RequestError(400, f"data_idx {index} out of range for split {split!r} "
-                                    f"(size {size})")
+            raise RequestError(400, f"task index {index} is out of range for split {split!r}, "
+                                    f"which has {size} tasks (data_idx, or /task's index, "
+                                    f"must be in [0, {size}))")
         return source.get(split, index)
 
     # -- the instance table -----------------------------------------------------------------
@@ -180,6 +254,11 @@ class EnvService:
             return RequestError(400, f"env {self.env_name!r} cannot start task "
                                      f"{task.task_id!r} with data {_short(task.data)}: "
                                      f"{type(error).__name__}: {error}")
+        if client_task:  # a step reached for a data key the client's task lacks
+            log.info("env %d: task %r lacks data key %s", env_id, task.task_id, error)
+            return RequestError(400, f"env {self.env_name!r} needs data key {error} that task "
+                                     f"{task.task_id!r} lacks (its data: {_short(task.data)});"
+                                     " the instance was dropped, create it with that key")
         log.error("env %d raised and was dropped:\n%s", env_id,
                   "".join(traceback.format_exception(error)))
         return RequestError(500, f"env {env_id} raised {type(error).__name__}: {error}; "
@@ -245,6 +324,7 @@ class EnvService:
                 instance.observation = instance.env.reset(task)
             except Exception as e:
                 raise self._failed(env_id, instance, e, task, client_task, starting=True)
+            instance.client_task = task if client_task else None
         finally:
             instance.last_used = self._clock()
             instance.lock.release()
@@ -261,6 +341,7 @@ class EnvService:
                 instance.observation = instance.env.reset(task)
             except Exception as e:
                 raise self._failed(env_id, instance, e, task, client_task, starting=True)
+            instance.client_task = task if client_task else None
             instance.last_used = self._clock()
         return task, instance.observation
 
@@ -279,7 +360,8 @@ class EnvService:
                 if not math.isfinite(reward):
                     raise ValueError(f"non-finite reward {result.reward!r}")
             except Exception as e:
-                raise self._failed(env_id, instance, e, Task(""), False, starting=False)
+                raise self._failed(env_id, instance, e, instance.client_task or Task(""),
+                                   _lacked_key(e, instance.client_task), starting=False)
             instance.observation = result.observation
             instance.last_used = self._clock()
         return result, reward
@@ -329,6 +411,12 @@ class EnvService:
                     env.close()
             except Exception:
                 log.exception("closing an env at shutdown")
+
+
+def _lacked_key(error: BaseException, task: Optional[Task]) -> bool:
+    """Whether `error` is the env reaching for a data key that the client's `task` lacks."""
+    return (task is not None and type(error) is KeyError and len(error.args) == 1
+            and error.args[0] not in task.data)
 
 
 def _short(data: Any, limit: int = 200) -> str:
