@@ -3,7 +3,10 @@
 `rl_tpu.envs.server` puts it behind FastAPI (the wire format is described there). Everything a
 client can get wrong is a `RequestError` carrying the HTTP status to answer; an env that
 raises is dropped (its state is suspect) and answered 500, except when it raised starting a
-task the client itself named, which is the task's fault and answered 400.
+task the client itself named, or reached at a step for a data key the client's task lacks:
+those are the task's fault and answered 400. A client's task is checked before it starts
+against the data keys the env reads (`needed_keys`), so one lacking them is refused at
+/create, not at its first /step.
 
 Threads: every method may be called from many threads at once. The table is guarded by one
 lock held only for dictionary work; each instance has its own lock held for the env call, so

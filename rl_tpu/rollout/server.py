@@ -40,9 +40,9 @@ from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.http_limits import HttpLimits
-from rl_tpu.serving import docs_routes, guard
-from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bearer_auth,
-                            bounded_int, error_response, install_error_handlers, read_json)
+from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bounded_int,
+                            docs_routes, error_response, guard, install_error_handlers,
+                            read_json)
 
 log = logging.getLogger(__name__)
 

@@ -264,8 +264,9 @@ def test_a_client_that_disconnects_aborts_its_rows(server):
 def test_a_client_that_disconnects_frees_its_rows_within_a_decode_chunk(server):
     """The client's leaving is seen at once (a task waits on the ASGI receive for the
     disconnect, no polling) and its rows leave at the end of the decode chunk running then.
-    Measured here (tiny model, 2 CPU cores, 20 trials): median 5 ms, max 0.23 s; the bounds
-    are 5x and more, and the median is what polling every 0.25 s could never reach."""
+    Measured here (tiny model, 2 CPU cores, 20 trials, three runs): median 5-9 ms, max
+    0.23-0.38 s (the prefix cache growing its store: a compile); the bounds are 5x and more,
+    and the median one polling every 0.25 s never reached (it took 0.40 s)."""
     batcher = server["service"].batcher
     host, port = server["url"].removeprefix("http://").split(":")
     body = json.dumps({"input_ids": [5, 6], "sampling_params": {
@@ -281,7 +282,7 @@ def test_a_client_that_disconnects_frees_its_rows_within_a_decode_chunk(server):
         wait_for(lambda: batcher.load()["running_rows"] == 0, "its rows to be freed", 60)
         took.append(time.perf_counter() - left)
     took = sorted(took[1:])
-    assert took[len(took) // 2] < 0.25 and took[-1] < 1.5, took
+    assert took[len(took) // 2] < 0.25 and took[-1] < 2.0, took
 
 
 def test_many_stop_ids_widen_the_pool(server):
