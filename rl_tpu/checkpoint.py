@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any, Optional
 
@@ -72,6 +73,7 @@ SUPERSEDED_DIR = "superseded"
 STATIC_DIR = "static"
 HOST_DIR = "host"
 _ITEMS = ("state", "meta", "integrity")
+_WRITER_THREADS_GRACE_S = 60.0  # a failed save's other writer threads, to end after it
 
 
 class CheckpointTargetMismatchError(ValueError):
@@ -306,8 +308,16 @@ class Checkpointer:
             raise self._write_error(what, path, err) from err
 
     def _write_error(self, what: str, path: str, err: BaseException) -> CheckpointWriteError:
-        # Orbax's abandoned write coroutines are finalised now, while the interpreter can
-        # still run their cleanup, not at exit (where each would print a traceback).
+        # Orbax's other writer threads of the failed save may outlive the one that failed
+        # first: they end (each logging its line) before the error is raised, so that the
+        # error is the last thing said. Then its abandoned write coroutines are finalised,
+        # while the interpreter can still run their cleanup, not at exit (each would print
+        # a traceback there).
+        deadline = time.monotonic() + _WRITER_THREADS_GRACE_S
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and \
+                    type(thread).__module__.startswith("orbax."):
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         gc.collect()
         try:
             last_good = self.latest_step()
