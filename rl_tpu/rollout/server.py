@@ -24,8 +24,6 @@ import itertools
 import json
 import logging
 import math
-import os
-import struct
 import uuid
 from typing import Any, Optional, Union
 
@@ -167,31 +165,6 @@ class ServerLimits:
             raise BadRequest(f"{tokens} tokens (rows x (prompt + max_new_tokens)) are over this "
                              f"server's limit of {self.max_request_tokens} a request "
                              "(--max_request_tokens); split the request or ask for fewer tokens")
-
-
-def _bad_file(path: str) -> str:
-    """"<file>: " for the first file of model dir `path` that is visibly broken (a config.json
-    that is not a JSON object, a safetensors file shorter than its header says), else ""."""
-    config = os.path.join(path, "config.json")
-    try:
-        with open(config) as f:
-            if not isinstance(json.load(f), dict):
-                return f"{config}: not a JSON object: "
-        for name in sorted(os.listdir(path)):
-            if not name.endswith(".safetensors"):
-                continue
-            file = os.path.join(path, name)
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            end = max((m["data_offsets"][1] for k, m in header.items()
-                       if k != "__metadata__"), default=0)
-            if os.path.getsize(file) < 8 + size + end:
-                return (f"{file}: truncated ({os.path.getsize(file)} bytes, its header "
-                        f"needs {8 + size + end}): ")
-    except (OSError, ValueError, TypeError, KeyError, IndexError, struct.error):
-        return ""  # broken in some other way: the error itself says what
-    return ""
 
 
 class GenerateBody(BaseModel):
@@ -382,18 +355,15 @@ class RolloutService:
         try:
             new_cfg, params = hf.load(path, mesh=self.sampler.mesh, dtype=cfg.param_dtype,
                                       scan_layers=cfg.scan_layers, remat=cfg.remat)
-        except (hf.CheckpointError, OSError) as err:
-            return 400, {"success": False, "message": f"failed to load {path}: {err}",
+        except (OSError, ValueError) as err:
+            # hf.CheckpointError (a ValueError) names the file and what is wrong with it (a
+            # truncated safetensors file, a config.json that is not a JSON object...); any
+            # other ValueError from reading the directory is its content's fault too: 400
+            log.info("update_weights_from_disk %s failed: %s", path, err)
+            what = str(err) if isinstance(err, (hf.CheckpointError, OSError)) else \
+                f"{type(err).__name__}: {err}"
+            return 400, {"success": False, "message": f"failed to load {path}: {what}",
                          "num_paused_requests": 0}
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as err:
-            # what hf.load raises today for a checkpoint it cannot read past its checks (a
-            # truncated safetensors file: "cannot reshape array of size 0"; a config.json
-            # that is JSON but not an object): the client sent a bad directory, not a bug
-            # of this server, so 400, naming the file when it can be told
-            log.info("update_weights_from_disk %s failed: %r", path, err)
-            return 400, {"success": False, "num_paused_requests": 0,
-                         "message": f"failed to load {path}: {_bad_file(path)}"
-                                    f"{type(err).__name__}: {err}"}
         if new_cfg.replace(eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id) != cfg:
             return 400, {"success": False, "num_paused_requests": 0,
                          "message": f"{path} has a different architecture than the served model"}
