@@ -446,14 +446,16 @@ def progress_bar_shown(enabled: bool = True) -> bool:
     return enabled and _interactive() and not os.environ.get("TQDM_DISABLE")
 
 
-def announce_start(config, workdir: str, steps: int, unit: str = "steps") -> Optional[str]:
+def announce_start(config, workdir: str, steps: int, unit: str = "steps",
+                   what: str = "") -> Optional[str]:
     """The run's first line, printed (process 0) as soon as the recipe starts, before the
-    model is built and the first step compiles (which take the longest): what runs, where,
-    for how long and on what."""
+    model is built and the first step compiles (which take the longest): what runs (`what`,
+    else the config's recipe, algorithm and env), where, for how long and on what."""
     if jax.process_index() != 0:
         return None
     devices = jax.devices()
-    line = (f"rl_tpu: starting {config.recipe} ({config.algo.name} on {config.env.name}) in "
+    what = what or f"{config.recipe} ({config.algo.name} on {config.env.name})"
+    line = (f"rl_tpu: starting {what} in "
             f"{workdir}: {steps} {unit}, {len(devices)} {devices[0].platform} device"
             f"{'s' if len(devices) != 1 else ''}; building the model and compiling...")
     print(line, flush=True)

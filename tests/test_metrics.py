@@ -258,3 +258,19 @@ def test_step_log_prints_the_first_and_last_step_and_at_most_one_line_per_interv
     # where the bar shows progress, or on another process than 0: nothing
     for quiet in (StepLog(10, shown=True, out=out), StepLog(10, enabled=False, out=out)):
         assert quiet(1, record) is None
+
+
+def test_the_first_line_says_what_runs_where_and_on_what(capsys):
+    import jax
+    from rl_tpu.metrics import announce_start
+    from rl_tpu.recipes.config import base_config
+
+    config = base_config("grpo")
+    n, platform = len(jax.devices()), jax.devices()[0].platform
+    line = announce_start(config, "/w", 200)
+    assert line == (f"rl_tpu: starting rl (grpo on {config.env.name}) in /w: 200 steps, {n} "
+                    f"{platform} device{'s' if n != 1 else ''}; building the model and "
+                    "compiling...")
+    assert capsys.readouterr().out == line + "\n"
+    assert announce_start(config, "/w", 5, "SFT steps", what="sft (on x)").startswith(
+        "rl_tpu: starting sft (on x) in /w: 5 SFT steps, ")

@@ -363,7 +363,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     check(config)
     os.makedirs(workdir, exist_ok=True)
     parallel.maybe_initialize_distributed()
-    metrics_lib.announce_start(config, workdir, config.sft.steps, "SFT steps")
+    metrics_lib.announce_start(config, workdir, config.sft.steps, "SFT steps",
+                               what=f"sft (on {config.env.name})")
     mesh = components.make_mesh(config)
     path = components.model_path(config, workdir)
     model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
