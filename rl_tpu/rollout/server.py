@@ -76,6 +76,18 @@ def _flag(value: Any, field: str) -> bool:
     return value
 
 
+def _text(value: str, field: str) -> str:
+    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escape
+    can carry): the tokenizer cannot encode it, and echoed back (a rid, a weight version) it
+    would break every reply that carries it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"'{field}' is not valid Unicode text: {err.reason} at character "
+                         f"{err.start}") from err
+    return value
+
+
 def _shown(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -95,6 +107,8 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest(f"'{where}.stop' must be a string or a list of strings, got "
                          f"{_shown(raw.get('stop'))}")
+    for i, s in enumerate(stop):
+        _text(s, f"{where}.stop[{i}]")
     stop_ids = raw.get("stop_token_ids") or ()
     if not isinstance(stop_ids, (list, tuple)):
         raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
@@ -259,7 +273,7 @@ class RolloutService:
         if len(rids) != len(prompts):
             raise BadRequest(f"'rid': {len(rids)} ids for {len(prompts)} prompts; send one "
                              "a prompt")
-        rids = [r or uuid.uuid4().hex for r in rids]
+        rids = [_text(r, "rid") if r else uuid.uuid4().hex for r in rids]
         context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
         self.limits.check(prompts, sampling, context)
         return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
@@ -309,7 +323,7 @@ class RolloutService:
             where = "text" if single else f"text[{i}]"
             if not isinstance(t, str):
                 raise BadRequest(f"'{where}' must be a string, got {_shown(t)}")
-            prompts.append(self.tokenizer.encode(t))
+            prompts.append(self.tokenizer.encode(_text(t, where)))
             if not prompts[-1]:
                 raise BadRequest(f"'{where}' encodes to no tokens: a prompt needs one at least")
         return prompts, single
@@ -351,6 +365,9 @@ class RolloutService:
         version = body.get("weight_version")
         if not isinstance(path, str) or not path:
             raise BadRequest("update_weights_from_disk needs 'model_path'")
+        _text(path, "model_path")
+        if version is not None:  # /model_info and every reply echo it
+            _text(version, "weight_version")
         cfg = self.sampler.cfg
         try:
             new_cfg, params = hf.load(path, mesh=self.sampler.mesh, dtype=cfg.param_dtype,
@@ -399,7 +416,7 @@ class RolloutService:
         if body.get("abort_all"):
             self.batcher.abort()
         elif body.get("rid"):
-            self.batcher.abort(str(body["rid"]))
+            self.batcher.abort(_text(body["rid"], "rid"))
         else:
             raise BadRequest("abort_request needs 'rid' or 'abort_all': true")
 

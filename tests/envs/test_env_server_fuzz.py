@@ -102,6 +102,9 @@ CASES = [
      "cannot start task 't'"),
     ("POST", "/create", {"task": {"task_id": "t", "data": {"numbers": 5, "answer": "5"}}}, 400,
      "cannot start task 't' with data"),
+    ("POST", "/create", {"task": {"task_id": "\ud800", "data": {"numbers": [1]}}}, 400,
+     "'data' lacks ['answer']"),
+    ("POST", "/create", {"split": "\ud800"}, 400, "unknown split"),
     ("POST", "/reset", {}, 400, "'id': Field required"),
     ("POST", "/reset", {"id": "0"}, 400, "'id': Input should be a valid integer"),
     ("POST", "/reset", {"id": -1}, 404, "no live env with id -1"),
@@ -227,7 +230,7 @@ def test_searchqas_dialect_names_its_fields_too(searchqa, path, body, status, te
 
 # Values a mutation puts in a field: every JSON type, signed and huge numbers, empty things.
 HOSTILE = [None, True, False, 0, 1, -1, 7, 2**31, 2**63, -2**63 - 1, 10**40, 0.5, -0.0, 1e308,
-           "", "0", "train", "eval", "x" * 300, [], [1], ["a"], {}, {"a": 1},
+           "", "0", "train", "eval", "x" * 300, "\ud800", [], [1], ["a"], {}, {"a": 1},
            {"task_id": "m"}, {"task_id": "m", "data": {}}, {"task_id": "m", "data": None}]
 VALID = [
     ("/create", {"data_idx": 2}), ("/create", {"split": "eval", "data_idx": 5}),

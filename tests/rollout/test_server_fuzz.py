@@ -104,6 +104,12 @@ GENERATE = [("/generate", body, field) for body, field in [
     ({"text": 5}, "'text"),
     ({"text": ["a", 5]}, "'text[1]' must be a string"),
     ({"text": {"a": "b"}}, "'text"),
+    # a lone surrogate (JSON's \ud800) cannot be UTF-8: not tokenized, never echoed back
+    ({"text": "a\ud800"}, "'text' is not valid Unicode text: surrogates not allowed"),
+    ({"text": ["a", "\udfff"]}, "'text[1]' is not valid Unicode text"),
+    ({"input_ids": [5], "rid": "\ud800"}, "'rid' is not valid Unicode text"),
+    ({"input_ids": [[5], [6]], "rid": ["a", "\ud800"]}, "'rid' is not valid Unicode text"),
+    (sp(stop=["ok", "\ud800"]), "'sampling_params.stop[1]' is not valid Unicode text"),
     ({"input_ids": [5], "rid": 5}, "'rid"),
     ({"input_ids": [5], "rid": [1]}, "'rid"),
     ({"input_ids": [5], "rid": ["a", "b"]}, "'rid': 2 ids for 1 prompts"),
@@ -173,6 +179,7 @@ CONTROL = [
     ("/abort_request", {"rid": 5}, "'rid'"),
     ("/abort_request", {"rid": [1]}, "'rid'"),
     ("/abort_request", {"abort_all": "please"}, "'abort_all'"),
+    ("/abort_request", {"rid": "\ud800"}, "'rid' is not valid Unicode text"),
     ("/pause_generation", {"mode": 5}, "'mode'"),
     ("/pause_generation", {"mode": "sleep"}, "pause mode 'sleep': use abort, retract or"),
     ("/pause_generation", {"mode": None}, "'mode'"),
@@ -182,6 +189,10 @@ CONTROL = [
                                                       "'model_path'"),
     ("/update_weights_from_disk", {"model_path": "/m", "weight_version": {}},
      "'weight_version'"),
+    ("/update_weights_from_disk", {"model_path": "/m\ud800"}, "'model_path' is not valid"),
+    # checked before loading: /model_info and every reply would echo it
+    ("/update_weights_from_disk", {"model_path": "/m", "weight_version": "\ud800"},
+     "'weight_version' is not valid Unicode text"),
 ]
 
 RAW = [  # bodies that are not a JSON object, or break a JSON limit
@@ -240,7 +251,8 @@ def test_a_broken_checkpoint_is_a_400_naming_the_file(server):
 # Values a mutation puts in a field: every JSON type, the edges of the int32 and int64 rows,
 # non-finite floats, strings of numbers and of nothing.
 HOSTILE = [None, True, False, 0, 1, -1, 2, 3, 31, 2**31 - 1, 2**31, 2**63, -2**63 - 1, 10**40,
-           0.5, 1.5, -0.0, 1e308, NAN, INF, -INF, "", "1", "x" * 300, "nan", [], [1], [[1]],
+           0.5, 1.5, -0.0, 1e308, NAN, INF, -INF, "", "1", "x" * 300, "nan", "\ud800", [], [1],
+           [[1]],
            ["a"], [None], {}, {"a": 1}]
 
 
