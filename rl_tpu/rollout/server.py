@@ -102,14 +102,14 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
     if not isinstance(raw, dict):
         raise BadRequest(f"'{where}' must be an object, got {_shown(raw)}")
     given = lambda name: raw.get(name) is not None  # noqa: E731 - null is "not given"
-    stop = raw.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
+    stop = raw["stop"] if given("stop") else []
+    stop = ([stop] if stop else []) if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest(f"'{where}.stop' must be a string or a list of strings, got "
                          f"{_shown(raw.get('stop'))}")
     for i, s in enumerate(stop):
         _text(s, f"{where}.stop[{i}]")
-    stop_ids = raw.get("stop_token_ids") or ()
+    stop_ids = raw["stop_token_ids"] if given("stop_token_ids") else ()
     if not isinstance(stop_ids, (list, tuple)):
         raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
                          f"{_shown(stop_ids)}")
@@ -144,6 +144,8 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
             n=integer("n", 1, INT32_MAX, 1),
             seed=integer("sampling_seed", INT64_MIN, INT64_MAX, None) if given("sampling_seed")
             else None)
+    except BadRequest:
+        raise
     except ValueError as err:  # SamplingParams' own checks, should one be missed above
         raise BadRequest(f"bad {where}: {err}") from err
 
