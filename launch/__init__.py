@@ -44,11 +44,14 @@ def run_errors() -> tuple:
     """RUN_ERRORS and the user's mistakes only the run itself finds, imported when a launcher
     starts (not by `python -m launch`): a model file damaged between the start-up check and
     its load (hf.CheckpointError), a rerun under a config its checkpoint was not saved with
-    (resume.ResumeConfigError)."""
+    (resume.ResumeConfigError), and a checkpoint or metrics file the disk refuses
+    (checkpoint_errors.RunWriteError: full, read-only, no permission; it names the step, the
+    path and the last good checkpoint)."""
+    from rl_tpu.checkpoint_errors import RunWriteError
     from rl_tpu.models.hf import CheckpointError
     from rl_tpu.recipes.resume import ResumeConfigError
 
-    return RUN_ERRORS + (CheckpointError, ResumeConfigError)
+    return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError)
 
 
 def run(main, prepare=None, check=None) -> None:
