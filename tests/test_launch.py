@@ -300,6 +300,24 @@ def test_env_servers_are_probed_before_anything_is_written(countdown_server):
         components.check_inputs(c)
 
 
+def test_the_env_server_probe_sends_the_runs_key(monkeypatch):
+    server = make_server("countdown", api_key="sesame")
+    url = server.start()
+    try:
+        c = finish("--config", "configs/countdown_grpo.py:smoke", f"--config.env.remote_url={url}")
+        monkeypatch.delenv("RL_TPU_ENV_API_KEY", raising=False)
+        with pytest.raises(ValueError, match=rf"the env server at {url} wants an API key: set "
+                                             r"RL_TPU_ENV_API_KEY"):
+            components.check_inputs(c)
+        monkeypatch.setenv("RL_TPU_ENV_API_KEY", "open")
+        with pytest.raises(ValueError, match="refused the key in RL_TPU_ENV_API_KEY"):
+            components.check_inputs(c)
+        monkeypatch.setenv("RL_TPU_ENV_API_KEY", "sesame")
+        components.check_inputs(c)
+    finally:
+        server.shutdown()
+
+
 def test_a_failed_start_removes_only_a_workdir_with_nothing_in_it(tmp_path):
     empty = tmp_path / "empty"
     (empty / "checkpoints").mkdir(parents=True)

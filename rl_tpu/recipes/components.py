@@ -174,16 +174,21 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
 def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
     """One quick GET /info to the env server at `url` (GET / where it has no /info, as
     AgentGym's servers): ValueError naming the url unless it answers and serves `env.name`
-    (or, for an AgentGym env, its AgentGym task). A server that asks for a key (401/403) is up;
-    which env it serves is then checked by the run's own client, which sends the key."""
+    (or, for an AgentGym env, its AgentGym task). It sends the key the run's client will send
+    (RL_TPU_ENV_API_KEY), so a missing or wrong key is found here too."""
     import httpx
+
+    from rl_tpu.envs.remote import API_KEY_ENV
 
     name = config.env.name
     start = (f"start it with `python -m launch.serve_env --env {name} --port PORT` (or fix "
              "env.remote_url)")
     timeout = min(PROBE_TIMEOUT_S, config.env.remote_timeout_s)
     try:
-        with httpx.Client(timeout=timeout) as client:  # as the env client: proxies honoured
+        key = os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # as the env client: proxies honoured, the same key
+        with httpx.Client(timeout=timeout, headers=headers) as client:
             reply = client.get(f"{url}/info")
             if reply.status_code == 404:  # AgentGym's own servers have no /info: is it up?
                 reply = client.get(f"{url}/")
@@ -197,7 +202,10 @@ def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
         raise ValueError(f"env.remote_url: {url} answered GET /info with something other than "
                          f"JSON; it is not an env server: {start}") from None
     if reply.status_code in (401, 403):
-        return
+        raise ValueError(f"env.remote_url: the env server at {url} "
+                         f"{'refused the key in' if key else 'wants an API key: set'} "
+                         f"{API_KEY_ENV} (the key it was started with, --api_key or its "
+                         f"{API_KEY_ENV})")
     if reply.status_code >= 400:
         raise ValueError(f"env.remote_url: the env server at {url} answered GET "
                          f"{reply.request.url.path} with HTTP {reply.status_code}; check its "

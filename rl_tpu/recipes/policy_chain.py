@@ -68,7 +68,8 @@ class PolicyChain:
         self.rounds_done = int(parallel.across_hosts(self.rounds_done, "min"))
         self.writer = metrics_lib.MetricsWriter(
             workdir, resume_step=self.rounds_done + 1 if self.rounds_done else None,
-            tensorboard=config.log.tensorboard, enabled=self.is_chief)
+            tensorboard=config.log.tensorboard, enabled=self.is_chief,
+            wandb_project=config.log.wandb_project)
         self._engine = None
         self.started = time.time()
 
