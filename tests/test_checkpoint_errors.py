@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import CheckpointWriteError, is_storage_error, storage_cause
@@ -93,3 +94,24 @@ def test_the_cause_of_a_failed_write_is_read_from_tensorstore_or_the_os():
                                     2)) == (
         "cannot write checkpoint step 3 to /w/checkpoints/3: No space left on device; free "
         "space there or pick another --workdir; the last good checkpoint is step 2")
+
+
+def test_a_final_export_the_disk_refuses_is_one_line_naming_the_path(tmp_path):
+    from rl_tpu.checkpoint_errors import RunWriteError
+    from rl_tpu.models import tiny
+    from rl_tpu.recipes import components
+
+    model_dir = tmp_path / "model"
+    tiny.write_tiny_model(str(model_dir))
+    cfg, params = components.hf.load(str(model_dir))
+    tokenizer = components.load_tokenizer(str(model_dir))
+    (tmp_path / "blocked").write_text("a file where the export's parent directory would be")
+    target = tmp_path / "blocked" / "final_hf"
+    with pytest.raises(RunWriteError) as e:
+        components.export_hf(str(target), cfg, params, tokenizer)
+    assert str(e.value).startswith(f"cannot write the final HF export to {target}: Not a "
+                                   "directory; ")
+    assert str(e.value).endswith("the checkpoints are intact: rerun the same command to "
+                                 "export again")
+    components.export_hf(str(tmp_path / "final_hf"), cfg, params, tokenizer)  # the good path
+    assert (tmp_path / "final_hf" / "config.json").is_file()

@@ -266,6 +266,22 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
 
 
+def export_hf(path: str, model_cfg: ModelConfig, params, tokenizer: ChatTokenizer) -> None:
+    """The final policy as an HF directory at `path`; a disk that refuses it (full, read-only,
+    no permission) is one RunWriteError naming the path, as a refused checkpoint is. The run
+    is not marked finished before its export, so a rerun exports again from the checkpoint."""
+    from rl_tpu.checkpoint_errors import RunWriteError
+
+    try:
+        hf.save(path, model_cfg, params, tokenizer=tokenizer.hf)
+    except RunWriteError:
+        raise
+    except OSError as err:
+        raise RunWriteError("the final HF export", path, err,
+                            "the checkpoints are intact: rerun the same command to export "
+                            "again") from err
+
+
 def optim_config(lr: float, config: ml_collections.ConfigDict, total_steps: int,
                  warmup_steps: Optional[int] = None, updates_per_step: int = 1) -> OptimConfig:
     o = config.optim

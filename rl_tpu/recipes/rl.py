@@ -50,7 +50,6 @@ from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.evaluation import episode_stats, oldest_version_over_hosts
-from rl_tpu.models import hf
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft, shapes
@@ -404,8 +403,8 @@ class Trainer:
         self.ckpt.wait()
         self.learner.check_finite(self.config.train.steps, self.ckpt.latest_step)
         if self.config.checkpoint.export_hf:
-            hf.save(os.path.join(self.workdir, "final_hf"), self.model_cfg,
-                    self.learner.policy.params, tokenizer=self.tokenizer.hf)
+            components.export_hf(os.path.join(self.workdir, "final_hf"), self.model_cfg,
+                                 self.learner.policy.params, self.tokenizer)
         outputs = [metrics_lib.METRICS_FILE]
         if self.is_chief and self.config.log.plot:
             metrics_lib.plot_curves(self.workdir, self.curve_keys)

@@ -357,7 +357,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     from rl_tpu import metrics as metrics_lib
     from rl_tpu.checkpoint import Checkpointer
     from rl_tpu.data.tasks import eval_tasks
-    from rl_tpu.models import hf
     from rl_tpu.recipes.config import check
 
     check(config)
@@ -409,8 +408,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
                                             config.seed)
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
-        hf.save(os.path.join(workdir, "final_hf"), model_cfg, state.params,
-                tokenizer=tokenizer.hf)
+        components.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
+                             tokenizer)
     finally:
         try:
             ckpt.close()
