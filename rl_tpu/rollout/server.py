@@ -460,6 +460,9 @@ async def _await_ticket(ticket: Ticket, request: Optional[Request],
             waiter.cancel()
     if finished in ended:
         return True
+    for waiter in ended:  # the disconnect watch failing is taken as the client gone
+        if waiter.exception() is not None:
+            log.warning("watching for the client's disconnect failed: %r", waiter.exception())
     if request is not None and not ended:
         log.info("no result within %s s: aborting its rows", timeout_s)
     elif request is not None:
