@@ -144,10 +144,37 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         return error_response(err.status_code, message)
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, err: Exception):
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, f"{type(err).__name__}: {err}")
+    answer_crashes(app, lambda message: error_response(500, message))
+
+
+def answer_crashes(app: FastAPI, render: Callable[[str], Any]) -> None:
+    """An exception that escapes a route (a bug of ours) is answered 500 with `render(its type
+    and message)` and logged once, with its traceback. (Starlette's handler for `Exception`
+    re-raises after answering, so uvicorn logged each crash a second time.)"""
+    app.add_middleware(_AnswerCrashes, render=render)
+
+
+class _AnswerCrashes:
+    def __init__(self, app, render: Callable[[str], Any]):
+        self.app, self.render = app, render
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_noting_start(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as err:  # noqa: BLE001 - a route's bug; the server goes on
+            if started:  # half a reply is out: only closing the connection can end it
+                raise
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await self.render(f"{type(err).__name__}: {err}")(scope, receive, send)
 
 
 def closing_error(status: int, message: str) -> JSONResponse:
@@ -165,13 +192,6 @@ def guard(app: FastAPI, limits: HttpLimits, api_key: Optional[str] = None,
     app.add_middleware(BodyGuard, limits=limits, refuse=refuse)
     if api_key:  # a real 401 in rl_tpu's shape whatever `refuse` says: not an app error
         app.add_middleware(KeyGuard, api_key=api_key, refuse=closing_error, hint=key_hint)
-
-
-def bearer_auth(app: FastAPI, api_key: Optional[str]) -> None:
-    """With `api_key`, every request needs `Authorization: Bearer <api_key>` (SGLang's
-    --api-key), else 401; compared in constant time."""
-    if api_key:
-        app.add_middleware(KeyGuard, api_key=api_key, refuse=closing_error)
 
 
 def docs_routes(docs: bool) -> dict:

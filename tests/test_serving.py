@@ -501,3 +501,38 @@ def test_the_rollout_server_answers_json_limits_400_and_keeps_its_docs_off(rollo
         assert ask(rollout, b"GET " + path + b" HTTP/1.1\r\n\r\n", key="k3y")[0] == 404
     assert ask(rollout, b"GET /health HTTP/1.1\r\n\r\n", key="wrong")[0] == 401
     assert healthy(rollout, key="k3y") and greedy(rollout) == rollout.greedy
+
+
+def test_a_route_that_crashes_is_one_500_and_one_logged_traceback(caplog):
+    import httpx
+    from fastapi import FastAPI
+
+    from rl_tpu.serving import Server, install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/bug")
+    def bug():
+        return {}["missing"]
+
+    @app.get("/fine")
+    def fine():
+        return {"ok": True}
+
+    server = Server(app)
+    url = server.start()
+    # uvicorn's loggers do not propagate to the root logger that caplog listens on
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            reply = httpx.get(f"{url}/bug", timeout=10)
+            assert reply.status_code == 500
+            assert reply.json() == {"error": {"message": "KeyError: 'missing'"}}
+            assert httpx.get(f"{url}/fine", timeout=10).json() == {"ok": True}
+        tracebacks = [r for r in caplog.records if r.exc_info]
+        assert [r.getMessage() for r in tracebacks] == ["GET /bug failed"]
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        server.shutdown()

@@ -87,7 +87,8 @@ from rl_tpu.envs.server_wire import (ERROR_STYLES, Close, Create, JSONReply, Res
                                      SearchQACreate, SearchQAReset, SearchQAStep, Step,
                                      error_reply)
 from rl_tpu.http_limits import ENV_LIMITS, HttpLimits
-from rl_tpu.serving import Server, docs_routes, guard, validation_message, where
+from rl_tpu.serving import (Server, answer_crashes, docs_routes, guard, validation_message,
+                            where)
 
 __all__ = ["API_KEY_ENV", "DIALECTS", "ENV_LIMITS", "ERROR_STYLES", "PARSING_ENVS",
            "EnvServer", "EnvService", "RequestError", "build_app", "make_server", "serve"]
@@ -259,11 +260,9 @@ def _add_error_handlers(app: FastAPI, style: str) -> None:
             message = f"{what}: {error.detail}"
         return error_reply(error.status_code, message, style)
 
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, error: Exception):  # a bug of ours: report, keep going
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_reply(500, f"internal server error: {type(error).__name__}: {error}",
-                           style)
+    # a bug of ours: answered 500, logged once, and the server keeps going
+    answer_crashes(app, lambda message: error_reply(500, f"internal server error: {message}",
+                                                    style))
 
 
 class EnvServer(Server):
