@@ -7,12 +7,13 @@ naming the field or the id; afterwards the server is healthy and a fixed episode
 as it did before."""
 
 import copy
-import http.client
 import json
 import random
 import urllib.parse
 
 import pytest
+
+import http_client
 
 from rl_tpu.envs.server import make_server
 
@@ -36,25 +37,7 @@ def searchqa():
 
 
 def send(server, method, path, body=None, raw=None):
-    """(status, the reply parsed as JSON, or its text) on a fresh connection."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn = http.client.HTTPConnection(*server.server_address, timeout=30)
-    try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        text = resp.read().decode()
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(text)
-    except ValueError:
-        return resp.status, text
-
-
-def error_message(reply) -> str:
-    assert isinstance(reply, dict) and set(reply) == {"error"}, reply
-    assert set(reply["error"]) == {"message"} and isinstance(reply["error"]["message"], str)
-    return reply["error"]["message"]
+    return http_client.send(server.server_address, method, path, body, raw)
 
 
 def episode(server) -> list:
@@ -180,14 +163,14 @@ def with_live_id(server, body):
 def test_each_bad_field_or_id_is_a_4xx_naming_it(server, method, path, body, status, text):
     answered, reply = send(server, method, path, with_live_id(server, body))
     assert answered == status, reply
-    assert text in error_message(reply)
+    assert text in http_client.error_message(reply)
 
 
 @pytest.mark.parametrize("path,raw,text", RAW, ids=[f"{p}:{r[:20]!r}" for p, r, _ in RAW])
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(server, path, raw, text):
     status, reply = send(server, "POST", path, raw=raw)
     assert status == 400, reply
-    assert text in error_message(reply)
+    assert text in http_client.error_message(reply)
 
 
 def test_a_client_task_with_its_data_plays_and_one_lacking_it_is_never_created(server):
@@ -196,7 +179,7 @@ def test_a_client_task_with_its_data_plays_and_one_lacking_it_is_never_created(s
     before = send(server, "GET", "/health")[1]["instances"]
     status, reply = send(server, "POST", "/create", {"task": {"task_id": "t",
                                                               "data": {"numbers": [1, 2]}}})
-    assert status == 400 and "'answer'" in error_message(reply)
+    assert status == 400 and "'answer'" in http_client.error_message(reply)
     assert send(server, "GET", "/health")[1]["instances"] == before
     status, created = send(server, "POST", "/create", {"task": TASK})
     assert status == 200 and created["observation"] == "Which number is largest? 3 9 4"
@@ -225,7 +208,7 @@ SEARCHQA = [
 def test_searchqas_dialect_names_its_fields_too(searchqa, path, body, status, text):
     answered, reply = send(searchqa, "POST", path, body)
     assert answered == status, reply
-    assert text in error_message(reply)
+    assert text in http_client.error_message(reply)
 
 
 # Values a mutation puts in a field: every JSON type, signed and huge numbers, empty things.
@@ -265,11 +248,11 @@ def test_random_mutations_of_valid_bodies_never_get_a_500(server):
         answered[status] = answered.get(status, 0) + 1
         assert status in (200, 400, 404), (path, body, reply)
         if status == 400:
-            message = error_message(reply)
+            message = http_client.error_message(reply)
             # the field, or the task or split it named, or what a task's data lacks
             assert name in message or "task" in message or "split" in message, (body, message)
         elif status == 404:
-            assert "no live env with id" in error_message(reply), reply
+            assert "no live env with id" in http_client.error_message(reply), reply
     assert answered.get(400, 0) > 100 and answered.get(200, 0) > 30, answered
     send(server, "POST", "/close", {"id": 0})
 

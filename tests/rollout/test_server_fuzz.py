@@ -7,7 +7,6 @@ SGLang's `{"success": false, "message"}`); afterwards the server is healthy and 
 output for a fixed prompt is bit-identical to what it was before."""
 
 import copy
-import http.client
 import json
 import os
 import random
@@ -15,6 +14,8 @@ import re
 import shutil
 
 import pytest
+
+import http_client
 
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import load_tokenizer
@@ -51,25 +52,7 @@ def server(tmp_path_factory):
 
 
 def send(server, method, path, body=None, raw=None):
-    """(status, the reply parsed as JSON, or its text) on a fresh connection."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn = http.client.HTTPConnection(*server["address"], timeout=30)
-    try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        text = resp.read().decode()
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(text)
-    except ValueError:
-        return resp.status, text
-
-
-def error_message(reply) -> str:
-    assert isinstance(reply, dict) and set(reply) == {"error"}, reply
-    assert set(reply["error"]) == {"message"} and isinstance(reply["error"]["message"], str)
-    return reply["error"]["message"]
+    return http_client.send(server["address"], method, path, body, raw)
 
 
 def sp(**params):
@@ -218,14 +201,14 @@ def test_each_bad_field_is_a_400_naming_it(server, path, body, field):
     # them)
     status, reply = send(server, "POST", path, raw=json.dumps(body).encode())
     assert status == 400, reply
-    assert field in error_message(reply)
+    assert field in http_client.error_message(reply)
 
 
 @pytest.mark.parametrize("path,raw,field", RAW, ids=[f"{p}:{r[:20]!r}" for p, r, _ in RAW])
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(server, path, raw, field):
     status, reply = send(server, "POST", path, raw=raw)
     assert status == 400, reply
-    assert field in error_message(reply)
+    assert field in http_client.error_message(reply)
 
 
 def test_a_broken_checkpoint_is_a_400_naming_the_file(server):
@@ -301,7 +284,7 @@ def test_random_mutations_of_valid_bodies_never_get_a_500(server):
         answered[status] = answered.get(status, 0) + 1
         assert status in (200, 400), (body, reply)
         if status == 400:
-            message = error_message(reply)
+            message = http_client.error_message(reply)
             # the message names the mutated field, or one it must agree with, or the limit
             names = {name} | (PROMPTS if name in PROMPTS else set()) | (
                 {"min_new_tokens"} if name == "max_new_tokens" else set())
