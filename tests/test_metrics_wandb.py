@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import sys
+import time
 
 import pytest
 
@@ -53,9 +54,29 @@ def wandb_records(path):
             yield record
 
 
+def finished_records(path, timeout_s=60.0):
+    """The run file's records once its writer has written the run's `exit` record: wandb's
+    service process writes the file, and on a loaded machine it may still be at it when
+    `finish()` has returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def run_files(offline, run_id):
+    """The .wandb files of run `run_id`: a resumed run is a new directory, named
+    by the second it started (with `-1`, `-2`... when two start in one second)."""
+    return sorted(glob.glob(str(offline / "wandb" / f"offline-run-*-{run_id}*" /
+                                f"run-{run_id}.wandb")))
+
+
 def history_and_run(path):
     history, runs = [], []
-    for record in wandb_records(path):
+    for record in finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
@@ -74,7 +95,7 @@ def test_offline_run_holds_the_scalars_and_a_resume_keeps_the_run_id(tmp_path, o
         writer.write(0, {"eval/success": 0.25})
         writer.write(1, {"rollout/reward": 0.5, "train/loss": float("nan")})
     run_id = (workdir / RUN_ID_FILE).read_text().strip()
-    files = glob.glob(str(offline / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))
+    files = run_files(offline, run_id)
     assert len(files) == 1, os.listdir(offline / "wandb")
     history, runs = history_and_run(files[0])
     assert runs == [(run_id, "my_run", PROJECT)]
@@ -87,8 +108,8 @@ def test_offline_run_holds_the_scalars_and_a_resume_keeps_the_run_id(tmp_path, o
     with MetricsWriter(str(workdir), resume_step=2, tensorboard=False,
                        wandb_project=PROJECT) as writer:
         writer.write(2, {"rollout/reward": 0.75})
-    files = sorted(glob.glob(str(offline / "wandb" / f"offline-run-*-{run_id}" /
-                                 f"run-{run_id}.wandb")))
+    files = run_files(offline, run_id)
+    assert len(files) == 2, os.listdir(offline / "wandb")
     history = [h for path in files for h in history_and_run(path)[0]]
     assert {"step": 2, "rollout/reward": 0.75} in history
     assert (workdir / RUN_ID_FILE).read_text().strip() == run_id
