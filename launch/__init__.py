@@ -7,9 +7,9 @@ or writes anything. A mistake a user can make there (an unknown key, a value of 
 a failed `check`, a bad env kwarg, a config file, model directory or data file that is not
 there or is broken, an env server that is down or serves another env), and a missing file or
 package, a damaged model file or a resume under a changed config once the run has started,
-ends the process with one line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full traceback instead. A start that
-fails so leaves no workdir behind if it created one and wrote nothing in it. `--help` prints
-the flags and exits 0.
+ends the process with one line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full
+traceback instead. A start that fails so leaves no workdir behind if it created one and wrote
+nothing in it. `--help` prints the flags and exits 0.
 
 They also turn on JAX's persistent compilation cache (`use_compilation_cache`), so a rerun, a
 resume and every run of a sweep compile each program once per machine.

@@ -48,10 +48,10 @@ data; a body shorter than its Content-Length gets 408 once `body_timeout_s` has 
 over `max_body_bytes` 413 (the HTTP limits, `limits`: rl_tpu/http_limits.py); without the
 server's `api_key`, 401; an unknown or expired id gets 404; past `max_instances` live envs
 `/create` gets 503; an env that raises gets 500 with the exception's message, and that
-instance is dropped (its state is suspect). With `error_style="agentgym"` (`--error_style agentgym`) every error is
-instead HTTP 200 `{"error": "..."}`, as AgentGym's BabyAI, TextCraft and SciWorld servers
-answer; `RemoteEnv` raises a `RemoteEnvError` either way, but only the status codes let it
-re-create an instance the server dropped or expired.
+instance is dropped (its state is suspect). With `error_style="agentgym"` (`--error_style
+agentgym`) every error is instead HTTP 200 `{"error": "..."}`, as AgentGym's BabyAI, TextCraft
+and SciWorld servers answer; `RemoteEnv` raises a `RemoteEnvError` either way, but only the
+status codes let it re-create an instance the server dropped or expired.
 
 Env calls are synchronous: they run on a thread pool (`threads`, by default one per instance
 allowed), never on the event loop, so requests on different instances run in parallel and the
