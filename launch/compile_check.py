@@ -40,7 +40,15 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv  # launch.run has checked it
+    import jax
+
     from rl_tpu import aot
+
+    # No persistent compilation cache (whatever JAX_COMPILATION_CACHE_DIR says): a program
+    # compiled for an abstract TPU topology cannot be loaded back without a TPU client (every
+    # rerun warned `PjRtCompiler must be constructed with a Client`), and that cache is the
+    # one this machine's own runs read.
+    jax.config.update("jax_enable_compilation_cache", False)
 
     f = flags.FLAGS
     programs = {p.strip() for p in f.programs.split(",") if p.strip()} or None

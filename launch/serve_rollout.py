@@ -13,6 +13,7 @@ The HTTP limits (--max_header_bytes, --header_timeout_s, --max_body_bytes, --bod
 hold. A key (`RL_TPU_ROLLOUT_API_KEY=... python -m launch.serve_rollout ...`, which keeps it
 out of process lists, or --api_key) makes every request need `Authorization: Bearer <key>`;
 the trainer sends RL_TPU_ROLLOUT_API_KEY. --docs serves /docs, /redoc and /openapi.json.
+JAX's persistent compilation cache is on, as in the training launchers (launch/__init__.py).
 """
 
 import logging
@@ -21,7 +22,7 @@ import sys
 import jax
 from absl import app, flags
 
-from launch import parse_flags
+from launch import parse_flags, use_compilation_cache
 from rl_tpu import parallel, serving
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models import hf
@@ -84,6 +85,7 @@ def main(argv):
         http_limits = serving.http_limits_from_flags(f)
     except ValueError as e:
         sys.exit(f"launch.serve_rollout: {e}")  # one line, not the flag help
+    use_compilation_cache()  # a restarted server loads its programs instead of compiling them
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)

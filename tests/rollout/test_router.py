@@ -147,19 +147,25 @@ def test_generation_through_the_router_is_what_a_worker_gives(fleet):
 @pytest.mark.xdist_group("rollout_servers")
 def test_what_the_router_refuses_and_does_not_forward(fleet):
     """Why router mode exists: the router's schema and its missing control endpoints."""
-    with httpx.Client(base_url=fleet["router"], timeout=60) as http:
-        params = {"max_new_tokens": 2}
-        listed = http.post("/generate", json={"input_ids": [[5], [6]],
-                                              "sampling_params": [params, params]})
-        assert listed.status_code == 422 and "sampling_params" in listed.text
-        rids = http.post("/generate", json={"input_ids": [[5], [6]], "sampling_params": params,
-                                            "rid": ["a", "b"]})
-        assert rids.status_code == 422 and "rid" in rids.text
-        for path in ("/update_weights_from_disk", "/abort_request", "/pause_generation",
-                     "/continue_generation"):
-            assert http.post(path, json={}).status_code == 404, path
-        assert http.get("/model_info").status_code == 404
-        assert http.get("/health_generate").headers["content-type"].startswith("text/plain")
+    # Every request on a connection of its own: once, in a loaded CI run, the router dropped
+    # a kept-alive connection between two of these requests ("Server disconnected without
+    # sending a response" on the next one; not reproduced here, where it keeps the connection
+    # open after each of these answers), and a POST on a dropped connection is not retried.
+    def ask(method, path, **kwargs):
+        return httpx.request(method, fleet["router"] + path, timeout=60, **kwargs)
+
+    params = {"max_new_tokens": 2}
+    listed = ask("POST", "/generate", json={"input_ids": [[5], [6]],
+                                            "sampling_params": [params, params]})
+    assert listed.status_code == 422 and "sampling_params" in listed.text
+    rids = ask("POST", "/generate", json={"input_ids": [[5], [6]], "sampling_params": params,
+                                          "rid": ["a", "b"]})
+    assert rids.status_code == 422 and "rid" in rids.text
+    for path in ("/update_weights_from_disk", "/abort_request", "/pause_generation",
+                 "/continue_generation"):
+        assert ask("POST", path, json={}).status_code == 404, path
+    assert ask("GET", "/model_info").status_code == 404
+    assert ask("GET", "/health_generate").headers["content-type"].startswith("text/plain")
 
 
 @pytest.mark.slow
