@@ -434,21 +434,34 @@ class SGLangEngine(RolloutEngine):
         """`POST /continue_generation` to every worker."""
         self._every_worker("/continue_generation", {})
 
-    def flush_cache(self) -> None:
-        """`POST /flush_cache` to every worker (SGLang answers 400 while requests run)."""
-        self._every_worker("/flush_cache", None)
+    def flush_cache(self, busy_wait_s: float = 30.0) -> None:
+        """`POST /flush_cache` to every worker. SGLang refuses with 400 while its scheduler
+        still holds a request, which it can for a moment after the request's reply has been
+        sent; a 400 is retried for up to `busy_wait_s` before it counts as a failure."""
+        self._every_worker("/flush_cache", None, retry_400_for_s=busy_wait_s)
 
-    def _every_worker(self, path: str, body: Optional[dict]) -> None:
+    def _every_worker(self, path: str, body: Optional[dict],
+                      retry_400_for_s: float = 0.0) -> None:
         """One control call to each worker directly (never through a router, which forwards
         none of them to every worker); RolloutError naming every worker that failed."""
         timeout = min(self.transport.request_timeout_s, 60.0)
         failures = []
         for url in self.urls:
-            try:
-                # SGLang answers /flush_cache in plain text ("Cache flushed...")
-                self.transport.call_one(url, "POST", path, body, timeout, text_ok=True)
-            except (RolloutError, ServerDown) as e:
-                failures.append(str(e))
+            deadline = time.monotonic() + retry_400_for_s
+            while True:
+                try:
+                    # SGLang answers /flush_cache in plain text ("Cache flushed...")
+                    self.transport.call_one(url, "POST", path, body, timeout, text_ok=True)
+                    break
+                except RolloutError as e:
+                    if e.status == 400 and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                        continue
+                    failures.append(str(e))
+                    break
+                except ServerDown as e:
+                    failures.append(str(e))
+                    break
         if failures:
             raise RolloutError(f"POST {path} failed on {len(failures)} of {len(self.urls)} "
                                "workers: " + "; ".join(failures),

@@ -40,6 +40,7 @@ class FakeSGLang:
         self.model_path, self.version, self.hang_s = model_path, "default", hang_s
         self.health = []  # statuses for successive /health_generate; 200 once empty
         self.report_version = True
+        self.flush_busy = 0  # how many /flush_cache calls answer 400 ("requests running")
         self.logprob_mode = "full"  # how one_token() answers the logprob probe
         fake = self
 
@@ -74,8 +75,14 @@ class FakeSGLang:
                     self._reply(404, {"detail": "Not Found"})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else None
                 fake.requests.append(("POST", self.path, dict(self.headers), body))
+                if self.path == "/flush_cache":
+                    if fake.flush_busy:
+                        fake.flush_busy -= 1
+                        return self._reply(400, {"error": {"message": "Flush cache failed."}})
+                    return self._reply(200, {})
                 if self.path == "/generate":
                     action = fake.script.pop(0) if fake.script else "ok"
                     if action == "close":
@@ -572,3 +579,15 @@ def test_sgl_kernel_stand_in():
         missing()  # ...but not callable
     with pytest.raises(AttributeError):
         namespace["__getattr__"]("__path__")
+
+
+def test_flush_cache_waits_out_a_busy_scheduler(fake):
+    """SGLang answers /flush_cache 400 while its scheduler still holds a request, which it can
+    for a moment after the request's reply: the client retries, then names the worker."""
+    engine = _engine(fake.url)
+    fake.flush_busy = 3
+    engine.flush_cache()
+    assert len(fake.posts("/flush_cache")) == 4
+    fake.flush_busy = 1000
+    with pytest.raises(RolloutError, match="flush_cache failed on 1 of 1 workers.*HTTP 400"):
+        engine.flush_cache(busy_wait_s=0.5)
