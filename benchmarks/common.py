@@ -17,6 +17,12 @@ SHAPES = {
     # 3.74M params: 2 x (3584 x 256) embedding + head, 2 layers of 0.95M (benchmarks/rl_step.py)
     "rl_step": dict(arch="qwen2", vocab_size=3584, hidden_size=256, intermediate_size=1024,
                     num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True),
+    # 3.67M params: the shape the peer comparisons use (benchmarks/README.md): 2048 x 256 tied
+    # embedding + 4 layers of 0.79M: a random Qwen2 with a small model's proportions (tied, as
+    # the small Qwens are), where rl_step's 2 untied layers put more of the cost in the head.
+    "peer": dict(arch="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=768,
+                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True,
+                 tie_word_embeddings=True),
 }
 
 # Dense bf16 peak FLOP/s per chip, by substrings of jax's device_kind.
