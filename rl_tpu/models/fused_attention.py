@@ -5,7 +5,8 @@ Shape letters: B batch, T length, N query heads, K kv heads, G = N / K, H head d
 
 `model.attention_impl` picks the path of `Attention` without a cache:
 
-  xla          rl_tpu's own query-blocked einsum (`transformer.causal_attention`), any device
+  xla          rl_tpu's own query-blocked einsum with a recomputing backward
+               (`blocked_attention.segment_causal_attention`), any device
   dot_product  `jax.nn.dot_product_attention`: cuDNN's fused flash attention on a GPU, XLA's
                dot-product attention elsewhere; the causal + same-segment mask as a boolean mask
   splash       splash attention (a Pallas TPU kernel, forward and backward): the causal mask

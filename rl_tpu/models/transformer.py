@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.models.blocked_attention import segment_causal_attention
 from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
+from rl_tpu.models.recompute import after
 
 Array = jax.Array
 
@@ -74,11 +76,12 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
-    # Query block of attention (0 = one dense block). Without a cache (training, scoring)
-    # block i attends only to the keys up to its own end, skipping the all-masked rest; with
-    # one (a sampler's prefill) each block attends to every slot, holding a block's logits.
-    attention_block: int = 512
-    # The full-sequence path's kernel: xla (the blocked einsum above), dot_product (cuDNN flash
+    # Query block of attention (0 = one block). Without a cache (training, scoring; see
+    # blocked_attention.py) block i attends only to the keys up to its own end, skipping the
+    # all-masked rest; with one (a sampler's prefill) each block attends to every slot,
+    # holding a block's logits. 256 was the fastest update at 8 x 1536 tokens on XLA:CPU.
+    attention_block: int = 256
+    # The full-sequence path's kernel: xla (blocked_attention.py, any device), dot_product (cuDNN flash
     # attention on GPU) or splash (TPU Pallas); see fused_attention.py. Caches always use xla.
     attention_impl: str = "xla"
     # The KV cache's dtype ("" = the compute dtype). A bfloat16 cache under fp32 weights halves
@@ -237,15 +240,10 @@ def grouped_attention(q: Array, key: Array, value: Array, mask: Array) -> Array:
 
 
 def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int,
-                     causal: bool = True, remat: bool = False) -> Array:
-    """`grouped_attention`, one query block of `block` rows at a time.
-
-    causal (no cache: training, scoring; the mask is causal by array order): block i sees
-    keys [0, end_i) only, since every later key is masked for it. The same softmax over the
-    same unmasked keys (a masked logit's exp is exactly 0), so it is exact, but it computes
-    and stores about (n + 1) / 2n of the T x T logits for n blocks. On XLA:CPU those logits
-    and their gradient, not the matmuls, are most of a long sequence's update time (16 x 1536
-    tokens: 1.6x faster at block 512, benchmarks/attention.py).
+                     causal: bool = True) -> Array:
+    """`grouped_attention`, one query block of `block` rows at a time, differentiated as
+    written (the update's path is blocked_attention.py, whose backward keeps no T x T
+    probabilities).
 
     not causal (a cache's S slots: the sampler's prefill): every block sees all S slots, as
     positions are per row (prefix reuse starts rows at different slots), so nothing is
@@ -253,21 +251,18 @@ def causal_attention(q: Array, key: Array, value: Array, mask: Array, block: int
     [B, K, G*T, S] (Qwen2.5-1.5B's prefill of 16 rows x 8192 tokens on a v5e host: 60.7 ->
     16.2 GiB a chip, launch.compile_check). Decode (T = 1) is one block.
 
-    remat (the model's remat is on): each block is rematerialised, so the backward pass holds
-    one block's softmax at a time, not every block's (the residuals of a T x T softmax), for
-    one more logits matmul. Qwen2.5-1.5B's update of one 8192-token row a v5e chip, in one
-    layer's program: 5.0 -> 3.0 GiB of temporaries (launch.compile_check).
+    causal (the mask is causal by array order; the tests' and benchmarks' reference): block i
+    sees keys [0, end_i) only, since every later key is masked for it.
     """
     t = q.shape[1]
-    attend = jax.checkpoint(grouped_attention) if remat else grouped_attention
     if block <= 0 or t <= block:
-        return attend(q, key, value, mask)
+        return grouped_attention(q, key, value, mask)
     outs = []
     for start in range(0, t, block):
         end = min(start + block, t)
         keys = end if causal else key.shape[2]
-        outs.append(attend(q[:, start:end], key[:, :, :keys], value[:, :, :keys],
-                           mask[:, start:end, :keys]))
+        outs.append(grouped_attention(q[:, start:end], key[:, :, :keys], value[:, :, :keys],
+                                      mask[:, start:end, :keys]))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -341,13 +336,37 @@ class Attention(nn.Module):
         if impl != "xla":  # mask: the segment ids [B, T]
             out = segment_attention(q, key, value, mask, impl, self.mesh, self.rules)
         else:
-            if cache is None:  # segment ids -> the causal, same-segment [B, T, T] mask
-                mask = attention_mask(mask)
-                key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B,K,S,H]
-            out = causal_attention(q, key, value, mask, cfg.attention_block,
-                                   causal=cache is None, remat=cfg.remat != "none")
+            if cache is None:  # mask: the segment ids; keys and values to [B, K, S, H]
+                out = segment_causal_attention(q, key.transpose(0, 2, 1, 3),
+                                               value.transpose(0, 2, 1, 3), mask,
+                                               cfg.attention_block)
+            else:
+                out = causal_attention(q, key, value, mask, cfg.attention_block, causal=False)
         out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
         return out, new_cache
+
+
+@jax.custom_vjp
+def swiglu(gate: Array, up: Array) -> Array:
+    """silu(gate) * up, whose gradient keeps only gate and up. Differentiated as written,
+    XLA:CPU kept two more [B, T, F] intermediates of the sigmoid for every layer (0.28 GiB
+    of an 8 x 1536 update at F = 768); the backward recomputes them from gate instead."""
+    return nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, d_out):
+    gate, up = residuals
+    gate = after(d_out, gate)  # recomputed now, not kept from the forward (recompute.py)
+    sig = jax.nn.sigmoid(gate)
+    # d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))
+    return d_out * up * (sig * (1 + gate * (1 - sig))), d_out * (gate * sig)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nn.Module):
@@ -363,7 +382,7 @@ class MLP(nn.Module):
         f = cfg.intermediate_size
         gate = _dense(f, -1, ("embed", "mlp"), cfg, "gate_proj")(x)
         up = _dense(f, -1, ("embed", "mlp"), cfg, "up_proj")(x)
-        hidden = parallel.constrain(nn.silu(gate) * up, ("act_batch", "act_len", "act_mlp"),
+        hidden = parallel.constrain(swiglu(gate, up), ("act_batch", "act_len", "act_mlp"),
                                     self.mesh, self.rules)
         return _dense(cfg.hidden_size, -1, ("mlp", "embed"), cfg, "down_proj")(hidden)
 

@@ -50,7 +50,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # params: float32 | bfloat16 (fp32 master kept for bf16)
     c.model.remat = "none"  # none | full | dots
     c.model.scan_layers = False
-    c.model.attention_block = 512  # causal attention's query block (0 = dense), see transformer
+    c.model.attention_block = 256  # causal attention's query block (0 = one), blocked_attention
     c.model.attention_impl = "xla"  # training's attention: xla | dot_product | splash (TPU)
     c.model.sampler_dtype = ""  # the embedded sampler's copy ("" = the params' dtype)
 
