@@ -8,9 +8,15 @@ with many clients wants the opposite, and `ContinuousBatcher` does it:
 - the pool is one `DecodeState` of at most B rows (`slots`) x S cache slots (`slot_tokens`):
   its memory is bounded at construction, so no request can make the server run out of it (one
   whose prompt + max_new_tokens exceeds S is refused at submission, one that finds no free row
-  waits in the queue). Below that bound it is as big as its rows need (rows and slots in
-  powers of two), growing while rows run and dropped when none does: each decode step computes
-  every pool row over every slot, so one short request runs in a small pool;
+  waits in the queue). Below that bound it is as big as its rows need, growing while rows run
+  and dropped when none does: each decode step computes every pool row over every slot, so
+  one short request runs in a small pool;
+- every shape comes from a short fixed ladder (`Ladders`, pool_programs.py): pool rows 1, 8, 64..., pool slots
+  256, 2048... (then `slot_tokens`), prompt suffixes 16, 64, 256..., rows prefilled together 1
+  or 4, and rows read or saved together 1 or 8 (more go 4 or 8 at a time). So the programs
+  are few and all known at construction: `warmup()` compiles every one (a server does it
+  before it answers), after which no request waits on a compile
+  (`sampler.stats()['compiled_programs']` stays flat);
 - between decode chunks the scheduler thread prefills waiting rows into free pool rows (with
   prefix reuse when the sampler has a prefix cache) and scatters them in; every row then
   decodes from its own output index (`decoding.decode`); a chunk ends at the step a row
@@ -34,90 +40,17 @@ import time
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rl_tpu.models.transformer import Transformer, init_cache
-from rl_tpu.rollout.decoding import DecodeState, decode
+from rl_tpu.rollout.decoding import DecodeState, decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
+from rl_tpu.rollout.pool_programs import (Ladders, empty_pool, end_rows, fit, grow_pool,
+                                          read_rows, scatter_rows)
 from rl_tpu.rollout.prefix_cache import _next_power_of_two
 from rl_tpu.rollout.sampler import JaxSampler
 
 log = logging.getLogger(__name__)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "rows", "slots", "width"))
-def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeState:
-    """A pool of `rows` free rows of `slots` cache slots, X = width stop ids a row: a pool of
-    none, grown (`grow_pool` says what a free row holds)."""
-    none = lambda *shape, dtype=jnp.int32: jnp.zeros((0,) + shape, dtype)  # noqa: E731
-    f32 = jnp.float32
-    return grow_pool(DecodeState(
-        step=jnp.int32(1), token=none(), cache=init_cache(model.cfg, 0, slots),
-        tokens=none(slots), logprobs=none(slots, dtype=f32), count=none(), done=none(dtype=bool),
-        stopped=none(dtype=bool), prompt_lens=none(), max_new=none(), min_new=none(),
-        temperature=none(dtype=f32), top_p=none(dtype=f32), top_k=none(),
-        stop_ids=none(width), ban_ids=none(width),
-        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32))), rows, slots, width)
-
-
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def scatter_rows(pool: DecodeState, new: DecodeState, rows) -> DecodeState:
-    """`pool` with the A prefilled rows of `new` written at pool rows `rows` [A] (a row index
-    past the pool, a padding row, is dropped). new's cache has the pool's S slots; its output
-    buffer [A, S - P] is padded to the pool's [B, S]."""
-    put = lambda p, n: p.at[rows].set(n, mode="drop")  # noqa: E731
-    out_pad = pool.tokens.shape[1] - new.tokens.shape[1]
-    fields = {f.name: put(getattr(pool, f.name), getattr(new, f.name))
-              for f in dataclasses.fields(DecodeState)
-              if f.name not in ("step", "cache", "tokens", "logprobs")}
-    return pool.replace(
-        cache=jax.tree.map(put, pool.cache, new.cache),
-        tokens=put(pool.tokens, jnp.pad(new.tokens, ((0, 0), (0, out_pad)))),
-        logprobs=put(pool.logprobs, jnp.pad(new.logprobs, ((0, 0), (0, out_pad)))), **fields)
-
-
-@jax.jit
-def read_rows(pool: DecodeState, rows):
-    """(tokens, logprobs [F, S], stopped [F]) of the pool rows `rows` [F], in one program
-    (indexing eagerly costs a dispatch and Python work per array)."""
-    return pool.tokens[rows], pool.logprobs[rows], pool.stopped[rows]
-
-
-@jax.jit
-def take_rows(cache: dict, rows) -> dict:
-    """The cache's rows `rows` [F] (a copy)."""
-    return jax.tree.map(lambda x: x[rows], cache)
-
-
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def end_rows(pool: DecodeState, ended) -> DecodeState:
-    """`pool` with the rows where ended [B] marks done (aborted, or freed)."""
-    return pool.replace(done=pool.done | ended)
-
-
-@functools.partial(jax.jit, static_argnames=("rows", "slots", "width"))
-def grow_pool(pool: DecodeState, rows: int, slots: int, width: int) -> DecodeState:
-    """`pool` grown to `rows` rows (free: done), `slots` cache slots and output positions a
-    row, and `width` stop ids a row; what it held stays where it was."""
-    r = rows - pool.tokens.shape[0]
-    s = slots - pool.tokens.shape[1]
-    x = width - pool.stop_ids.shape[1]
-
-    def pad(a, value=0, cols=0):
-        return jnp.pad(a, ((0, r),) + ((0, cols),) * (a.ndim - 1), constant_values=value)
-
-    fresh_keys = jax.vmap(jax.random.key)(jnp.arange(r, dtype=jnp.uint32))
-    return pool.replace(
-        cache=jax.tree.map(lambda c: jnp.pad(c, ((0, r), (0, 0), (0, s), (0, 0))), pool.cache),
-        tokens=pad(pool.tokens, cols=s), logprobs=pad(pool.logprobs, cols=s),
-        token=pad(pool.token), count=pad(pool.count, 1), done=pad(pool.done, True),
-        stopped=pad(pool.stopped, False), prompt_lens=pad(pool.prompt_lens, 1),
-        max_new=pad(pool.max_new, 1), min_new=pad(pool.min_new),
-        temperature=pad(pool.temperature), top_p=pad(pool.top_p, 1.0),
-        top_k=pad(pool.top_k, -1), stop_ids=pad(pool.stop_ids, -1, x),
-        ban_ids=pad(pool.ban_ids, -1, x), keys=jnp.concatenate([pool.keys, fresh_keys]))
 
 
 class Ticket:
@@ -207,6 +140,14 @@ class ContinuousBatcher:
         # must divide it)
         self._unit = max(sampler.min_prompt_bucket, sampler.prefill_chunk)
         self.decode_chunk, self.stop_width = decode_chunk, _next_power_of_two(stop_width, 4)
+        self.ladders = Ladders.build(slots, slot_tokens, self._unit)
+        # without a prefix cache, prefills gather their (unused) prefix from one blank page:
+        # every prefill is then the same program, the pool's
+        self._blank = None if sampler._prefix is not None else jax.device_put(
+            {n: tuple(np.zeros((1, sampler.cfg.num_kv_heads, sampler.min_prompt_bucket,
+                                sampler.cfg.head_dim), sampler.cfg.kv_dtype)
+                      for _ in range(sampler.cfg.num_layers)) for n in ("k", "v")},
+            NamedSharding(sampler.mesh, PartitionSpec()))
         self._cond = threading.Condition()
         self._waiting: list[_Row] = []
         self._active: dict[int, _Row] = {}  # pool row -> its row
@@ -244,6 +185,53 @@ class ContinuousBatcher:
             self._waiting += [_Row(req, k, ticket, i) for i, (req, k) in enumerate(rows)]
             self._cond.notify_all()
         return ticket
+
+    def warmup(self) -> dict:
+        """Compiles every program a request can make the batcher run, over every rung of its
+        `ladders` (prefills, pool shapes, growth, reads, prefix saves), by running each once
+        on rows that hold nothing; afterwards requests compile nothing (a request with more
+        than `stop_width` stop ids widens the rows: that compiles anew). Call it before
+        serving. Returns {'programs': compiled, 'seconds': taken}."""
+        sampler, ladders, x = self.sampler, self.ladders, self.stop_width
+        start = time.monotonic()
+        with sampler.compiles.counting() as counter:
+            before = counter.count
+            params, _ = sampler._weights()
+            # (the prefix pool is fetched anew for each prefill: a save replaces its buffers)
+            pages = (sampler._prefix.ensure_pool if sampler._prefix is not None
+                     else lambda: self._blank)
+            page = pages()["k"][0].shape[2]
+            for s_rung, slots in enumerate(ladders.slots):
+                new = {}
+                for a in ladders.join:
+                    _, lens, sampling = sampler.row_arrays([], a, 1, x)  # padding rows only
+                    for q in ladders.suffixes(slots):  # prefill: (rows, suffix, slots)
+                        new[a] = prefill(
+                            sampler.model, params, np.zeros((a, q), np.int32), lens,
+                            *sampling, max_steps=1, starts=np.zeros((a,), np.int32),
+                            pool=pages(), page_table=np.zeros((a, slots // page), np.int32),
+                            chunk=sampler.prefill_chunk)
+                for r_rung, rows in enumerate(ladders.rows):  # the pool's: (rows, slots)
+                    pool = self._new_pool(rows, slots, x)
+                    for a in [a for a in ladders.join if a <= rows]:
+                        pool = scatter_rows(pool, new[a], np.full((a,), rows, np.int32))
+                    pool = decode(sampler.model, params, pool, chunk=self.decode_chunk,
+                                  min_chunk=max(1, self.decode_chunk // 4))
+                    for f in [f for f in ladders.group if f <= rows]:  # (F, rows, slots)
+                        jax.block_until_ready(read_rows(pool, np.zeros((f,), np.int32)))
+                        if sampler._prefix is not None:
+                            sampler._prefix.warm_save(pool.cache, np.zeros((f,), np.int32))
+                    pool = end_rows(pool, np.zeros((rows,), bool))
+                    if r_rung + 1 < len(ladders.rows):
+                        grow_pool(pool, ladders.rows[r_rung + 1], slots, x)
+                    if s_rung + 1 < len(ladders.slots):
+                        grow_pool(pool, rows, ladders.slots[s_rung + 1], x)
+                    jax.block_until_ready(pool.done)
+            compiled = counter.count - before
+        seconds = time.monotonic() - start
+        log.info("continuous batcher warm-up: %d programs (%d pool shapes) in %.1f s", compiled,
+                 ladders.shapes(), seconds)
+        return {"programs": compiled, "seconds": seconds}
 
     def generate(self, requests: Sequence[GenerateRequest],
                  timeout: Optional[float] = None) -> list[GenerateResult]:
@@ -293,7 +281,8 @@ class ContinuousBatcher:
                 if self._stop:
                     break
             try:
-                self._step()
+                with self.sampler.compiles.counting():
+                    self._step()
             except Exception as err:  # noqa: BLE001 - fail what runs, keep serving the rest
                 log.exception("continuous batcher step failed")
                 self._fail_all(err, queued_too=False)
@@ -318,8 +307,6 @@ class ContinuousBatcher:
         for row in self._active.values():
             if row.spans[-1][0] != version:
                 row.spans.append((version, int(self._counts[row.slot])))
-        self.sampler._note_program("decode", self._rows(), self._width(), self._width(),
-                                   self.stop_width)
         self._busy_since = time.monotonic()
         # the chunk ends with the first row that ends after a quarter of it: that reply goes
         # out and its pool row takes the next request then, not at the chunk's end; the
@@ -345,56 +332,59 @@ class ContinuousBatcher:
                 row.request, np.zeros((0,), np.int32), np.zeros((0,), np.float32), False, True,
                 row.spans))
 
-    def _prompt_bucket(self, prompt_len: int, fit_to: int) -> int:
-        """The prompt bucket P of an admission: a power of two, or, when that would leave
-        too few slots under `fit_to`, the prompt rounded up to the prompt unit."""
-        sampler = self.sampler
-        p = _next_power_of_two(prompt_len, sampler.min_prompt_bucket)
-        return p if p <= fit_to else -(-prompt_len // self._unit) * self._unit
+    def _suffix_bucket(self, slots: int):
+        """Q of a prefill into `slots` slots: the rung of the suffix ladder that holds it."""
+        return functools.partial(fit, self.ladders.suffixes(slots))
 
     def _admit(self) -> None:
         """Prefills queued rows into the lowest free pool rows, in arrival order, as many as
-        there are free rows and as fit one prefill (P + the most new tokens <= slot_tokens);
-        the pool grows to the rows and slots they need."""
-        sampler = self.sampler
+        there are free rows, a group (`Ladders.group`) per prefill; the pool grows to the
+        rows and slots they need."""
+        sampler, ladders = self.sampler, self.ladders
         with self._cond:
             free = [r for r in range(self.slots) if r not in self._active]
-            take, longest, most_new = [], 0, 0
-            for row in self._waiting[:len(free)]:
-                grown = (max(longest, len(row.request.prompt_ids)),
-                         max(most_new, row.request.sampling.max_new_tokens, 1))
-                p = self._prompt_bucket(grown[0], self.slot_tokens - grown[1])
-                if take and p + grown[1] > self.slot_tokens:
-                    break  # the next admission takes it
-                take.append(row)
-                longest, most_new = grown
+            take = self._waiting[:len(free)]
             self._waiting = self._waiting[len(take):]
             self._admitting = take  # an abort meanwhile marks them (ended after admission)
         if not take:
             return
         n = len(take)
-        b = _next_power_of_two(n, 1)
-        p = self._prompt_bucket(longest, self.slot_tokens - most_new)
-        rows = min(self.slots, max(self._rows(), _next_power_of_two(free[n - 1] + 1, 1)))
-        slots = min(self.slot_tokens, max(self._width(), _next_power_of_two(p + most_new, 16)))
+        longest = max(len(row.request.prompt_ids) for row in take)
+        need = max(len(row.request.prompt_ids) + max(row.request.sampling.max_new_tokens, 1)
+                   for row in take)
+        rows = fit(ladders.rows, max(self._rows(), free[n - 1] + 1))
+        slots = fit(ladders.slots, max(self._width(), need))
+        step = ladders.join[-1]
+        groups = [take[i:i + step] for i in range(0, n, step)]
         try:
             width = max(self.stop_width, sampler.stop_width([row.request for row in take]))
-            ids, lens, sampling = sampler.row_arrays(
-                [(row.request, row.sample) for row in take], b, p, width)
+            arrays = [sampler.row_arrays([(row.request, row.sample) for row in group],
+                                         fit(ladders.join, len(group)), longest, width)
+                      for group in groups]
         except Exception as err:  # noqa: BLE001 - a request's own fault: it alone fails
-            self._fail_unbuildable(take, p, err)
+            self._fail_unbuildable(take, longest, err)
             return
         self.stop_width = width
         self._busy_since = time.monotonic()
+        matches: Optional[list] = [] if sampler._prefix is not None else None
         try:
             self._reshape_pool(rows, slots)
             with sampler._weights_lock:  # the prefix cache's generation goes with the weights
                 params, version = sampler._params, sampler._version
                 generation = sampler._prefix.generation if sampler._prefix is not None else 0
-            new, matches = sampler._prefill(params, n, ids, lens, sampling, slots - p)
-            targets = np.full((b,), rows, np.int32)  # padding rows: past the pool, dropped
-            targets[:n] = free[:n]
-            self._pool = scatter_rows(self._pool, new, jnp.asarray(targets))
+            start = 0
+            for group, (ids, lens, sampling) in zip(groups, arrays):
+                new, found = sampler._prefill(params, len(group), ids, lens, sampling, 0,
+                                              slots=slots, bucket=self._suffix_bucket(slots),
+                                              blank_pool=self._blank)
+                # padding rows target past the pool: dropped. (Index arrays go in as numpy:
+                # jnp.asarray of one compiles a program of its own for each shape.)
+                targets = np.full((ids.shape[0],), rows, np.int32)
+                targets[:len(group)] = free[start:start + len(group)]
+                self._pool = scatter_rows(self._pool, new, targets)
+                if matches is not None:
+                    matches += found[:len(group)]
+                start += len(group)
         except Exception as err:  # these rows are in neither list: answer them here
             with self._cond:
                 self._admitting = []
@@ -453,16 +443,38 @@ class ContinuousBatcher:
         return 0 if self._pool is None else self._pool.tokens.shape[1]
 
     def _reshape_pool(self, rows: int, slots: int) -> None:
-        """Makes the pool at least rows x slots with stop_width stop ids a row. It only
-        grows while rows run (their K/V stays where it is) and is dropped when none runs:
-        decode works on the whole pool, so it is kept no bigger than what runs needs."""
+        """Makes the pool at least rows x slots (rungs of the ladders) with stop_width stop
+        ids a row. It only grows while rows run (their K/V stays where it is) and is dropped
+        when none runs: decode works on the whole pool, so it is kept no bigger than what runs
+        needs. It grows a rung at a time (rows, then slots): one program per rung, not one
+        per pair of shapes."""
         if self._pool is None:
-            self._pool = empty_pool(self.sampler.model, rows, slots, self.stop_width)
-            self._pool = jax.device_put(self._pool,
-                                        NamedSharding(self.sampler.mesh, PartitionSpec()))
-        elif (rows, slots, self.stop_width) != (self._rows(), self._width(),
-                                                self._pool.stop_ids.shape[1]):
-            self._pool = grow_pool(self._pool, rows, slots, self.stop_width)
+            self._pool = self._new_pool(rows, slots, self.stop_width)
+            return
+        while (self._rows(), self._width(), self._pool.stop_ids.shape[1]) != (
+                rows, slots, self.stop_width):
+            r, s = self._rows(), self._width()
+            if r < rows:
+                r = self.ladders.rows[self.ladders.rows.index(r) + 1]
+            elif s < slots:
+                s = self.ladders.slots[self.ladders.slots.index(s) + 1]
+            self._pool = grow_pool(self._pool, r, s, self.stop_width)
+
+    def _new_pool(self, rows: int, slots: int, width: int) -> DecodeState:
+        pool = empty_pool(self.sampler.model, rows, slots, width)
+        return jax.device_put(pool, NamedSharding(self.sampler.mesh, PartitionSpec()))
+
+    def _read(self, pool: DecodeState, slots: list[int]) -> tuple[np.ndarray, ...]:
+        """(tokens, logprobs [len(slots), S], stopped) of those pool rows, a group at a time
+        (each padded to a rung of the group ladder with its first row)."""
+        parts = []
+        step = self.ladders.group[-1]
+        for i in range(0, len(slots), step):
+            part = slots[i:i + step]
+            take = np.full((fit(self.ladders.group, len(part)),), part[0], np.int32)
+            take[:len(part)] = part
+            parts.append([np.asarray(x)[:len(part)] for x in read_rows(pool, take)])
+        return tuple(np.concatenate(x) for x in zip(*parts))
 
     def _collect(self, force_aborted: bool) -> None:
         """Answers the rows that ended (and, with force_aborted, those aborted) and frees
@@ -477,13 +489,11 @@ class ContinuousBatcher:
         ended = [row for row in rows if done[row.slot]] + aborted
         if not ended:
             return
-        slots = np.full((_next_power_of_two(len(ended), 1),), ended[0].slot, np.int32)
-        slots[:len(ended)] = [row.slot for row in ended]
-        tokens, logprobs, stopped = (np.asarray(x) for x in read_rows(pool, slots))
+        tokens, logprobs, stopped = self._read(pool, [row.slot for row in ended])
         if aborted:
             mask = np.zeros((self._rows(),), bool)
             mask[[row.slot for row in aborted]] = True
-            self._pool = end_rows(pool, jnp.asarray(mask))
+            self._pool = end_rows(pool, mask)
         self._save_prefixes(ended, tokens)
         with self._cond:
             for row in ended:
@@ -515,20 +525,22 @@ class ContinuousBatcher:
                      if row.generation == generation and len(row.spans) == 1]
             if not saved:
                 continue
-            # the saved rows alone, padded to a power of two (one program per bucket): the
-            # save copies the rows it is given, and the pool is far bigger than what ended
-            f = _next_power_of_two(len(saved), 1)
-            take = np.full((f,), saved[0][1].slot, np.int32)
-            take[:len(saved)] = [row.slot for _, row in saved]
-            seqs: list = [None] * f
-            hashes: list = [[] for _ in range(f)]
-            for j, (i, row) in enumerate(saved):
-                count = int(self._counts[row.slot])
-                seqs[j] = np.concatenate([np.asarray(row.request.prompt_ids),
-                                          tokens[i, :count - 1]]).astype(np.int32)
-                hashes[j] = row.hashes or []
-            prefix.insert(seqs, hashes, take_rows(self._pool.cache, jnp.asarray(take)),
-                          generation)
+            # the saved rows alone, a group at a time padded to a rung of the group ladder:
+            # the save copies the rows it is given, and the pool is far bigger than what ended
+            step = self.ladders.group[-1]
+            for start in range(0, len(saved), step):
+                part = saved[start:start + step]
+                f = fit(self.ladders.group, len(part))
+                take = np.full((f,), part[0][1].slot, np.int32)
+                take[:len(part)] = [row.slot for _, row in part]
+                seqs: list = [None] * f
+                hashes: list = [[] for _ in range(f)]
+                for j, (i, row) in enumerate(part):
+                    count = int(self._counts[row.slot])
+                    seqs[j] = np.concatenate([np.asarray(row.request.prompt_ids),
+                                              tokens[i, :count - 1]]).astype(np.int32)
+                    hashes[j] = row.hashes or []
+                prefix.insert(seqs, hashes, self._pool.cache, generation, rows=take)
 
     def _fail_all(self, error: BaseException, queued_too: bool) -> None:
         """Fails the running rows' tickets (their K/V is suspect: a fresh pool is built at the

@@ -27,9 +27,12 @@ Bookkeeping (host side, all under one lock):
     before it and the page's ids) to the entries with that prefix: a lookup finds the deepest
     shared page by bisection (a prefix shared at page j is shared at every page before it),
     then measures the exact common prefix against the tokens themselves (no trust in hashes);
-  * a bounded pool: it grows by doubling up to `max_tokens` (so memory follows use), then
-    allocation evicts least recently used entries. Entries made by the current insert are
-    never evicted by it (their pages are being written by the same device call).
+  * a bounded pool of `max_tokens`, allocated whole at its first use (`ensure_pool`): its
+    shape never changes, so the prefill and save programs that take it compile once per row
+    shape, at a server's warm-up, never again while requests run (a pool that grew would
+    recompile every one of them at each size). When it is full, allocation evicts least
+    recently used entries. Entries made by the current insert are never evicted by it (their
+    pages are being written by the same device call).
 
 Weight updates: K/V computed by old weights are stale. `clear()` (the sampler calls it from
 `update_weights` unless told to keep the cache) drops every entry and bumps `generation`; a
@@ -41,10 +44,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +56,6 @@ from jax.sharding import Mesh, NamedSharding
 from rl_tpu import parallel
 from rl_tpu.models.transformer import ModelConfig
 
-MIN_POOL_PAGES = 64  # first allocation: small pools would regrow (and recompile) at once
 MAX_CANDIDATES = 4  # entries compared token by token at the deepest shared page
 
 
@@ -81,9 +82,10 @@ def _scatter_pages(pool: dict, cache: dict, table) -> dict:
     return {n: tuple(one(p, c) for p, c in zip(pool[n], cache[n])) for n in ("k", "v")}
 
 
-def _grown(pool: dict, extra: int) -> dict:
-    return jax.tree.map(
-        lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)]), pool)
+def _save_rows(pool: dict, cache: dict, rows, table) -> dict:
+    """`_scatter_pages` of the cache rows `rows` [F] (table [F, SP]): a batcher saves the rows
+    that ended straight from its pool, copying nothing else."""
+    return _scatter_pages(pool, jax.tree.map(lambda x: x[rows], cache), table)
 
 
 def chain_hashes(tokens: np.ndarray, page: int, known: Sequence[int] = ()) -> list[int]:
@@ -163,8 +165,7 @@ class PrefixCache:
         spec = parallel.logical_to_spec((None, "kv_heads", None, "kv"), mesh, rules, shape)
         self._sharding = NamedSharding(mesh, spec)
         self._pool_shardings = {n: (self._sharding,) * cfg.num_layers for n in ("k", "v")}
-        self._save = jax.jit(_scatter_pages, donate_argnums=0,
-                             out_shardings=self._pool_shardings)
+        self._save = jax.jit(_save_rows, donate_argnums=0, out_shardings=self._pool_shardings)
         self._lock = threading.RLock()
         self._pool: Optional[dict] = None
         self._num_pages = 0
@@ -196,17 +197,21 @@ class PrefixCache:
             return Match(length, entry.pages[:-(-length // self.page)], hashes)
 
     def plan(self, ids: np.ndarray, lens: np.ndarray, n: int, slots: int,
-             min_bucket: int) -> Plan:
+             min_bucket: int, bucket: Optional[Callable[[int], int]] = None,
+             always: bool = False) -> Plan:
         """Looks up the n real rows of ids [B, P] (lengths lens [B]) for a cache of `slots`
         S = P + L per row. Q, the suffix length, is bucketed to a power of two >= min_bucket
-        like P: one compile per (B, Q, P, L) and pool size, whatever the starts."""
+        like P (or by `bucket`, Q = bucket(longest suffix)): one compile per (B, Q, P, L),
+        whatever the starts. `always`: a suffix and table even when nothing matched (starts
+        0), so every prefill of a batcher is the pool's one program."""
         b = ids.shape[0]
         matches = [self.lookup(ids[i, :lens[i]]) for i in range(n)]
         starts = np.zeros((b,), np.int32)
         starts[:n] = [m.length for m in matches]
-        if not starts.any():
+        if not (starts.any() or always):
             return Plan(matches, starts)
-        q = _next_power_of_two(int((lens - starts).max()), min_bucket)
+        longest = int((lens - starts).max())
+        q = bucket(longest) if bucket else _next_power_of_two(longest, min_bucket)
         suffix = np.zeros((b, q), np.int32)
         table = np.zeros((b, slots // self.page), np.int32)
         for i, m in enumerate(matches):
@@ -235,19 +240,37 @@ class PrefixCache:
             self.generation += 1
             self.clears += 1
 
+    def ensure_pool(self) -> dict:
+        """The pool, allocated (all `max_tokens`) if it was not yet."""
+        with self._lock:
+            if self._pool is None:
+                self._allocate()
+            return self._pool
+
+    def warm_save(self, cache: dict, rows) -> None:
+        """Compiles the save of cache rows `rows` [F] (a cache of the shape `insert` will be
+        given) by running it with nothing to write."""
+        with self._lock:
+            self.ensure_pool()
+            table = np.full((len(rows), cache["k"][0].shape[2] // self.page), self._num_pages,
+                            np.int32)
+            self._pool = self._save(self._pool, cache, np.asarray(rows, np.int32), table)
+
     def insert(self, sequences: Sequence[Optional[np.ndarray]], known_hashes: Sequence[list],
-               cache: dict, generation: int) -> int:
-        """Saves row r of `cache` (Y-tuples [B, K, S, H]) as an entry of `sequences[r]`, the
-        ids whose K/V sit in its slots 0..E-1 (None: skip the row; rows past the list's end
-        are padding). `known_hashes[r]`: chain hashes of a prefix of it (the prompt's, from
-        `lookup`). Nothing is saved when the cache was cleared since `generation` was read.
-        Returns the number of pages written."""
+               cache: dict, generation: int, rows=None) -> int:
+        """Saves cache row rows[r] (Y-tuples [B, K, S, H]; rows [F] defaults to every row)
+        as an entry of `sequences[r]`, the ids whose K/V sit in its slots 0..E-1 (None: skip
+        the row; rows past the list's end are padding). `known_hashes[r]`: chain hashes of a
+        prefix of it (the prompt's, from `lookup`). Nothing is saved when the cache was cleared
+        since `generation` was read. Returns the number of pages written."""
         with self._lock:
             if generation != self.generation:
                 return 0
             call = next(self._calls)
-            b, _, s, _ = cache["k"][0].shape  # B >= len(sequences): padding rows too
-            table = np.full((b, s // self.page), -1, np.int64)
+            b, _, s, _ = cache["k"][0].shape
+            rows = np.arange(b, dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
+            # F >= len(sequences): padding rows too
+            table = np.full((len(rows), s // self.page), -1, np.int64)
             if max((len(q) for q in sequences if q is not None), default=0) > s:
                 raise ValueError(f"a sequence is longer than the cache's {s} slots")
             for r, seq in enumerate(sequences):
@@ -256,7 +279,7 @@ class PrefixCache:
             written = int((table >= 0).sum())
             if written:
                 table[table < 0] = self._num_pages  # out of range: dropped by the scatter
-                self._pool = self._save(self._pool, cache, jnp.asarray(table, jnp.int32))
+                self._pool = self._save(self._pool, cache, rows, table.astype(np.int32))
             return written
 
     def _insert_row(self, seq: np.ndarray, known: list, table_row: np.ndarray, call: int):
@@ -306,10 +329,8 @@ class PrefixCache:
         return best, best_len
 
     def _alloc(self, n: int, call: int) -> Optional[list[int]]:
-        if len(self._free) < n and self._num_pages < self.max_pages:
-            want = max(MIN_POOL_PAGES, self._num_pages * 2,
-                       1 << (self._num_pages + n - len(self._free) - 1).bit_length())
-            self._grow(min(want, self.max_pages))
+        if self._pool is None:
+            self._allocate()
         while len(self._free) < n:
             victim = next((k for k, e in self._entries.items() if e.insert_call != call), None)
             if victim is None:
@@ -321,21 +342,15 @@ class PrefixCache:
             self._refs[p] = 1
         return out
 
-    def _grow(self, pages: int):
-        extra = pages - self._num_pages
-        if self._pool is None:
-            shape = (pages, self.cfg.num_kv_heads, self.page, self.cfg.head_dim)
-            make = jax.jit(lambda: {n: tuple(jnp.zeros(shape, self.cfg.kv_dtype)
-                                             for _ in range(self.cfg.num_layers))
-                                    for n in ("k", "v")}, out_shardings=self._pool_shardings)
-            self._pool = make()
-        else:
-            # (not donated: a larger output cannot reuse the old buffers, which die here)
-            grow = jax.jit(functools.partial(_grown, extra=extra),
-                           out_shardings=self._pool_shardings)
-            self._pool = grow(self._pool)
-        self._free.extend(range(self._num_pages, pages))
-        self._refs = np.concatenate([self._refs, np.zeros((extra,), np.int32)])
+    def _allocate(self):
+        pages = self.max_pages
+        shape = (pages, self.cfg.num_kv_heads, self.page, self.cfg.head_dim)
+        make = jax.jit(lambda: {n: tuple(jnp.zeros(shape, self.cfg.kv_dtype)
+                                         for _ in range(self.cfg.num_layers))
+                                for n in ("k", "v")}, out_shardings=self._pool_shardings)
+        self._pool = make()
+        self._free = list(range(pages))
+        self._refs = np.zeros((pages,), np.int32)
         self._num_pages = pages
 
     def _release(self, page: int):

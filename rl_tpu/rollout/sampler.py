@@ -22,9 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
 from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
+from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
-from rl_tpu.rollout.prefix_cache import PrefixCache, _next_power_of_two
+from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, _next_power_of_two
 
 def _owned_copy(params, num_layers: int, dtype: Optional[str]):
     """Jitted with the sampler's out_shardings: unstacked, cast, and in buffers of its own.
@@ -123,7 +124,10 @@ class JaxSampler(RolloutEngine):
         self._counter = itertools.count()
         self._weights_lock = threading.Lock()
         self._device_lock = threading.Lock()  # one batch on the device at a time
-        self._params = self._own_copy(params)
+        # every program this sampler's device work compiles (prefix cache and batcher too)
+        self.compiles = CompileCounter()
+        with self.compiles.counting():
+            self._params = self._own_copy(params)
         self._version = str(version)
         self._resume = threading.Event()
         self._resume.set()
@@ -144,7 +148,6 @@ class JaxSampler(RolloutEngine):
         self.keep_prefix_cache_on_update = keep_prefix_cache_on_update
         self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
                             cache_hits=0)
-        self._programs: set[tuple] = set()  # the (kind, shapes...) compiled so far
 
     # -- RolloutEngine -------------------------------------------------------------------
 
@@ -158,7 +161,8 @@ class JaxSampler(RolloutEngine):
     def update_weights(self, params, version: str) -> None:
         """Samples from a copy of `params` from the next decode chunk on; `params` stay the
         caller's (see the class docstring)."""
-        params = self._own_copy(params)  # outside the lock: decoding goes on meanwhile
+        with self.compiles.counting():
+            params = self._own_copy(params)  # outside the lock: decoding goes on meanwhile
         with self._weights_lock:
             self._params, self._version = params, str(version)
             if self._prefix is not None and not self.keep_prefix_cache_on_update:
@@ -177,10 +181,13 @@ class JaxSampler(RolloutEngine):
         whose K/V came from the prefix cache), `reuse_fraction`, `cache_rows` / `cache_hits`
         (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
         `cache_tokens_used`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
-        `cache_evictions`, `cache_flushes`; `compiled_programs`, the prefill and decode shapes
-        compiled so far (flat after `warmup` when the run stays in its buckets)."""
+        `cache_evictions`, `cache_flushes`; `compiled_programs`, the XLA programs its device
+        work has compiled (or loaded from the persistent cache) in this process, as JAX
+        reports them: the weight copy, prefill, decode, the prefix cache's and a
+        `ContinuousBatcher`'s programs (flat after `warmup` when the run stays in its
+        buckets; compile_count.py)."""
         with self._control_lock:
-            out = dict(self._counts, compiled_programs=len(self._programs))
+            out = dict(self._counts, compiled_programs=self.compiles.count)
         out["reuse_fraction"] = out["reused_tokens"] / max(out["prompt_tokens"], 1)
         if self._prefix is not None:
             out.update(self._prefix.stats())
@@ -191,9 +198,14 @@ class JaxSampler(RolloutEngine):
         `shapes`, as their buckets, before any request needs them, so a run whose batches stay
         in those buckets compiles nothing mid-way (`stats()['compiled_programs']` stays flat).
         Each runs once on placeholder rows that end at their first token: the cost of one
-        prefill. Returns the number of programs compiled. (The prefix-reuse prefill, whose
-        page-table shape depends on the pool, compiles at its first use.)"""
-        before = len(self._programs)
+        prefill. Returns the number of programs compiled (the row keys' too). (The
+        prefix-reuse prefill compiles at its first use.)"""
+        with self.compiles.counting() as counter:
+            before = counter.count
+            self._warm(shapes)
+            return counter.count - before
+
+    def _warm(self, shapes: Sequence[tuple[int, int, int]]) -> None:
         for rows, prompt, new in shapes:
             b, p, steps = self._batch_shape(min(rows, self.max_batch), prompt, new)
             i32 = np.int32
@@ -204,13 +216,10 @@ class JaxSampler(RolloutEngine):
                         keys)
             with self._device_lock:
                 params, _ = self._weights()
-                self._note_program("prefill", (b, p), steps, STOP_WIDTH)
                 state = prefill(self.model, params, np.zeros((b, p), i32), np.ones((b,), i32),
                                 *sampling, max_steps=steps, chunk=self.prefill_chunk)
-                self._note_program("decode", b, p + steps, steps, STOP_WIDTH)
                 jax.block_until_ready(decode(self.model, params, state,
                                              chunk=self.decode_chunk).done)
-        return len(self._programs) - before
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
@@ -222,8 +231,9 @@ class JaxSampler(RolloutEngine):
             self._running_ids.update(ids)
         try:
             results: list[GenerateResult] = []
-            for batch in self._batches(rows):
-                results.extend(self._generate_batch(batch, epoch))
+            with self.compiles.counting():
+                for batch in self._batches(rows):
+                    results.extend(self._generate_batch(batch, epoch))
         finally:
             with self._control_lock:  # these requests are over: forget them and their aborts
                 self._running_ids.subtract(ids)
@@ -359,7 +369,6 @@ class JaxSampler(RolloutEngine):
                                         max(req.sampling.max_new_tokens for req, _ in rows))
         width = self.stop_width([req for req, _ in rows])
         ids, lens, sampling = self.row_arrays(rows, b, p, width)
-        stop_ids = sampling[5]
         aborted = np.zeros((b,), bool)
         with self._device_lock:
             self._resume.wait()
@@ -381,7 +390,6 @@ class JaxSampler(RolloutEngine):
                 params, version = self._weights()
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
-                self._note_program("decode", b, p + steps, steps, stop_ids.shape[1])
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
             tokens, logprobs, count, stopped = (np.asarray(x) for x in (
                 state.tokens, state.logprobs, state.count, state.stopped))
@@ -430,11 +438,49 @@ class JaxSampler(RolloutEngine):
         keys = keys_from_seeds(seeds)
         return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
 
-    def _prefill(self, params, n: int, ids, lens, sampling, steps: int):
+    def _prefill(self, params, n: int, ids, lens, sampling, steps: int, slots: int = 0,
+                 bucket=None, blank_pool=None):
         """(`prefill`, from the prefix pool when some of the n real rows of ids [B, P] have a
-        cached prefix; the lookups, None without a prefix cache)."""
+        cached prefix; the lookups, None without a prefix cache).
+
+        With `slots` (a `ContinuousBatcher`): always the pool's form, into a cache of `slots`
+        slots with an output buffer of 1 (the pool holds the rest), the suffix bucketed by
+        `bucket`, from `blank_pool` (pages of nothing) without a prefix cache: one program per
+        (rows, suffix bucket, slots), whatever the prompt lengths."""
+        if slots:
+            return self._pool_prefill(params, n, ids, lens, sampling, slots, bucket,
+                                      blank_pool)
         plan = None if self._prefix is None else self._prefix.plan(
             ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket)
+        self._count_prefill(n, lens, plan)
+        matches = None if plan is None else plan.matches
+        if plan is None or plan.suffix is None:
+            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
+                           chunk=self.prefill_chunk), matches
+        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
+                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
+                       chunk=self.prefill_chunk), matches
+
+    def _pool_prefill(self, params, n: int, ids, lens, sampling, slots: int, bucket,
+                      blank_pool):
+        if self._prefix is not None:
+            plan = self._prefix.plan(ids, lens, n, slots, self.min_prompt_bucket, bucket,
+                                     always=True)
+            pool, matches = self._prefix.ensure_pool(), plan.matches
+        else:
+            b, page = ids.shape[0], blank_pool["k"][0].shape[2]
+            plan = Plan([], np.zeros((b,), np.int32), np.zeros((b, bucket(int(lens.max()))),
+                                                               np.int32),
+                        np.zeros((b, slots // page), np.int32))
+            for i in range(n):
+                plan.suffix[i, :lens[i]] = ids[i, :lens[i]]
+            pool, matches = blank_pool, None
+        self._count_prefill(n, lens, plan if self._prefix is not None else None)
+        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=1,
+                       starts=plan.starts, pool=pool, page_table=plan.table,
+                       chunk=self.prefill_chunk), matches
+
+    def _count_prefill(self, n: int, lens, plan) -> None:
         starts = np.zeros((n,), np.int32) if plan is None else plan.starts[:n]
         with self._control_lock:
             c = self._counts
@@ -443,20 +489,6 @@ class JaxSampler(RolloutEngine):
             c["prefill_tokens"] += int((lens[:n] - starts).sum())
             c["cache_rows"] += n if plan is not None else 0
             c["cache_hits"] += int((starts > 0).sum())
-        matches = None if plan is None else plan.matches
-        width = sampling[5].shape[1]  # stop_ids [B, X]
-        if plan is None or plan.suffix is None:
-            self._note_program("prefill", ids.shape, steps, width)
-            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
-                           chunk=self.prefill_chunk), matches
-        self._note_program("prefill", plan.suffix.shape, steps, width, plan.table.shape)
-        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
-                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
-                       chunk=self.prefill_chunk), matches
-
-    def _note_program(self, kind: str, *shapes) -> None:
-        with self._control_lock:
-            self._programs.add((kind,) + tuple(shapes))
 
     def _stop_ids(self, req: GenerateRequest) -> tuple[int, ...]:
         s = req.sampling

@@ -554,8 +554,10 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
         return service.model_info()
 
     @app.get("/load")
-    def load():  # rl_tpu's: rows running and queued (for a router or a person)
-        return service.batcher.load()
+    def load():  # rl_tpu's: rows running and queued (for a router or a person), and the
+        # programs compiled so far (flat once warm: a rise means a request waited on one)
+        return dict(service.batcher.load(),
+                    compiled_programs=service.sampler.stats()["compiled_programs"])
 
     return app
 

@@ -1,5 +1,6 @@
 """Continuous batching (rl_tpu/rollout/continuous.py) without HTTP: exact samples whatever the
-pool holds, rows joining while others decode, the pool's growth, aborts queued and running,
+pool holds, rows joining while others decode, the pool's growth (a rung of its ladder at a
+time), aborts queued and running,
 pauses, weight updates mid-row, prefix reuse across turns, and what a row may ask for."""
 
 import time
@@ -124,12 +125,12 @@ def test_the_pool_grows_to_what_its_rows_need(batcher):
     small = batcher.submit([request([1, 2], 100, rid="small")])
     wait_for(lambda: batcher.load()["running_rows"] == 1, "the first row")
     rows, slots = batcher._rows(), batcher._width()
-    assert (rows, slots) == (1, 128)  # 16 (prompt bucket) + 100 new -> 128 slots
+    assert (rows, slots) == (1, 256)  # the first rungs: 1 row, 256 slots (2 + 100 fit)
     many_stops = GenerateRequest([3], SamplingParams(max_new_tokens=3, temperature=0,
                                                      stop_token_ids=tuple(range(300, 320))))
     wide = batcher.generate([many_stops] * 3, timeout=120)
     assert len(wide) == 3 and batcher.stop_width >= 32
-    assert batcher._rows() == 4 and not small.done()  # rows 1..3 after row 0
+    assert batcher._rows() == 8 and not small.done()  # rows 1..3 after row 0: rung 8
     batcher.abort("small")
     small.wait(60)
 

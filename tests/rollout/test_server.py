@@ -237,6 +237,17 @@ def test_concurrent_requests_get_what_the_batch_path_gives(server):
         assert have.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
+def test_load_reports_rows_and_compiled_programs(server):
+    """/load: the pool's rows and the programs compiled so far (JAX's count: flat once the
+    server is warm, so a rise shows a request that waited on a compile)."""
+    assert call(server, "/generate", {"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 2}})[0] == 200
+    status, load = call(server, "/load")
+    sampler = server["service"].sampler
+    assert status == 200 and load["running_rows"] == load["queued_rows"] == 0
+    assert load["compiled_programs"] == sampler.stats()["compiled_programs"] > 0
+
+
 def test_an_abort_for_an_id_not_running_does_not_stick(server):
     assert call(server, "/abort_request", {"rid": "later"})[0] == 200
     status, reply = call(server, "/generate", {"input_ids": [5], "rid": "later",
