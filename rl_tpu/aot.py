@@ -271,8 +271,8 @@ def learner_programs(planned: Plan) -> list[ProgramMemory]:
     """policy_update and score (and critic_update, values) at the plan's batch shape."""
     learner, mesh, rows, length = planned.learner, planned.mesh, planned.rows, planned.length
     state, critic, params = learner.policy, learner.critic, planned.params
-    keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs", "advantages",
-            "behaviour_logprobs"]
+    keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages",
+            "behaviour_logprobs"] + ([] if learner.proximal_from_step else ["old_logprobs"])
     if learner.cfg.use_reference:
         keys.append("ref_logprobs")
     batch = rollout_batch(rows, length, mesh, keys)

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 
 
 def after(done: jax.Array, x: jax.Array) -> jax.Array:
-    """x, as a value that exists only once `done` does: x + 0 * (one element of done).
-
-    Costs one elementwise pass over x. A non-finite element of `done` makes x NaN; `done` is a
-    cotangent or a gradient, so the step's gradient was not finite already (and the step
-    skips it)."""
-    return x + jnp.zeros((), x.dtype) * done.ravel()[0].astype(x.dtype)
+    """x, as a value that exists only once `done` does: x + 0 * (whether one element of done
+    is NaN). Costs one elementwise pass over x. The 0 multiplies a 0-or-1 flag, never the
+    element itself: an inf or NaN in a masked row of a cotangent must not reach x."""
+    flag = jnp.isnan(done.ravel()[0]).astype(x.dtype)
+    return x + jnp.zeros((), x.dtype) * flag

@@ -7,7 +7,9 @@ frozen reference policy when a KL term needs it, and one compiled function per p
 
   score(batch)       proximal log-probs (`old_logprobs`: the policy at the start of this update;
                      skipped with `recompute_proximal=False`, the behaviour log-probs then
-                     standing in), reference log-probs, critic values; forward passes only.
+                     standing in, and at one epoch of one minibatch, where the policy step
+                     takes its own: `proximal_from_step`), reference log-probs, critic
+                     values; forward passes only.
   advantages(batch)  the configured estimator over the whole (global) batch: group statistics
                      and whitening see every row of every host, because jnp reductions on a
                      sharded array are global under jit.
@@ -39,7 +41,7 @@ from rl_tpu import parallel
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
 from rl_tpu.rl.advantages import compute_advantages
-from rl_tpu.rl.losses import PolicyLossConfig, kl_penalty
+from rl_tpu.rl.losses import POLICY_LOSSES, PolicyLossConfig, kl_penalty
 from rl_tpu.rl.masked import combine_stacked, metric_values
 from rl_tpu.train import steps
 from rl_tpu.train.state import TrainState, all_finite, shardings_of
@@ -172,7 +174,8 @@ class Learner:
                            in_shardings=(shardings_of(self.critic.params),
                                          self._batch_sharding),
                            out_shardings=self._batch_sharding)
-        tagged = dataclasses.replace(step_cfg, tagged_metrics=True)
+        tagged = dataclasses.replace(step_cfg, tagged_metrics=True,
+                                     proximal_from_step=self.proximal_from_step)
         if phase == "policy_update":
             return self._compile_update(
                 steps.make_policy_step(self.model, self.loss_cfg, tagged), self.policy)
@@ -184,12 +187,27 @@ class Learner:
 
     # -- phases ---------------------------------------------------------------------------
 
+    @property
+    def proximal_from_step(self) -> bool:
+        """One epoch of one minibatch: the update runs on the very params a score pass would
+        use, so the policy step takes its own log-probs (stop-gradient) as the proximal ones,
+        exactly, and the score pass skips them: one forward pass less per RL step (TRL does
+        the same at num_iterations=1). Not for a loss with whole-batch statistics (BAPO reads
+        them in its own pass) or a KL-shaped reward (the advantages read old_logprobs)."""
+        cfg = self.cfg
+        return (cfg.recompute_proximal and cfg.epochs * cfg.minibatches == 1
+                and POLICY_LOSSES.get(self.loss_cfg.kind).batch_statistics is None
+                and not cfg.reward_kl_coef)
+
     def score(self, batch: dict) -> dict:
-        """Adds old_logprobs (and ref_logprobs, values) to a global batch."""
+        """Adds old_logprobs (unless `proximal_from_step`; and ref_logprobs, values) to a
+        global batch."""
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         shape = batch["tokens"].shape
         out = dict(batch)
-        if self.cfg.recompute_proximal:
+        if self.proximal_from_step:
+            pass
+        elif self.cfg.recompute_proximal:
             logprobs = self.program("logprobs", *shape)
             out["old_logprobs"], _ = logprobs(self.policy.params, inputs)
         elif "behaviour_logprobs" in batch:
@@ -212,8 +230,9 @@ class Learner:
     def update(self, batch: dict, step: int = 0) -> dict[str, float]:
         """E epochs x N minibatches of the policy step (then the value step); host metrics.
         `step` (the RL step) seeds the minibatch permutations."""
-        keys = ["tokens", "positions", "segment_ids", "loss_mask", "old_logprobs",
-                "advantages"]
+        keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages"]
+        if not self.proximal_from_step:
+            keys.append("old_logprobs")
         keys += [k for k in ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
                  if k in batch]
         key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)

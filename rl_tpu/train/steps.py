@@ -62,6 +62,10 @@ class StepConfig:
     logprob_chunk: int = 128  # positions per logits chunk (memory [B/M, chunk, V])
     temperature: float = 1.0  # the sampling temperature: logprobs of the sampled policy
     tagged_metrics: bool = False  # metrics as {name: Metric} (for combine_metrics), not flat
+    # The policy step's own log-probs (stop-gradient) as the proximal ones, in place of the
+    # batch's old_logprobs: exact when the step's params are those a score pass would have
+    # used, i.e. one epoch of one minibatch (Learner.proximal_from_step).
+    proximal_from_step: bool = False
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -209,14 +213,16 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
 
     def loss_fn(params, micro, batch_stats):
         lp, entropy = token_logprobs(model, params, micro, cfg.logprob_chunk, cfg.temperature)
+        old = jax.lax.stop_gradient(lp) if cfg.proximal_from_step else micro["old_logprobs"]
         return policy_loss(
-            lp, micro["old_logprobs"], micro["advantages"], micro["loss_mask"], loss_cfg,
+            lp, old, micro["advantages"], micro["loss_mask"], loss_cfg,
             behaviour_logprobs=micro.get("behaviour_logprobs"),
             ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, batch_stats=batch_stats,
             normalizer=micro.get("length_normalizer"))  # [B]: a budget schedule's, traced
 
     def step(state: TrainState, batch):
-        _require(batch, ["tokens", "loss_mask", "old_logprobs", "advantages"], "policy_step")
+        _require(batch, ["tokens", "loss_mask", "advantages"]
+                 + ([] if cfg.proximal_from_step else ["old_logprobs"]), "policy_step")
         batch_stats, stat_metrics = None, {}
         if kind.batch_statistics is not None and cfg.micro_batches > 1:
             # The loss needs a statistic of the whole batch but each micro-batch sees a part:

@@ -85,9 +85,16 @@ def test_token_budget_picks_micro_batches_per_length_bucket():
     assert _learner(tokens_per_device=64, minibatches=2).row_multiple() == 16
 
 
+def _score_pass(learner, batch):
+    """The proximal log-probs a score pass makes (one epoch of one minibatch skips it in
+    `score`, the policy step taking its own)."""
+    inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+    return learner.program("logprobs", *batch["tokens"].shape)(learner.policy.params, inputs)[0]
+
+
 def _update(learner, batch):
-    scored = learner.score(batch)  # the batch's own advantages stand in for GRPO's
-    metrics = learner.update(scored)
+    scored = dict(learner.score(batch), old_logprobs=_score_pass(learner, batch))
+    metrics = learner.update(scored)  # the batch's own advantages stand in for GRPO's
     return jax.device_get(learner.policy.params), metrics, scored
 
 
@@ -106,6 +113,33 @@ def test_budget_update_equals_the_counted_and_the_unsplit_update():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)  # exact accumulation
     np.testing.assert_allclose(scored["old_logprobs"], whole_scored["old_logprobs"], atol=1e-6)
     assert metrics["train/loss"] == pytest.approx(whole_metrics["train/loss"], abs=1e-6)
+
+
+def test_one_epoch_of_one_minibatch_takes_the_proximal_from_the_step():
+    """E x N = 1: no score pass for old_logprobs, and the same update as a batch whose
+    proximal log-probs were scored first; more epochs, BAPO's whole-batch statistics or a
+    KL-shaped reward keep the score pass."""
+    batch = _batch(16, seed=2)
+    own = _learner()
+    assert own.proximal_from_step
+    scored = own.score(batch)
+    assert "old_logprobs" not in scored
+    given = _learner(recompute_proximal=False)  # behaviour log-probs stand in: the scored ones
+    assert not given.proximal_from_step
+    scored_given = given.score(dict(batch, behaviour_logprobs=_score_pass(given, batch)))
+    own_metrics, given_metrics = own.update(scored), given.update(scored_given)
+    for a, b in zip(jax.tree.leaves(own.policy.params), jax.tree.leaves(given.policy.params)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert own_metrics["train/loss"] == pytest.approx(given_metrics["train/loss"], abs=1e-6)
+    assert abs(own_metrics["train/loss"]) > 1e-3  # an update that did something
+    assert not _learner(epochs=2).proximal_from_step
+    assert "old_logprobs" in _learner(epochs=2).score(batch)
+    assert not _learner(minibatches=2).proximal_from_step
+    assert not _learner(reward_kl_coef=0.1).proximal_from_step
+    bapo = Learner(Transformer(CFG, mesh=MESH), create_state(
+        tiny.random_params(CFG, seed=0, mesh=MESH), optax.sgd(1.0)), MESH,
+        PolicyLossConfig(kind="bapo"), UpdateConfig())
+    assert not bapo.proximal_from_step
 
 
 def test_value_pass_in_micro_batches_equals_one_pass():
