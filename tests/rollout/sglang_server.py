@@ -219,7 +219,11 @@ def start_subprocess_server(cmd: Sequence[str], port: int, *, env: Optional[dict
 
 
 def start_rollout_server(model_dir: str, *flags: str, timeout: float = 300.0) -> ServerProcess:
-    """rl_tpu's own SGLang-compatible JAX server: `python -m launch.serve_rollout`."""
+    """rl_tpu's own SGLang-compatible JAX server: `python -m launch.serve_rollout`, without
+    its start-up warm-up (12-50 s of compiles on this CPU) unless `flags` ask for it
+    (--warmup): each test compiles only the programs its requests need."""
+    if not any(f.startswith(("--warmup", "--nowarmup")) for f in flags):
+        flags = ("--nowarmup",) + flags
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env.pop("XLA_FLAGS", None)  # the test process's fake 8-device setting is not the server's

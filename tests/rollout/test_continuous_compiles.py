@@ -113,3 +113,24 @@ def test_without_a_prefix_cache_too(model):
         assert sampler.stats()["compiled_programs"] == before, sampler.compiles.by_name()
     finally:
         batcher.close()
+
+
+@pytest.mark.slow
+def test_the_launcher_warms_up_before_it_listens_and_requests_compile_nothing(tmp_path):
+    """`python -m launch.serve_rollout` (warm-up on, its default): /load already counts the
+    warmed programs when /health first answers, and requests of two lengths and two batch
+    sizes add none."""
+    import httpx
+    from sglang_server import start_rollout_server
+
+    tiny.write_tiny_model(str(tmp_path / "m"), "qwen2", vocab_size=320, seed=0)
+    with start_rollout_server(str(tmp_path / "m"), "--warmup", "--max_batch", "8",
+                              "--max_context_tokens", "256", timeout=600) as server:
+        warmed = httpx.get(server.url + "/load", timeout=30).json()["compiled_programs"]
+        assert warmed > 10
+        for prompts, new in (([[5, 6, 7]], 4), ([[5, 6, 7, 8] * 10] * 3, 30)):
+            reply = httpx.post(server.url + "/generate", timeout=120, json={
+                "input_ids": prompts, "sampling_params": {
+                    "max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}})
+            assert reply.status_code == 200, reply.text
+        assert httpx.get(server.url + "/load", timeout=30).json()["compiled_programs"] == warmed

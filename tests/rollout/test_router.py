@@ -81,7 +81,8 @@ def _worker(model_dir: str) -> ServerProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env.pop("XLA_FLAGS", None)  # the test process's fake device count is not the worker's
     return ServerProcess([sys.executable, "-m", "launch.serve_rollout", "--model_path",
-                          model_dir, "--port", str(port)], port, env=env, name="serve_rollout")
+                          model_dir, "--port", str(port), "--nowarmup"], port, env=env,
+                         name="serve_rollout")
 
 
 def _router(worker_urls) -> ServerProcess:
