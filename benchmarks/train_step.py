@@ -58,6 +58,8 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compu
 flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Rematerialisation policy.")
 flags.DEFINE_bool("scan_layers", True, "Scan over layers (one compiled layer).")
 flags.DEFINE_integer("logprob_chunk", 256, "Positions per logits chunk.")
+flags.DEFINE_integer("attention_block", -1, "Attention's query block (model.attention_block; "
+                     "0 = one block, -1 = the model's default).")
 flags.DEFINE_string("mesh", "fsdp=-1", "Mesh axes, e.g. 'fsdp=4,tensor=2'.")
 flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for MFU (auto on GPU/TPU).")
 flags.DEFINE_bool("torch", False, "Also time PyTorch's equivalent update (transformers).")
@@ -117,8 +119,10 @@ def run_jax(spec: dict) -> dict:
     from rl_tpu.train import steps
     from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 
+    block = spec.get("attention_block", -1)
     cfg = model_config(spec["shape"], dtype=spec["dtype"], param_dtype=spec["dtype"],
-                       remat=spec["remat"], scan_layers=spec["scan_layers"])
+                       remat=spec["remat"], scan_layers=spec["scan_layers"],
+                       **({} if block < 0 else {"attention_block": block}))
     mesh = parallel.make_mesh(parse_mesh(spec["mesh"]))
     model = Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES)
     params = parallel.init_params(model, mesh, parallel.DEFAULT_RULES, jax.random.key(0),
@@ -248,6 +252,7 @@ def run_lengths(f, cfg, lengths, rounds, sides, tmp, jax_env):
         results = {side: [] for side in sides}
         for r, side in side_process.round_order(rounds, sides):
             spec = dict(shape=f.shape, dtype=f.dtype, remat=f.remat, scan_layers=f.scan_layers,
+                        attention_block=f.attention_block,
                         mesh=f.mesh, loss=f.loss, micro_batches=f.micro_batches,
                         logprob_chunk=f.logprob_chunk, peak_tflops=f.peak_tflops, seq_len=t,
                         batch_path=batch_path, weights_dir=weights_dir,

@@ -79,10 +79,12 @@ class ModelConfig:
     # Query block of attention (0 = one block). Without a cache (training, scoring; see
     # blocked_attention.py) block i attends only to the keys up to its own end, skipping the
     # all-masked rest; with one (a sampler's prefill) each block attends to every slot,
-    # holding a block's logits. 256 was the fastest update at 8 x 1536 tokens on XLA:CPU.
+    # holding a block's logits. XLA:CPU, 8 rows of the peer shape: 256 the fastest at 384
+    # tokens, 128 8% faster at 1536 (docs/scaling.md).
     attention_block: int = 256
-    # The full-sequence path's kernel: xla (blocked_attention.py, any device), dot_product (cuDNN flash
-    # attention on GPU) or splash (TPU Pallas); see fused_attention.py. Caches always use xla.
+    # The full-sequence path's kernel: xla (blocked_attention.py, any device), dot_product
+    # (cuDNN flash attention on GPU) or splash (TPU Pallas); see fused_attention.py. Caches
+    # always use xla.
     attention_impl: str = "xla"
     # The KV cache's dtype ("" = the compute dtype). A bfloat16 cache under fp32 weights halves
     # decode's largest buffer; keys and values are cast back to the compute dtype when read.

@@ -11,8 +11,8 @@ with many clients wants the opposite, and `ContinuousBatcher` does it:
   waits in the queue). Below that bound it is as big as its rows need, growing while rows run
   and dropped when none does: each decode step computes every pool row over every slot, so
   one short request runs in a small pool;
-- every shape comes from a short fixed ladder (`Ladders`, pool_programs.py): pool rows 1, 8, 64..., pool slots
-  256, 2048... (then `slot_tokens`), prompt suffixes 16, 64, 256..., rows prefilled together 1
+- every shape comes from a short fixed ladder (`Ladders`, pool_programs.py): pool rows 1, 8,
+  64..., pool slots 256, 2048... (then `slot_tokens`), prompt suffixes 16, 64, 256..., rows prefilled together 1
   or 4, and rows read or saved together 1 or 8 (more go 4 or 8 at a time). So the programs
   are few and all known at construction: `warmup()` compiles every one (a server does it
   before it answers), after which no request waits on a compile
