@@ -158,13 +158,6 @@ def run_torch(spec: dict) -> dict:
     return dict(times=each_call(spec, run_call), torch_version=torch.__version__)
 
 
-def child_main(f) -> None:
-    load_at_start = os.getloadavg()[0]
-    spec = side_process.read_spec(f.spec)
-    result = run_jax(spec) if f.side == "jax" else run_torch(spec)
-    side_process.write_result(f.result, result, load_at_start)
-
-
 def parent_main(f) -> None:
     from benchmarks.common import SHAPES, model_config
 
@@ -259,7 +252,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     if f.side:
-        child_main(f)
+        side_process.child_main(f, run_jax, run_torch)
     else:
         parent_main(f)
 

@@ -91,6 +91,15 @@ def read_spec(path: str) -> dict:
         return json.load(f)
 
 
+def child_main(f, run_jax, run_torch) -> None:
+    """A side's process (`--side`, `--spec`, `--result` flags `f`): runs `run_jax(spec)` or
+    `run_torch(spec)` and writes its result for the parent."""
+    load_at_start = os.getloadavg()[0]
+    spec = read_spec(f.spec)
+    result = run_jax(spec) if f.side == "jax" else run_torch(spec)
+    write_result(f.result, result, load_at_start)
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -193,13 +193,6 @@ def run_torch(spec: dict) -> dict:
                 threads=torch.get_num_threads(), torch_version=torch.__version__)
 
 
-def child_main(f) -> None:
-    load_at_start = os.getloadavg()[0]
-    spec = side_process.read_spec(f.spec)
-    result = run_jax(spec) if f.side == "jax" else run_torch(spec)
-    side_process.write_result(f.result, result, load_at_start)
-
-
 def parent_main(f) -> None:
     from benchmarks.common import model_config
 
@@ -304,7 +297,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     if f.side:
-        child_main(f)
+        side_process.child_main(f, run_jax, run_torch)
     else:
         parent_main(f)
 

@@ -14,7 +14,6 @@ persistent compilation cache there: a second run reads what the first one wrote)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import peer_args  # noqa: E402  (this folder: the flags every peer child shares)
 
 from rl_tpu import parallel  # noqa: E402
 from rl_tpu.models import hf  # noqa: E402
@@ -83,24 +83,14 @@ def grpo_step(sampler, learner, mesh, args, step: int, prompts: list[list[int]])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", required=True, help="HF dir of the shared random model")
-    parser.add_argument("--prompts_file", required=True,
-                        help="JSON of the prompt ids per step (benchmarks/peers.py writes it)")
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--completion", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="steady steps after the first")
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser = peer_args.parser(__doc__, "JSON of the prompt ids per step (benchmarks/peers.py "
+                              "writes it)")
     parser.add_argument("--cache_dir", default="",
                         help="XLA's persistent compilation cache here (empty: off)")
     args = parser.parse_args()
     if min(args.samples, args.completion) < 1 or args.steps < 0:
         raise SystemExit("--samples and --completion must be >= 1, --steps >= 0")
-    with open(args.prompts_file) as f:
-        per_step = [[p["ids"] for p in step] for step in json.load(f)["steps"]]
-    if len(per_step) < args.steps + 1:
-        raise SystemExit(f"{args.prompts_file} holds {len(per_step)} steps of prompts; "
-                         f"--steps {args.steps} needs {args.steps + 1}")
+    per_step = [[p["ids"] for p in step] for step in peer_args.prompt_steps(args)]
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

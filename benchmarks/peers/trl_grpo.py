@@ -17,7 +17,6 @@ advantages), the update the rest of the step (forward, backward, optimizer).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,6 +32,8 @@ import transformers  # noqa: E402
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import peer_args  # noqa: E402  (this folder: the flags every peer child shares)
 
 
 def even_fraction(prompts, completions, completion_ids, **_) -> list[float]:
@@ -70,25 +71,15 @@ def time_generation(trainer) -> tuple[list[float], list[int]]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--prompts_file", required=True,
-                        help="JSON of the prompt texts per step (benchmarks/peers.py writes it)")
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--completion", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="steady steps after the first")
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser = peer_args.parser(__doc__, "JSON of the prompt texts per step (benchmarks/peers.py "
+                              "writes it)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--gradient_checkpointing", action="store_true",
                         help="TRL's default; off here as on the other sides (no remat)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with open(args.prompts_file) as f:
-        per_step = json.load(f)["steps"]
-    if len(per_step) < args.steps + 1:
-        raise SystemExit(f"{args.prompts_file} holds {len(per_step)} steps of prompts; "
-                         f"--steps {args.steps} needs {args.steps + 1}")
-    prompts = [p["text"] for step in per_step[:args.steps + 1] for p in step]
+    per_step = peer_args.prompt_steps(args)
+    prompts = [p["text"] for step in per_step for p in step]
     n_prompts = len(per_step[0])
 
     t = time.perf_counter()

@@ -18,7 +18,6 @@ fraction of even ids) counts the ids of the text re-encoded. Timed: each global 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +34,8 @@ from tunix.models.qwen2 import params as qwen2_params
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
+
+import peer_args  # (this folder: the flags every peer child shares)
 
 
 def tunix_config(model_dir: str) -> qwen2_model.ModelConfig:
@@ -65,24 +66,13 @@ def timed_method(obj, name: str) -> list[float]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--prompts_file", required=True,
-                        help="JSON of the prompt texts per step (benchmarks/peers.py writes it)")
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--completion", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4, help="steady steps after the first")
-    parser.add_argument("--lr", type=float, default=1e-6)
-    args = parser.parse_args()
-    with open(args.prompts_file) as f:
-        per_step = json.load(f)["steps"]
-    if len(per_step) < args.steps + 1:
-        raise SystemExit(f"{args.prompts_file} holds {len(per_step)} steps of prompts; "
-                         f"--steps {args.steps} needs {args.steps + 1}")
+    args = peer_args.parser(__doc__, "JSON of the prompt texts per step (benchmarks/peers.py "
+                            "writes it)").parse_args()
+    per_step = peer_args.prompt_steps(args)
     # one array per batch: Tunix repeats each leaf of a batch G times (a list of strings would
     # be G-fold copies of every string)
     batches = [{"prompts": np.array([p["text"] for p in step])}
-               for step in per_step[:args.steps + 1]]
+               for step in per_step]
     prompt_len = len(per_step[0][0]["ids"])
 
     t = time.perf_counter()
