@@ -84,6 +84,8 @@ def _forward(q, key, value, segment_ids, block: int):
     outs, lses = [], []
     for start, end in _blocks(t, block):
         q_rows = _fold_rows(q[:, start:end], k)
+        if outs:  # one block's scores at a time, not every block's at once
+            q_rows = after(lses[-1], q_rows)
         s = _scores(q_rows, key, segment_ids, start, end, g)
         lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, C]
         p = jnp.exp(s - lse[..., None]).astype(value.dtype).reshape(b, k, -1, end)

@@ -205,8 +205,8 @@ class Learner:
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         shape = batch["tokens"].shape
         out = dict(batch)
-        if self.proximal_from_step:  # the policy step takes its own
-            ...
+        if self.proximal_from_step:
+            pass
         elif self.cfg.recompute_proximal:
             logprobs = self.program("logprobs", *shape)
             out["old_logprobs"], _ = logprobs(self.policy.params, inputs)
