@@ -269,26 +269,17 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
 
 def learner_programs(planned: Plan) -> list[ProgramMemory]:
     """policy_update and score (and critic_update, values) at the plan's batch shape."""
-    learner, mesh, rows, length = planned.learner, planned.mesh, planned.rows, planned.length
-    state, critic, params = learner.policy, learner.critic, planned.params
-    keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages",
-            "behaviour_logprobs"] + ([] if learner.proximal_from_step else ["old_logprobs"])
+    learner, rows, length = planned.learner, planned.rows, planned.length
+    batch_keys = ["behaviour_logprobs"]
     if learner.cfg.use_reference:
-        keys.append("ref_logprobs")
-    batch = rollout_batch(rows, length, mesh, keys)
+        batch_keys.append("ref_logprobs")
     if learner.loss_cfg.fixed_normalizer is not None:
-        batch["length_normalizer"] = _sds((rows,), jnp.float32, batch["tokens"].sharding)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = _sds(key.shape, key.dtype, NamedSharding(mesh, P()))
-    inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
-    program = functools.partial(learner.program, rows=rows, length=length)
-    out = [_memory("policy_update", program("policy_update").lower(state, batch, key)),
-           _memory("score", program("logprobs").lower(params, inputs))]
-    if critic is not None:
-        value_batch = rollout_batch(rows, length, mesh, ["tokens", "positions", "segment_ids",
-                                                         "loss_mask", "values", "returns"])
-        out += [_memory("critic_update", program("value_update").lower(critic, value_batch, key)),
-                _memory("values", program("values").lower(critic.params, inputs))]
+        batch_keys.append("length_normalizer")
+    lower = functools.partial(learner.lower, rows=rows, length=length, batch_keys=batch_keys)
+    out = [_memory("policy_update", lower("policy_update")), _memory("score", lower("logprobs"))]
+    if learner.critic is not None:
+        out += [_memory("critic_update", lower("value_update")),
+                _memory("values", lower("values"))]
     micro = {"policy_update": learner.update_micro_batches(rows, length),
              "score": learner.score_micro_batches(rows, length)}
     micro.update(critic_update=micro["policy_update"], values=micro["score"])

@@ -45,6 +45,9 @@ def even_fraction(ids) -> float:
 def grpo_step(sampler, learner, mesh, args, step: int, prompts: list[list[int]]) -> dict:
     times = {}
     t = time.perf_counter()
+    if step == 1 and args.compile_ahead:  # the update compiles while the first rollout samples
+        learner.compile_ahead(len(prompts) * args.samples, len(prompts[0]) + args.completion,
+                              ["behaviour_logprobs"])
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=args.completion, ignore_eos=True,
                                                   temperature=1.0, seed=step * 1000 + i))
                 for i, p in enumerate(prompts) for _ in range(args.samples)]
@@ -85,6 +88,9 @@ def grpo_step(sampler, learner, mesh, args, step: int, prompts: list[list[int]])
 def main():
     parser = peer_args.parser(__doc__, "JSON of the prompt ids per step (benchmarks/peers.py "
                               "writes it)")
+    parser.add_argument("--compile_ahead", type=int, default=1,
+                        help="1: the first step compiles the update on a background thread "
+                        "while it samples (Learner.compile_ahead); 0: in turn")
     parser.add_argument("--cache_dir", default="",
                         help="XLA's persistent compilation cache here (empty: off)")
     args = parser.parse_args()

@@ -87,11 +87,17 @@ def _forward(q, key, value, segment_ids, block: int):
         if outs:  # one block's scores at a time, not every block's at once
             q_rows = after(lses[-1], q_rows)
         s = _scores(q_rows, key, segment_ids, start, end, g)
-        lse = jax.nn.logsumexp(s, axis=-1)  # [B, K, G, C]
-        p = jnp.exp(s - lse[..., None]).astype(value.dtype).reshape(b, k, -1, end)
-        out = jax.lax.dot_general(p, value[:, :, :end], (((3,), (2,)), ((0, 1), (0, 1))))
-        outs.append(_unfold_rows(out, n))
-        lses.append(lse)
+        # one exp per score (logsumexp then exp(s - lse) took two): the unnormalised
+        # probabilities' matmul with v first, then each row divided by its sum
+        top = jnp.max(s, axis=-1, keepdims=True)  # [B, K, G, C, 1]; finite: no row is empty
+        e = jnp.exp(s - top)
+        total = jnp.sum(e, axis=-1)  # [B, K, G, C]
+        out = jax.lax.dot_general(e.astype(value.dtype).reshape(b, k, -1, end), value[:, :, :end],
+                                  (((3,), (2,)), ((0, 1), (0, 1))),
+                                  preferred_element_type=jnp.float32)  # [B, K, G*C, H]
+        out = out / total.reshape(b, k, -1)[..., None]
+        outs.append(_unfold_rows(out.astype(value.dtype), n))
+        lses.append(top[..., 0] + jnp.log(total))
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=-1)
 
 

@@ -28,10 +28,11 @@ shuffling (`shuffle=False`, or one minibatch and one epoch) no row moves between
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,7 @@ class Learner:
         self._data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
         self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
         self._programs: dict[tuple, Any] = {}  # (phase, micro-batches) -> jitted function
+        self._ahead: Optional[concurrent.futures.Future] = None  # compile_ahead's, until read
 
     # -- micro-batches and programs -------------------------------------------------------
 
@@ -202,6 +204,7 @@ class Learner:
     def score(self, batch: dict) -> dict:
         """Adds old_logprobs (unless `proximal_from_step`; and ref_logprobs, values) to a
         global batch."""
+        self._join_ahead()
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         shape = batch["tokens"].shape
         out = dict(batch)
@@ -230,11 +233,8 @@ class Learner:
     def update(self, batch: dict, step: int = 0) -> dict[str, float]:
         """E epochs x N minibatches of the policy step (then the value step); host metrics.
         `step` (the RL step) seeds the minibatch permutations."""
-        keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages"]
-        if not self.proximal_from_step:
-            keys.append("old_logprobs")
-        keys += [k for k in ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
-                 if k in batch]
+        self._join_ahead()
+        keys = self.update_keys(batch)
         key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)
         shape = batch["tokens"].shape
         self.policy, stacked = self.program("policy_update", *shape)(
@@ -267,6 +267,81 @@ class Learner:
         non_finite = self.non_finite_params()
         if non_finite:
             raise NonFiniteParamsError.after_update(step, non_finite, last_checkpoint())
+
+    # -- compiling ahead ------------------------------------------------------------------
+
+    def update_keys(self, batch_keys) -> list[str]:
+        """The batch arrays the policy update reads, given the keys a batch carries."""
+        keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages"]
+        if not self.proximal_from_step:
+            keys.append("old_logprobs")
+        return keys + [k for k in OPTIONAL_UPDATE_KEYS if k in batch_keys]
+
+    def phases(self) -> list[str]:
+        """The programs `score` and `update` run, in the order they run them."""
+        out = ["logprobs"] if self.cfg.recompute_proximal and not self.proximal_from_step else []
+        out += ["ref_logprobs"] if self.reference_params is not None else []
+        out += ["values"] if self.critic is not None else []
+        return out + ["policy_update"] + (["value_update"] if self.critic is not None else [])
+
+    def lower(self, phase: str, rows: int, length: int, batch_keys: Sequence[str] = ()):
+        """`phase`'s program (see `program`) for a [rows, length] batch carrying `batch_keys`
+        (of OPTIONAL_UPDATE_KEYS) as trajectories_to_batch makes it, lowered against
+        ShapeDtypeStructs of its inputs: nothing runs and nothing is allocated. What
+        aot.check measures on a TPU topology and `compile_ahead` compiles here."""
+        rows_sharded = self._batch_sharding
+        batch = {k: _abstract_array((rows, length), _BATCH_DTYPES.get(k, jnp.float32),
+                                    rows_sharded)
+                 for k in ("tokens", "positions", "segment_ids", "loss_mask", "advantages",
+                           "old_logprobs", "behaviour_logprobs", "ref_logprobs", "values",
+                           "returns")}
+        batch["length_normalizer"] = _abstract_array((rows,), jnp.float32, rows_sharded)
+        inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+        # the key as `update` passes it: uncommitted (a committed replicated one is another
+        # jit cache entry, so the program compiled ahead would go unused)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        program = self.program(phase, rows, length)
+        if phase == "policy_update":
+            keys = self.update_keys(batch_keys)
+            return program.lower(_abstract(self.policy), {k: batch[k] for k in keys}, key)
+        if phase in ("logprobs", "ref_logprobs"):
+            params = self.policy.params if phase == "logprobs" else self.reference_params
+            return program.lower(_abstract(params), inputs)
+        if phase == "values":
+            return program.lower(_abstract(self.critic.params), inputs)
+        if phase == "value_update":
+            value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
+                                                 "loss_mask", "values", "returns")}
+            return program.lower(_abstract(self.critic), value_batch, key)
+        raise ValueError(f"unknown learner phase {phase!r}")
+
+    def compile_ahead(self, rows: int, length: int,
+                      batch_keys: Sequence[str] = ()) -> concurrent.futures.Future:
+        """Compiles the programs a [rows, length] batch carrying `batch_keys` will run
+        (`phases`) on a background thread, and returns at once: the caller samples the first
+        rollout meanwhile, and XLA (which releases the GIL while it compiles) uses a core
+        the sampler leaves. jit's cache then holds them, so the first `score` / `update` at
+        that shape compiles nothing; both wait for this first (two compiles of one program
+        at once would both run). A batch of another shape compiles as it would have: the
+        guess costs background compile time, never a wrong program. The future's result:
+        the phases compiled; its exception is raised by the next `score` / `update` too."""
+        self._join_ahead()
+        phases = self.phases()
+        for phase in phases:  # the jitted functions built here: the thread only reads them
+            self.program(phase, rows, length)
+
+        def compile_all():
+            for phase in phases:
+                self.lower(phase, rows, length, batch_keys).compile()
+            return phases
+
+        self._ahead = _AHEAD.submit(compile_all)
+        return self._ahead
+
+    def _join_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
 
     # -- compiled pieces ------------------------------------------------------------------
 
@@ -309,6 +384,28 @@ class Learner:
         return jax.jit(update,
                        in_shardings=(state_shardings, self._batch_sharding, self._replicated),
                        out_shardings=(state_shardings, self._replicated), donate_argnums=0)
+
+
+# Batch arrays the policy update reads when a batch carries them (besides the ones it always
+# reads), and the batch's dtypes other than float32 (as rollout_batch.trajectories_to_batch
+# makes them).
+OPTIONAL_UPDATE_KEYS = ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
+_BATCH_DTYPES = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32,
+                     loss_mask=jnp.bool_)
+# One thread: compiles ahead queue behind each other rather than take both cores from a
+# sampler that is running its own.
+_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-compile-ahead")
+
+
+def _abstract_array(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _abstract(tree):
+    """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs of the same shardings."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=getattr(x, "sharding", None)),
+                        tree)
 
 
 def _critic_values(value_model: ValueModel, micro_batches: int, params, batch):

@@ -11,6 +11,7 @@ from rl_tpu.models import tiny
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel, value_params_from
 from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.train import steps
 from rl_tpu.train.learner import Learner, UpdateConfig
 from rl_tpu.train.state import create_state
@@ -174,3 +175,38 @@ def test_params_made_non_finite_are_named_with_the_step_and_last_checkpoint():
     with pytest.raises(FloatingPointError, match="the policy and critic params hold NaN or inf"
                        ".*no checkpoint was saved before it.*a rerun of this one starts over"):
         learner.check_finite(1, lambda: None)
+
+
+def _compiled_during(fn) -> dict[str, int]:
+    counter = CompileCounter()
+    with counter.counting():
+        fn()
+    return counter.by_name()
+
+
+def _score_and_update(learner, batch):
+    scored = learner.score(batch)  # the batch's own advantages stand in for the returns too
+    learner.update(dict(scored, returns=scored["advantages"]))
+
+
+def test_programs_compiled_ahead_leave_the_first_update_nothing_to_compile():
+    # two epochs: the score pass runs; a critic: its value pass and value step too
+    ahead, behind = (_learner(critic=True, epochs=2) for _ in range(2))
+    batch = _batch(16)
+    future = ahead.compile_ahead(ROWS, 16)
+    assert future.result() == ["logprobs", "values", "policy_update", "value_update"]
+    # the programs' names: both steps are jit(update), the log-prob pass jit(fn)
+    programs = {"jit(update)": 2, "jit(fn)": 1, "jit(_critic_values)": 1}
+    compiled = _compiled_during(lambda: _score_and_update(ahead, batch))
+    assert not set(programs) & set(compiled), compiled
+    # the same learner not told ahead compiles them in its first update
+    compiled = _compiled_during(lambda: _score_and_update(behind, batch))
+    assert {name: compiled.get(name) for name in programs} == programs, compiled
+    # the same numbers either way
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 ahead.policy.params, behind.policy.params)
+    # a batch of another length than the one guessed compiles as it always did
+    other = _batch(8)
+    ahead.compile_ahead(ROWS, 16)
+    compiled = _compiled_during(lambda: _score_and_update(ahead, other))
+    assert compiled.get("jit(update)") == 2, compiled
