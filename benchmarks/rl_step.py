@@ -81,7 +81,7 @@ def one_step(sampler, learner, mesh, prompts, args, step, rng):
     times["update"] = time.perf_counter() - t
     t = time.perf_counter()
     sampler.update_weights(learner.policy.params, str(step))
-    jax.block_until_ready(jax.tree.leaves(sampler._params))
+    jax.block_until_ready(jax.tree.leaves(sampler.weights()[0]))
     times["sync"] = time.perf_counter() - t
     times["total"] = sum(times.values())
     return times

@@ -66,7 +66,7 @@ def measure(shape: str, copy_dtypes: list[str], f) -> list[list]:
 
         def copy():
             sampler.update_weights(holder["state"].params, "bench")
-            return sampler._params
+            return sampler.weights()[0]
 
         copy_ms = median_ms(copy, f.repeats)
         rows.append([shape, f"{cfg.num_params() / 1e6:.1f}M", f"{params_bytes / 2**20:.2f} MiB",

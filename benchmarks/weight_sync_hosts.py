@@ -62,7 +62,7 @@ def worker(shapes: list[str], repeats: int) -> None:
                 multihost_utils.sync_global_devices(f"{shape}-{name}-{i}")
                 start = time.perf_counter()
                 sampler.update_weights(to_engine(), f"{name}{i}")
-                jax.block_until_ready(sampler._weights()[0])
+                jax.block_until_ready(sampler.weights()[0])
                 times.append(time.perf_counter() - start)
             ms[name] = 1000 * float(np.median(times[1:]))
         mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 2 ** 20

@@ -82,7 +82,7 @@ def default_parse_action(text: str) -> str:
     return text.strip()
 
 
-class _Episode:
+class Episode:
     """Mutable state of one episode while the loop runs."""
 
     def __init__(self, index: int, task: Task, group_id: int, sample_index: int):
@@ -172,7 +172,7 @@ def _play_groups(
     group_id_offset: int = 0,
     group_ids: Optional[Sequence[int]] = None,
     token_budget: Optional[int] = None,
-    resume: Sequence["_Episode"] = (),
+    resume: Sequence["Episode"] = (),
     paused: Optional[list] = None,
     forker=None,
 ) -> Iterator[tuple[int, list[Trajectory]]]:
@@ -249,7 +249,7 @@ def _play_groups(
     if forker is not None and (token_budget is not None or resume):
         raise ValueError("branching rollouts do not combine with partial rollouts")
     played = 1 if forker is not None else samples_per_task  # the forker makes the others
-    fresh = [_Episode(ti * played + s, task, int(group_ids[ti]), s)
+    fresh = [Episode(ti * played + s, task, int(group_ids[ti]), s)
              for ti, task in enumerate(tasks) for s in range(played)]
     episodes = fresh + list(resume)
     if num_threads is None:
@@ -262,7 +262,7 @@ def _play_groups(
         groups, size = [[ep] for ep in episodes], 1
     handed_on: set[int] = set()
     try:
-        _start(fresh, make_env, tokenizer, workers, max_context_tokens)
+        start_episodes(fresh, make_env, tokenizer, workers, max_context_tokens)
         if forker is not None:
             forker.bind(groups, make_env, tokenizer, workers, max_turns, max_context_tokens)
         for _ in _play(episodes, engine, tokenizer, workers, max_turns, max_new_tokens_per_turn,
@@ -273,7 +273,8 @@ def _play_groups(
                         and all(ep.finish is not None for ep in group)):
                     handed_on.add(ti)
                     _close_envs(group, workers)
-                    yield ti, [_finalize(ep, reward_reduce) for ep in group]
+                    yield ti, [_finalize(ep, reward_reduce, max_turns, max_new_tokens_per_turn)
+                               for ep in group]
     finally:
         _close_envs(episodes, workers)
         workers.shutdown()
@@ -290,8 +291,8 @@ def play_episodes(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Seq
 
 
 def play_partial(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence[Task], *,
-                 token_budget: int, resume: Sequence["_Episode"] = (), **kwargs
-                 ) -> tuple[list[Trajectory], list["_Episode"]]:
+                 token_budget: int, resume: Sequence["Episode"] = (), **kwargs
+                 ) -> tuple[list[Trajectory], list["Episode"]]:
     """Partial rollouts: plays `resume` (episodes paused by an earlier call, with their envs)
     and fresh episodes of `tasks` until `token_budget` generated tokens are spent. Returns the
     trajectories that ended (in any order: group them by `group_id`) and the episodes still
@@ -305,7 +306,7 @@ def play_partial(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequ
     return ended, paused
 
 
-def close_paused(episodes: Sequence["_Episode"]) -> None:
+def close_paused(episodes: Sequence["Episode"]) -> None:
     """Closes the envs of paused episodes that will not be resumed."""
     for ep in episodes:
         if not ep.abandoned:
@@ -313,7 +314,7 @@ def close_paused(episodes: Sequence["_Episode"]) -> None:
         ep.env = None
 
 
-def paused_task(ep: "_Episode") -> tuple[int, Task]:
+def paused_task(ep: "Episode") -> tuple[int, Task]:
     """The (group id, task) a paused episode plays: what a restarted producer plays again."""
     return ep.group_id, ep.task
 
@@ -366,7 +367,7 @@ def conversation_start(env: Env) -> list[dict]:
     return [dict(m) for m in start]
 
 
-def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
+def start_episodes(episodes, make_env, tokenizer, workers, max_context_tokens):
     """Builds and resets every env in parallel; tokenizes each first prompt."""
 
     def start(ep):
@@ -378,7 +379,7 @@ def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
         return call
 
     for ep, outcome in zip(episodes, workers.map([start(ep) for ep in episodes])):
-        if _failed(ep, outcome, "make_env/reset/conversation_start"):
+        if ended_on_failure(ep, outcome, "make_env/reset/conversation_start"):
             continue
         first, start_messages = outcome.value
         if not isinstance(first, str):
@@ -394,7 +395,7 @@ def _start(episodes, make_env, tokenizer, workers, max_context_tokens):
                                     f"left within max_context_tokens={max_context_tokens}")
 
 
-def _failed(ep: _Episode, outcome: Outcome, what: str) -> bool:
+def ended_on_failure(ep: Episode, outcome: Outcome, what: str) -> bool:
     """Ends the episode on a failed env call; a stuck env is closed once its call returns."""
     if outcome.error is None:
         return False
@@ -469,7 +470,7 @@ def _play(episodes, engine, tokenizer, workers, max_turns, max_new, max_context,
             _add_observation(ep, outcome, ep.turn - 1, tokenizer, max_turns, max_context)
 
 
-def _add_generation(ep: _Episode, request: GenerateRequest, result: GenerateResult,
+def _add_generation(ep: Episode, request: GenerateRequest, result: GenerateResult,
                     tokenizer: ChatTokenizer, stop_ids: set, parse_action, max_context: int,
                     max_new: int, capped: bool = False) -> bool:
     """Appends one generation to its episode; True when the turn's action is ready to step."""
@@ -541,12 +542,12 @@ def _content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_id
     return tokenizer.decode(ids)
 
 
-def _add_observation(ep: _Episode, outcome: Outcome, turn: int, tokenizer: ChatTokenizer,
+def _add_observation(ep: Episode, outcome: Outcome, turn: int, tokenizer: ChatTokenizer,
                      max_turns: int, max_context: int):
     if ep.pending_invalid is None:  # the env was stepped
         ep.info["env_steps"] += 1
         ep.info["env_step_s"] += outcome.seconds
-    if _failed(ep, outcome, f"step (turn {turn})"):
+    if ended_on_failure(ep, outcome, f"step (turn {turn})"):
         return
     result = outcome.value
     if not isinstance(result, StepResult) or not isinstance(result.observation, str):
@@ -576,8 +577,13 @@ def _add_observation(ep: _Episode, outcome: Outcome, turn: int, tokenizer: ChatT
     ep.extend(new[len(ep.tokens):], generated=False, turn=turn)
 
 
-def _finalize(ep: _Episode, reward_reduce) -> Trajectory:
+def _finalize(ep: Episode, reward_reduce, max_turns: int, max_new_tokens_per_turn: int
+              ) -> Trajectory:
     ep.info["step_infos"] = ep.step_infos
+    # The horizon and budget it was played with (a partial rollout's: the call that ended it),
+    # for whatever reads them later, a step or more after a free-running producer sampled it
+    # (Dr.GRPO's normaliser, the rollout metrics).
+    ep.info["max_turns"], ep.info["max_new_tokens_per_turn"] = max_turns, max_new_tokens_per_turn
     reward = float(reward_reduce(ep.rewards))
     if "branch_turn" in ep.info:  # a branch's own reward: its turns from the fork on
         own = ep.rewards[ep.info["branch_turn"]:]

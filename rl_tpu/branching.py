@@ -148,17 +148,17 @@ class _Forker:
                     branch = _copy_episode(trunk, len(episodes), s)
                     copies.append((branch, trunk))
                 else:  # the trunk ended before its fork turn: fork at the start instead
-                    branch = agent._Episode(len(episodes), trunk.task, trunk.group_id, s)
+                    branch = agent.Episode(len(episodes), trunk.task, trunk.group_id, s)
                     branch.info["branch_turn"] = 0
                     fresh.append(branch)
                 episodes.append(branch)
                 group.append(branch)
         if fresh:
-            agent._start(fresh, self.make_env, self.tokenizer, self.workers, self.max_context)
+            agent.start_episodes(fresh, self.make_env, self.tokenizer, self.workers, self.max_context)
         outcomes = self.workers.map([_replay_call(branch, trunk, self.make_env)
                                      for branch, trunk in copies])
         for (branch, _), outcome in zip(copies, outcomes):
-            if not agent._failed(branch, outcome, "replaying the trunk's actions"):
+            if not agent.ended_on_failure(branch, outcome, "replaying the trunk's actions"):
                 branch.info["replay_steps"] = outcome.value
                 branch.info["replay_s"] = outcome.seconds
 
@@ -167,7 +167,7 @@ def _copy_episode(trunk, index: int, sample_index: int):
     """A copy of the trunk's state (everything but its env), as branch `sample_index`."""
     env, trunk.env = trunk.env, None
     try:
-        branch = copy.deepcopy(trunk)  # every field, so one added to _Episode is copied too
+        branch = copy.deepcopy(trunk)  # every field, so one added to Episode is copied too
     finally:
         trunk.env = env
     branch.index, branch.abandoned = index, False

@@ -52,7 +52,7 @@ def main(model_dir, out_prefix):
         with no_host_transfers():
             start = time.perf_counter()
             sampler.update_weights(parallel.host_copies(new), version)
-            jax.block_until_ready(sampler._weights()[0])
+            jax.block_until_ready(sampler.weights()[0])
             times.append(time.perf_counter() - start)
     # The guard does catch a host round trip: the old sync gathered the params to numpy on
     # every host, then the sampler put them back on its devices. (On CPU the device-to-host
@@ -66,7 +66,7 @@ def main(model_dir, out_prefix):
             caught = f"{type(err).__name__}: {str(err)[:120]}"
     results = sampler.generate([GenerateRequest(p, SamplingParams(
         max_new_tokens=8, temperature=0.0, ignore_eos=True)) for p in PROMPTS])
-    held = sum(x.nbytes for x in jax.tree.leaves(sampler._weights()[0])) // 4
+    held = sum(x.nbytes for x in jax.tree.leaves(sampler.weights()[0])) // 4
     with open(f"{out_prefix}.{jax.process_index()}.json", "w") as f:
         json.dump(dict(outputs=[r.output_ids for r in results], version=results[0].weight_version,
                        sync_s=times, caught=caught, bytes_per_device=held), f)

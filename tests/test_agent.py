@@ -309,6 +309,8 @@ def test_turn_limit(tok):
     assert fast.finish == "done" and fast.num_turns == 1 and fast.success
     for t in trajs:
         check_invariants(tok, t, engine)
+        # the horizon and budget it was played with, for a trainer steps later
+        assert (t.info["max_turns"], t.info["max_new_tokens_per_turn"]) == (2, 32)
 
 
 def test_context_limit_observation_does_not_fit(tok):

@@ -75,7 +75,7 @@ def grpo_step(sampler, learner, mesh, args, step: int, prompts: list[list[int]])
     t = time.perf_counter()
     learner.update(batch)
     sampler.update_weights(learner.policy.params, str(step))
-    jax.block_until_ready(jax.tree.leaves(sampler._params))
+    jax.block_until_ready(jax.tree.leaves(sampler.weights()[0]))
     times["train"] = time.perf_counter() - t  # the update and the weight copy to the sampler
     times["update"] = times["score"] + times["train"]
     times["step"] = times["sample"] + times["update"]

@@ -71,11 +71,11 @@ class BabyAITeacher:
         # The thought restates the goal each turn, so the words an action must copy sit right
         # before it instead of turns back in the first observation (a tiny model's attention
         # copies from near far more easily than it finds the mission line).
-        return f"Thought: {env._env.mission}.\nAction: {self._action(env)}"
+        return f"Thought: {env.mission}.\nAction: {self._action(env)}"
 
     def _action(self, env) -> str:
-        available = env._available()
-        mission = parse_mission(env._env.mission)
+        available = env.available_actions()
+        mission = parse_mission(env.mission)
         if mission is not None:
             verb, colour, kind = mission
             prefix = _VERB_ACTION[verb]

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh
 
 from rl_tpu import parallel
@@ -25,6 +26,11 @@ from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
 
 log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int, what: int = 0) -> int:
+    """The sampling seed of one step (and purpose), for every driver: fresh each step, the same on a rerun."""
+    return int(np.random.SeedSequence([seed, step, what]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:

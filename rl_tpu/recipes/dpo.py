@@ -44,7 +44,6 @@ from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.recipes import components, sft
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
-from rl_tpu.recipes.rl import step_seed
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.rollout_batch import UNSCORED_FINISHES
@@ -89,7 +88,7 @@ def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
     if mine is None:  # this host's share of the round's tasks, saved for a resume
         offset, tasks = chain.host_tasks(r, loop.tasks_per_round)
         trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
-                              loop.samples_per_task, step_seed(config.seed, r, 30),
+                              loop.samples_per_task, components.step_seed(config.seed, r, 30),
                               first_position=offset)
         pairs, unscored = online_pairs(trajectories)
         mine = {"pairs": pairs, "sampled": len(trajectories), "unscored": unscored,

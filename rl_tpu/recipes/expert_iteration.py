@@ -19,12 +19,11 @@ fine-tunes on the same set), so a resumed round trains on exactly what it sample
 
 from __future__ import annotations
 
-
 import ml_collections
 
+from rl_tpu.recipes import components
 from rl_tpu.recipes.experience import ExpertSet, read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
-from rl_tpu.recipes.rl import step_seed
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -54,7 +53,7 @@ def sample_round(chain: PolicyChain, r: int, params) -> ExpertSet:
     if mine is None:
         offset, tasks = chain.host_tasks(r, loop.tasks_per_round)
         trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
-                              loop.samples_per_task, step_seed(config.seed, r, 20),
+                              loop.samples_per_task, components.step_seed(config.seed, r, 20),
                               first_position=offset)
         found = ExpertSet(loop.reward_threshold)
         found.add(trajectories)

@@ -70,11 +70,6 @@ REFERENCE = "reference"  # the frozen reference policy: saved once per run, not 
 FINISHED_FILE = "finished.json"  # written last by Trainer.finish: the run reached its end
 
 
-def step_seed(seed: int, step: int, what: int = 0) -> int:
-    """The sampling seed of one step (and purpose): fresh each step, the same on a rerun."""
-    return int(np.random.SeedSequence([seed, step, what]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
 def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
         ) -> dict[str, float]:
     """Trains with RL per `config`; returns the final eval metrics. `trainer_class`: a
@@ -320,10 +315,11 @@ class Trainer:
         keys = algorithms.batch_keys(trajectories, self.config.algo)
         arrays = {k: host[k] for k in keys}
         if self.learner.loss_cfg.aggregation == "fixed_normalizer":
-            # Dr.GRPO's constant normaliser is the step's generation budget (SIRI moves it):
-            # a [B] array in the batch, so one compiled update serves every budget.
-            arrays["length_normalizer"] = np.full(
-                len(host["tokens"]), _budget(self.config, step - 1), np.float32)
+            # Dr.GRPO's constant normaliser is the generation budget (SIRI moves it) each row
+            # was sampled with: a [B] array in the batch, so one compiled update serves every
+            # budget, and a stale row keeps the budget of the chunk that sampled it.
+            arrays["length_normalizer"] = rollout_batch.sampled_budgets(
+                trajectories, len(host["tokens"]), _budget(self.config, step - 1))
         return parallel.host_to_global(arrays, self.mesh)
 
     def score(self, batch: dict) -> dict:
@@ -356,7 +352,7 @@ class Trainer:
         with serving as engine:
             result = components.evaluate_policy(self.config, engine, self.make_env,
                                                 self.eval_list, self.tokenizer,
-                                                step_seed(self.config.seed, step, 1))
+                                                components.step_seed(self.config.seed, step, 1))
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 
@@ -467,28 +463,33 @@ class Trainer:
                              keep_stale=config.rollout.mask_stale_tokens,
                              shared_with_eval=self.eval_engine is self.engine)
 
-    def _episode_args(self, tasks: list, chunk: int, round_index: int) -> dict:
+    def episode_args(self, tasks: list, chunk: int, round_index: int) -> dict:
+        """The episode loop's keyword arguments for chunk `chunk`'s tasks: the chunk's plan
+        (its horizon, budget and seeds, worked out here alone) and sampling; self-play's
+        solver plays with the same. The loop records the horizon and budget on each
+        trajectory (info), where the normaliser and the metrics read them, however many steps
+        later a free-running producer's rows are trained on."""
         config, env_cfg = self.config, self.config.env
         return dict(
             tokenizer=self.tokenizer, max_turns=_horizon(config, chunk - 1),
             group_ids=[p for p, _ in tasks], max_new_tokens_per_turn=_budget(config, chunk - 1),
             max_context_tokens=env_cfg.max_context_tokens,
             sampling=components.sampling_params(
-                config, step_seed(config.seed, chunk, 10 + round_index)),
+                config, components.step_seed(config.seed, chunk, 10 + round_index)),
             samples_per_task=config.train.samples_per_task,
             step_timeout_s=env_cfg.step_timeout_s, reward_reduce=env_cfg.reward_reduce)
 
     def _play_partial(self, tasks: list, chunk: int, round_index: int, resume: list):
         """Partial rollouts: the paused episodes `resume`, then `tasks`, within the chunk's
         token budget; (ended trajectories, episodes still running)."""
+        args = self.episode_args(tasks, chunk, round_index)
         ended, paused = play_partial(
             self.engine, self.make_env, [t for _, t in tasks],
-            token_budget=self.config.rollout.partial_token_budget, resume=resume,
-            **self._episode_args(tasks, chunk, round_index))
+            token_budget=self.config.rollout.partial_token_budget, resume=resume, **args)
         known = dict(tasks) | {ep.group_id: ep.task for ep in resume}
         for traj in ended:
             traj.info["task"] = (traj.group_id, known[traj.group_id])
-        algorithms.shape_overlong(ended, self.config.algo, _budget(self.config, chunk - 1))
+        algorithms.shape_overlong(ended, self.config.algo, args["max_new_tokens_per_turn"])
         return ended, paused
 
     def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
@@ -496,14 +497,14 @@ class Trainer:
         group id the task's global stream position (the same whichever host plays it)."""
         config = self.config
         play = algorithms.episode_player(config.algo, config.seed)  # TL-GRPO: branching
-        trajectories = play(self.engine, self.make_env, [t for _, t in tasks],
-                            **self._episode_args(tasks, chunk, round_index))
+        args = self.episode_args(tasks, chunk, round_index)
+        trajectories = play(self.engine, self.make_env, [t for _, t in tasks], **args)
         g = config.train.samples_per_task
         for i, traj in enumerate(trajectories):
             if traj.group_id != tasks[i // g][0]:
                 raise RuntimeError("the agent loop returned trajectories out of task order")
             traj.info["task"] = tasks[i // g]  # for a resumed producer to play it again
-        algorithms.shape_overlong(trajectories, config.algo, _budget(config, chunk - 1))
+        algorithms.shape_overlong(trajectories, config.algo, args["max_new_tokens_per_turn"])
         return trajectories
 
     def _rollout_metrics(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
@@ -521,8 +522,12 @@ class Trainer:
             "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
             "rollout/env_error_frac": stats["env_errors"] / n,
             "rollout/context_limit_frac": stats["context_limits"] / n,
+            # the schedules at this step (what chunk `step` is sampled with), and the budget
+            # the rows trained on were sampled with (earlier chunks' in free-running mode)
             "train/horizon": _horizon(self.config, step - 1),
-            "train/max_new_tokens": _budget(self.config, step - 1)}
+            "train/max_new_tokens": _budget(self.config, step - 1),
+            "rollout/max_new_tokens": float(np.mean(rollout_batch.sampled_budgets(
+                trajectories, len(trajectories), _budget(self.config, step - 1))))}
 
     def _prefill_metrics(self) -> dict[str, float]:
         """The embedded sampler's prompt tokens since the last call (eval's included): those

@@ -36,7 +36,7 @@ from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Task
 from rl_tpu.envs.selfplay import solve_task
 from rl_tpu.recipes import components, shapes
-from rl_tpu.recipes.rl import Trainer, run as run_trainer, step_seed
+from rl_tpu.recipes.rl import Trainer, run as run_trainer
 from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.trajectory import Trajectory
 
@@ -64,7 +64,7 @@ class SelfPlayTrainer(Trainer):
     def _play(self, tasks: list, chunk: int, round_index: int) -> list[Trajectory]:
         config = self.config
         g, s = config.train.samples_per_task, config.selfplay.solver_samples
-        args = self._episode_args(tasks, chunk, round_index)
+        args = self.episode_args(tasks, chunk, round_index)
         slots = [Task(f"propose/{pos}", {"role": "propose"}) for pos, _ in tasks]
         proposals = run_episodes(self.engine, self.make_env, slots, **args)
         for i, traj in enumerate(proposals):
@@ -82,7 +82,7 @@ class SelfPlayTrainer(Trainer):
                                group_ids=[SOLVER_GROUPS + tasks[i // g][0] * g + i % g
                                           for i, _ in valid],
                                sampling=components.sampling_params(
-                                   config, step_seed(config.seed, chunk, 50 + round_index)))
+                                   config, components.step_seed(config.seed, chunk, 50 + round_index)))
             solutions = run_episodes(self.engine, self.make_env, solver_tasks, **solver_args)
         for traj in solutions:
             traj.info["role"] = "solve"

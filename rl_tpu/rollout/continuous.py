@@ -47,7 +47,7 @@ from rl_tpu.rollout.decoding import DecodeState, decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout.pool_programs import (Ladders, empty_pool, end_rows, fit, grow_pool,
                                           read_rows, scatter_rows)
-from rl_tpu.rollout.prefix_cache import _next_power_of_two
+from rl_tpu.rollout.prefix_cache import next_power_of_two
 from rl_tpu.rollout.sampler import JaxSampler
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class ContinuousBatcher:
 
     def __init__(self, sampler: JaxSampler, slots: int = 64, slot_tokens: int = 2048,
                  decode_chunk: int = 16, stop_width: int = 8):
-        page = sampler._prefix.page if sampler._prefix is not None else 1
+        page = sampler.prefix_cache.page if sampler.prefix_cache is not None else 1
         if slots < 1 or slot_tokens < 2 or slot_tokens % max(page, sampler.min_prompt_bucket):
             raise ValueError(
                 f"slots={slots}, slot_tokens={slot_tokens}: need at least one row of at least "
@@ -139,11 +139,11 @@ class ContinuousBatcher:
         # a prompt bucket that is not a power of two is a multiple of this (prefill chunks
         # must divide it)
         self._unit = max(sampler.min_prompt_bucket, sampler.prefill_chunk)
-        self.decode_chunk, self.stop_width = decode_chunk, _next_power_of_two(stop_width, 4)
+        self.decode_chunk, self.stop_width = decode_chunk, next_power_of_two(stop_width, 4)
         self.ladders = Ladders.build(slots, slot_tokens, self._unit)
         # without a prefix cache, prefills gather their (unused) prefix from one blank page:
         # every prefill is then the same program, the pool's
-        self._blank = None if sampler._prefix is not None else jax.device_put(
+        self._blank = None if sampler.prefix_cache is not None else jax.device_put(
             {n: tuple(np.zeros((1, sampler.cfg.num_kv_heads, sampler.min_prompt_bucket,
                                 sampler.cfg.head_dim), sampler.cfg.kv_dtype)
                       for _ in range(sampler.cfg.num_layers)) for n in ("k", "v")},
@@ -167,7 +167,7 @@ class ContinuousBatcher:
         cannot hold or the sampler refuses."""
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
-            self.sampler._check(req)
+            self.sampler.validate(req)
             prompt = -(-len(req.prompt_ids) // self._unit) * self._unit
             need = prompt + max(req.sampling.max_new_tokens, 1)
             if need > self.slot_tokens:
@@ -196,9 +196,9 @@ class ContinuousBatcher:
         start = time.monotonic()
         with sampler.compiles.counting() as counter:
             before = counter.count
-            params, _ = sampler._weights()
+            params, _ = sampler.weights()
             # (the prefix pool is fetched anew for each prefill: a save replaces its buffers)
-            pages = (sampler._prefix.ensure_pool if sampler._prefix is not None
+            pages = (sampler.prefix_cache.ensure_pool if sampler.prefix_cache is not None
                      else lambda: self._blank)
             page = pages()["k"][0].shape[2]
             for s_rung, slots in enumerate(ladders.slots):
@@ -219,8 +219,8 @@ class ContinuousBatcher:
                                   min_chunk=max(1, self.decode_chunk // 4))
                     for f in [f for f in ladders.group if f <= rows]:  # (F, rows, slots)
                         jax.block_until_ready(read_rows(pool, np.zeros((f,), np.int32)))
-                        if sampler._prefix is not None:
-                            sampler._prefix.warm_save(pool.cache, np.zeros((f,), np.int32))
+                        if sampler.prefix_cache is not None:
+                            sampler.prefix_cache.warm_save(pool.cache, np.zeros((f,), np.int32))
                     pool = end_rows(pool, np.zeros((rows,), bool))
                     if r_rung + 1 < len(ladders.rows):
                         grow_pool(pool, ladders.rows[r_rung + 1], slots, x)
@@ -292,9 +292,9 @@ class ContinuousBatcher:
 
     def _step(self) -> None:
         self._end_aborted_queued()
-        if not self.sampler._resume.is_set():  # paused: aborts still end rows, nothing decodes
+        if self.sampler.paused:  # paused: aborts still end rows, nothing decodes
             self._end_aborted_running()
-            self.sampler._resume.wait(timeout=0.05)
+            self.sampler.wait_resumed(timeout=0.05)
             return
         # aborted rows leave before the admission (a prefill can take longer than a chunk),
         # and again after it (rows aborted while they were being prefilled)
@@ -303,7 +303,7 @@ class ContinuousBatcher:
         self._end_aborted_running()
         if not self._active:
             return
-        params, version = self.sampler._weights()
+        params, version = self.sampler.weights()
         for row in self._active.values():
             if row.spans[-1][0] != version:
                 row.spans.append((version, int(self._counts[row.slot])))
@@ -328,7 +328,7 @@ class ContinuousBatcher:
             self._waiting = [row for row in self._waiting if not row.aborted]
         for row in ended:
             row.spans = [(self.sampler.weight_version, 0)]
-            row.ticket._set(row.index, self.sampler._result(
+            row.ticket._set(row.index, self.sampler.result(
                 row.request, np.zeros((0,), np.int32), np.zeros((0,), np.float32), False, True,
                 row.spans))
 
@@ -366,15 +366,13 @@ class ContinuousBatcher:
             return
         self.stop_width = width
         self._busy_since = time.monotonic()
-        matches: Optional[list] = [] if sampler._prefix is not None else None
+        matches: Optional[list] = [] if sampler.prefix_cache is not None else None
         try:
             self._reshape_pool(rows, slots)
-            with sampler._weights_lock:  # the prefix cache's generation goes with the weights
-                params, version = sampler._params, sampler._version
-                generation = sampler._prefix.generation if sampler._prefix is not None else 0
+            params, version, generation = sampler.snapshot()
             start = 0
             for group, (ids, lens, sampling) in zip(groups, arrays):
-                new, found = sampler._prefill(params, len(group), ids, lens, sampling, 0,
+                new, found = sampler.prefill_rows(params, len(group), ids, lens, sampling, 0,
                                               slots=slots, bucket=self._suffix_bucket(slots),
                                               blank_pool=self._blank)
                 # padding rows target past the pool: dropped. (Index arrays go in as numpy:
@@ -503,7 +501,7 @@ class ContinuousBatcher:
         for i, row in enumerate(ended):
             count = int(self._counts[row.slot])
             try:
-                result = self.sampler._result(
+                result = self.sampler.result(
                     row.request, tokens[i, :count], logprobs[i, :count],
                     bool(stopped[i]) and row not in aborted, row in aborted, row.spans)
             except Exception as err:  # noqa: BLE001 - this request's reply alone fails
@@ -516,7 +514,7 @@ class ContinuousBatcher:
     def _save_prefixes(self, ended: list[_Row], tokens: np.ndarray) -> None:
         """Ended rows' K/V into the prefix cache: slots 0..len+count-2 hold the prompt and
         every output id but the last (sampled, never fed back)."""
-        prefix = self.sampler._prefix
+        prefix = self.sampler.prefix_cache
         if prefix is None:
             return
         for generation in {row.generation for row in ended}:

@@ -136,7 +136,7 @@ class Plan:
     table: Optional[np.ndarray] = None
 
 
-def _next_power_of_two(n: int, floor: int) -> int:
+def next_power_of_two(n: int, floor: int) -> int:
     """The bucket of n: the power of two at or above it, at least `floor` (sampler's too)."""
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
@@ -211,7 +211,7 @@ class PrefixCache:
         if not (starts.any() or always):
             return Plan(matches, starts)
         longest = int((lens - starts).max())
-        q = bucket(longest) if bucket else _next_power_of_two(longest, min_bucket)
+        q = bucket(longest) if bucket else next_power_of_two(longest, min_bucket)
         suffix = np.zeros((b, q), np.int32)
         table = np.zeros((b, slots // self.page), np.int32)
         for i, m in enumerate(matches):

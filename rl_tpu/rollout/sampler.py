@@ -25,7 +25,7 @@ from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
-from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, _next_power_of_two
+from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, next_power_of_two
 
 def _owned_copy(params, num_layers: int, dtype: Optional[str]):
     """Jitted with the sampler's out_shardings: unstacked, cast, and in buffers of its own.
@@ -215,7 +215,7 @@ class JaxSampler(RolloutEngine):
                         np.ones((b,), np.float32), np.full((b,), -1, i32), stop_ids, stop_ids,
                         keys)
             with self._device_lock:
-                params, _ = self._weights()
+                params, _ = self.weights()
                 state = prefill(self.model, params, np.zeros((b, p), i32), np.ones((b,), i32),
                                 *sampling, max_steps=steps, chunk=self.prefill_chunk)
                 jax.block_until_ready(decode(self.model, params, state,
@@ -224,7 +224,7 @@ class JaxSampler(RolloutEngine):
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
-            self._check(req)
+            self.validate(req)
         ids = [req.request_id for req in requests if req.request_id is not None]
         with self._control_lock:
             epoch = self._abort_epoch
@@ -260,6 +260,109 @@ class JaxSampler(RolloutEngine):
 
     def resume(self) -> None:
         self._resume.set()
+
+    # -- what a batcher over this sampler's programs uses (ContinuousBatcher) -----------
+
+    @property
+    def prefix_cache(self) -> Optional[PrefixCache]:
+        """The prefix cache (None with prefix_cache_tokens=0)."""
+        return self._prefix
+
+    def snapshot(self):
+        """(params, version, prefix-cache generation), read together: K/V computed with these
+        params may be saved under that generation (a weight update moves it on)."""
+        with self._weights_lock:
+            generation = self._prefix.generation if self._prefix is not None else 0
+            return self._params, self._version, generation
+
+    @property
+    def paused(self) -> bool:
+        return not self._resume.is_set()
+
+    def wait_resumed(self, timeout: Optional[float] = None) -> bool:
+        """Blocks while paused (at most `timeout` s); True once not paused."""
+        return self._resume.wait(timeout)
+
+    def validate(self, req: GenerateRequest) -> None:
+        """ValueError naming what is wrong with `req` for this sampler (its prompt ids, its
+        sampling numbers, stop strings without a tokenizer); None when it can run."""
+        if len(req.prompt_ids) == 0:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocab "
+                             f"[0, {self.cfg.vocab_size})")
+        if req.sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
+        # row_arrays keeps these in int32: a bigger number must be refused here, with its
+        # name, not fail while the row is built beside other requests' rows
+        s = req.sampling
+        for name, value in (("max_new_tokens", s.max_new_tokens),
+                            ("min_new_tokens", s.min_new_tokens), ("top_k", s.top_k),
+                            *((f"stop_token_ids[{i}]", t)
+                              for i, t in enumerate(s.stop_token_ids))):
+            low = -1 if name == "top_k" else 0
+            try:
+                fits = low <= value <= INT32_MAX
+            except TypeError:  # not a number at all
+                fits = False
+            if not fits:
+                raise ValueError(f"sampling {name}={value!r}: must be an integer in [{low}, "
+                                 f"{INT32_MAX}]")
+
+    def weights(self):
+        """(params, version) that decoding uses now, read together."""
+        with self._weights_lock:
+            return self._params, self._version
+
+    def prefill_rows(self, params, n: int, ids, lens, sampling, steps: int, slots: int = 0,
+                     bucket=None, blank_pool=None):
+        """(`prefill`, from the prefix pool when some of the n real rows of ids [B, P] have a
+        cached prefix; the lookups, None without a prefix cache).
+
+        With `slots` (a `ContinuousBatcher`): always the pool's form, into a cache of `slots`
+        slots with an output buffer of 1 (the pool holds the rest), the suffix bucketed by
+        `bucket`, from `blank_pool` (pages of nothing) without a prefix cache: one program per
+        (rows, suffix bucket, slots), whatever the prompt lengths."""
+        if slots:
+            return self._pool_prefill(params, n, ids, lens, sampling, slots, bucket,
+                                      blank_pool)
+        plan = None if self._prefix is None else self._prefix.plan(
+            ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket)
+        self._count_prefill(n, lens, plan)
+        matches = None if plan is None else plan.matches
+        if plan is None or plan.suffix is None:
+            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
+                           chunk=self.prefill_chunk), matches
+        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
+                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
+                       chunk=self.prefill_chunk), matches
+
+    def result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
+        """The GenerateResult of one row of `req`: its output ids and log-probs (numpy, as
+        decoded), whether it stopped on a stop id or was aborted, and its weight-version
+        spans [(version, first output index)]; stop strings cut here."""
+        s = req.sampling
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        if s.max_new_tokens == 0:
+            tokens, logprobs, stopped = [], [], False
+        if stopped:
+            finish, matched = "stop", tokens[-1]
+        else:
+            finish, matched = ("abort" if aborted else "length"), None
+        if s.stop:
+            cut = self._first_stop_string(tokens, s.stop)
+            if cut is not None:
+                end, text = cut
+                tokens, logprobs, finish, matched = tokens[:end], logprobs[:end], "stop", text
+        # The versions this sample was decoded with, as SGLang's meta_info.weight_versions.
+        used = [{"version": v, "start": start, "end": min(end, len(tokens))}
+                for (v, start), end in zip(spans, [e for _, e in spans[1:]] + [len(tokens)])
+                if start < len(tokens)] or [{"version": spans[0][0], "start": 0, "end": 0}]
+        return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
+                              weight_version=used[-1]["version"], matched_stop=matched,
+                              prompt_tokens=len(req.prompt_ids), info={"weight_versions": used},
+                              logprob_convention="full")
 
     # -- internals -----------------------------------------------------------------------
 
@@ -303,35 +406,6 @@ class JaxSampler(RolloutEngine):
                 f"{self.cfg.vocab_size}, hidden {self.cfg.hidden_size}): pass the params of the "
                 "model the sampler was built for (same ModelConfig), scanned or not")
 
-    def _check(self, req: GenerateRequest):
-        if len(req.prompt_ids) == 0:
-            raise ValueError("empty prompt: a request needs at least one prompt token")
-        bad = [t for t in req.prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocab "
-                             f"[0, {self.cfg.vocab_size})")
-        if req.sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
-        # row_arrays keeps these in int32: a bigger number must be refused here, with its
-        # name, not fail while the row is built beside other requests' rows
-        s = req.sampling
-        for name, value in (("max_new_tokens", s.max_new_tokens),
-                            ("min_new_tokens", s.min_new_tokens), ("top_k", s.top_k),
-                            *((f"stop_token_ids[{i}]", t)
-                              for i, t in enumerate(s.stop_token_ids))):
-            low = -1 if name == "top_k" else 0
-            try:
-                fits = low <= value <= INT32_MAX
-            except TypeError:  # not a number at all
-                fits = False
-            if not fits:
-                raise ValueError(f"sampling {name}={value!r}: must be an integer in [{low}, "
-                                 f"{INT32_MAX}]")
-
-    def _weights(self):
-        with self._weights_lock:
-            return self._params, self._version
-
     def _aborted_rows(self, rows, epoch: int, b: int) -> np.ndarray:
         with self._control_lock:
             all_aborted = epoch < self._abort_epoch
@@ -343,8 +417,8 @@ class JaxSampler(RolloutEngine):
 
     def _batch_shape(self, n: int, longest: int, max_new: int) -> tuple[int, int, int]:
         """(rows B, prompt bucket P, output bucket L) a batch of n rows is padded to."""
-        return (_next_power_of_two(n, 1), _next_power_of_two(longest, self.min_prompt_bucket),
-                _next_power_of_two(max(max_new, 1), self.min_new_bucket))
+        return (next_power_of_two(n, 1), next_power_of_two(longest, self.min_prompt_bucket),
+                next_power_of_two(max(max_new, 1), self.min_new_bucket))
 
     def _batches(self, rows) -> list[list]:
         """Consecutive runs of `rows`, each at most max_batch rows and, with a KV budget, at
@@ -372,10 +446,8 @@ class JaxSampler(RolloutEngine):
         aborted = np.zeros((b,), bool)
         with self._device_lock:
             self._resume.wait()
-            with self._weights_lock:  # the cache's generation goes with the weights
-                params, version = self._params, self._version
-                generation = self._prefix.generation if self._prefix is not None else 0
-            state, matches = self._prefill(params, n, ids, lens, sampling, steps)
+            params, version, generation = self.snapshot()
+            state, matches = self.prefill_rows(params, n, ids, lens, sampling, steps)
             spans = [(version, 0)]  # (version, first output index decoded with it)
             while True:
                 done = np.asarray(state.done)
@@ -387,7 +459,7 @@ class JaxSampler(RolloutEngine):
                 if done[:n].all():
                     break
                 self._resume.wait()
-                params, version = self._weights()
+                params, version = self.weights()
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
@@ -399,14 +471,14 @@ class JaxSampler(RolloutEngine):
                 seqs = [np.concatenate([ids[i, :lens[i]], tokens[i, :count[i] - 1]])
                         for i in range(n)]
                 self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation)
-        return [self._result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
+        return [self.result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
 
     def stop_width(self, requests) -> int:
         """X, the stop (and banned) ids a row of these requests holds: a power of two from 4,
         so eos ids, a few stop ids or none share one program (bans are the stop ids too, or
         nothing; see `_ban_ids`)."""
-        return _next_power_of_two(max(1, *(max(len(self._stop_ids(req)), len(
+        return next_power_of_two(max(1, *(max(len(self._stop_ids(req)), len(
             self._ban_ids(req))) for req in requests)), STOP_WIDTH)
 
     def row_arrays(self, rows, b: int, p: int, width: int):
@@ -437,29 +509,6 @@ class JaxSampler(RolloutEngine):
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
         keys = keys_from_seeds(seeds)
         return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
-
-    def _prefill(self, params, n: int, ids, lens, sampling, steps: int, slots: int = 0,
-                 bucket=None, blank_pool=None):
-        """(`prefill`, from the prefix pool when some of the n real rows of ids [B, P] have a
-        cached prefix; the lookups, None without a prefix cache).
-
-        With `slots` (a `ContinuousBatcher`): always the pool's form, into a cache of `slots`
-        slots with an output buffer of 1 (the pool holds the rest), the suffix bucketed by
-        `bucket`, from `blank_pool` (pages of nothing) without a prefix cache: one program per
-        (rows, suffix bucket, slots), whatever the prompt lengths."""
-        if slots:
-            return self._pool_prefill(params, n, ids, lens, sampling, slots, bucket,
-                                      blank_pool)
-        plan = None if self._prefix is None else self._prefix.plan(
-            ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket)
-        self._count_prefill(n, lens, plan)
-        matches = None if plan is None else plan.matches
-        if plan is None or plan.suffix is None:
-            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
-                           chunk=self.prefill_chunk), matches
-        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
-                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
-                       chunk=self.prefill_chunk), matches
 
     def _pool_prefill(self, params, n: int, ids, lens, sampling, slots: int, bucket,
                       blank_pool):
@@ -502,29 +551,6 @@ class JaxSampler(RolloutEngine):
         if req.sampling.min_new_tokens <= 0:
             return ()
         return tuple(dict.fromkeys(tuple(req.sampling.stop_token_ids) + self.eos_ids))
-
-    def _result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
-        s = req.sampling
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        if s.max_new_tokens == 0:
-            tokens, logprobs, stopped = [], [], False
-        if stopped:
-            finish, matched = "stop", tokens[-1]
-        else:
-            finish, matched = ("abort" if aborted else "length"), None
-        if s.stop:
-            cut = self._first_stop_string(tokens, s.stop)
-            if cut is not None:
-                end, text = cut
-                tokens, logprobs, finish, matched = tokens[:end], logprobs[:end], "stop", text
-        # The versions this sample was decoded with, as SGLang's meta_info.weight_versions.
-        used = [{"version": v, "start": start, "end": min(end, len(tokens))}
-                for (v, start), end in zip(spans, [e for _, e in spans[1:]] + [len(tokens)])
-                if start < len(tokens)] or [{"version": spans[0][0], "start": 0, "end": 0}]
-        return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
-                              weight_version=used[-1]["version"], matched_stop=matched,
-                              prompt_tokens=len(req.prompt_ids), info={"weight_versions": used},
-                              logprob_convention="full")
 
     def _first_stop_string(self, tokens, stops) -> Optional[tuple[int, str]]:
         """(number of tokens up to and including the one completing the earliest stop string,

@@ -93,6 +93,21 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
             "valid": valid}
 
 
+def sampled_budgets(trajectories: Sequence[Trajectory], rows: int, default: int) -> np.ndarray:
+    """float32[rows]: the per-turn generation budget each trajectory was sampled with (the
+    agent loop's `info["max_new_tokens_per_turn"]`; `default` for one without it, e.g. from a
+    checkpoint written before it was recorded), padding rows `default`. Dr.GRPO's constant
+    normaliser per row: a free-running producer samples a step's rows under earlier steps'
+    budgets, and each row is normalised by its own."""
+    if default < 1 or rows < len(trajectories):
+        raise ValueError(f"default budget {default} must be >= 1 and rows {rows} >= "
+                         f"{len(trajectories)} trajectories")
+    out = np.full((rows,), default, np.float32)
+    out[:len(trajectories)] = [t.info.get("max_new_tokens_per_turn", default)
+                               for t in trajectories]
+    return out
+
+
 def _place_turn_rewards(row: np.ndarray, traj: Trajectory) -> None:
     """Turn k's reward onto the last policy token of turn k (row is [T], written in place).
 

@@ -126,3 +126,42 @@ def test_trainer_logs_the_budget_and_compiles_the_update_once(tmp_path, monkeypa
     assert [r["train/max_new_tokens"] for r in records] == [32, 64, 32]
     assert all(r["rollout/response_length"] <= r["train/max_new_tokens"] for r in records)
     assert cache_sizes == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_free_running_rows_are_normalised_by_the_budget_they_were_sampled_with(
+        tmp_path, monkeypatch):
+    """Free-running with partial rollouts: a chunk's episodes may end chunks later and train a
+    step or more after the chunk that sampled them, under a budget the stair has moved since
+    (32, 64, 32, 64 by step). Each row's Dr.GRPO normaliser is the budget its trajectory was
+    sampled with (recorded by the agent loop), which is one the chunk plans handed out."""
+    from rl_tpu.recipes import rl
+    from tests.recipes.test_rl import config
+
+    handed_out, seen = set(), []
+    episode_args, batch = rl.Trainer.episode_args, rl.Trainer.batch
+
+    def recording_args(self, tasks, chunk, round_index):
+        args = episode_args(self, tasks, chunk, round_index)
+        handed_out.add(args["max_new_tokens_per_turn"])
+        return args
+
+    def recording_batch(self, trajectories, step):
+        out = batch(self, trajectories, step)
+        normaliser = np.asarray(out["length_normalizer"])
+        seen.append((normaliser[:len(trajectories)],
+                     [t.info["max_new_tokens_per_turn"] for t in trajectories]))
+        return out
+
+    monkeypatch.setattr(rl.Trainer, "episode_args", recording_args)
+    monkeypatch.setattr(rl.Trainer, "batch", recording_batch)
+    c = config("siri_arithmetic")  # smoke: Dr.GRPO, a stair of period 2 from 32 tokens
+    c.train.steps = 4
+    c.rollout.max_staleness = 1
+    c.rollout.partial_token_budget = 24  # fewer tokens than one reply: episodes span chunks
+    c.eval.every = 4
+    rl.run(c, str(tmp_path))
+    assert handed_out == {32, 64} and len(seen) == 4
+    for normaliser, budgets in seen:
+        np.testing.assert_array_equal(normaliser, budgets)
+        assert set(budgets) <= handed_out

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rl_tpu.trajectory import Trajectory
-from rl_tpu.train.rollout_batch import trajectories_to_batch
+from rl_tpu.train.rollout_batch import sampled_budgets, trajectories_to_batch
 
 
 def traj(mask, turns, rewards, finish="done", group_id=0):
@@ -62,3 +62,14 @@ def test_length_is_the_bucket_of_the_longest_row_and_errors_are_clear():
         trajectories_to_batch([], length_buckets=(4,))
     with pytest.raises(ValueError, match="does not fit"):
         trajectories_to_batch([TWO_TURNS], length_buckets=(16,), length=8)
+
+
+def test_each_row_keeps_the_budget_it_was_sampled_with():
+    # rows sampled under budgets 32 and 64 (a stale chunk's), one without a record (an older
+    # checkpoint's), then 2 padding rows: the default (this step's budget, 48) for both
+    rows = [traj([0, 1], [-1, 0], [1.0]) for _ in range(3)]
+    rows[0].info["max_new_tokens_per_turn"], rows[1].info["max_new_tokens_per_turn"] = 32, 64
+    np.testing.assert_array_equal(sampled_budgets(rows, 5, 48), [32, 64, 48, 48, 48])
+    assert sampled_budgets(rows, 5, 48).dtype == np.float32
+    with pytest.raises(ValueError, match="rows 2 >= 3"):
+        sampled_budgets(rows, 2, 48)

@@ -202,7 +202,7 @@ class BabyAIEnv(Env):
             return self._no_move(self._describe(), invalid=False)
         if action == "":
             return self._no_move(NO_CHANGE, invalid=True)
-        available = self._available()
+        available = self.available_actions()
         if action not in available:
             return self._no_move(self._reason(action), invalid=True)
         reward, terminated = self._perform(action, available[action])
@@ -309,7 +309,12 @@ class BabyAIEnv(Env):
                      else "You are not carrying anything.")
         return "\n".join(lines)
 
-    def _available(self) -> dict[str, tuple]:
+    @property
+    def mission(self) -> str:
+        """The current episode's mission text (minigrid's), e.g. "pick up the red ball"."""
+        return self._env.mission
+
+    def available_actions(self) -> dict[str, tuple]:
         """Listed action -> its plan: ("prim", action id) or (macro kind, target position)."""
         env = self._env
         front = env.grid.get(*env.front_pos)
@@ -341,7 +346,7 @@ class BabyAIEnv(Env):
         return acts
 
     def _listing(self) -> str:
-        return "Available actions: " + json.dumps(list(self._available()))
+        return "Available actions: " + json.dumps(list(self.available_actions()))
 
     def _reason(self, action: str) -> str:
         """Why an unlisted action cannot be taken now, or AgentGym's generic message."""
