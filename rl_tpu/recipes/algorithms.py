@@ -1,9 +1,15 @@
-"""The RL algorithms a config can name, as settings of the same loop.
+"""The RL algorithms a config can name: one registered `Algorithm` record each.
 
 Each algorithm is a choice of advantage estimator, policy loss (ratio clipping, aggregation)
-and rollout-side extras. `algo_config(name)` returns the `algo` config block with that
-algorithm's defaults filled in, so an experiment file shows every knob it can sweep; the
-functions below turn the (possibly overridden) block into the objects the learner takes.
+and rollout-side extras. Its record (`register_algorithm` below) names the estimator and the
+loss kind and lists the `algo`-block defaults that differ from the shared ones
+(`shared_algo_block`); what follows from the estimator (its options, whether it compares the
+samples of a task, a critic, a KL-shaped reward, how its episodes are played and which arrays
+its batch needs) is the estimator's `EstimatorUse` record, looked up by `algo.advantage`, so
+an experiment that overrides `algo.advantage` gets that estimator's needs.
+`algo_config(name)` returns the `algo` config block with that algorithm's defaults filled in,
+so an experiment file shows every knob it can sweep; the functions below turn the (possibly
+overridden) block into the objects the learner and the loop take, with no branch per name.
 
 | name         | advantage    | policy loss                     | extras                          |
 |--------------|--------------|---------------------------------|---------------------------------|
@@ -20,62 +26,59 @@ functions below turn the (possibly overridden) block into the objects the learne
 tl_grpo plays each task once up to a fork turn (`algo.branch_turn`, fixed or drawn per task
 with `algo.branch_sample="uniform"`), forks it into G branches (rl_tpu/branching.py) and
 normalises the branches' rewards in their group; the turns before the fork carry no loss.
+DAPO's dynamic sampling and overlong shaping are switches of the block
+(`algo.dynamic_sampling`, `algo.overlong_buffer`) that any algorithm may turn on; DAPO's record
+turns dynamic sampling on by default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ml_collections
 import numpy as np
 
 from rl_tpu import agent, branching
+from rl_tpu.rl.advantages import ADVANTAGES
 from rl_tpu.rl.bapo import BapoConfig
-from rl_tpu.rl.losses import PolicyLossConfig
+from rl_tpu.rl.losses import POLICY_LOSSES, PolicyLossConfig
+from rl_tpu.rl.registry import Registry
 from rl_tpu.train import steps
 from rl_tpu.train.learner import UpdateConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.trajectory import Trajectory, groups_of
 
-ALGORITHMS = ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "bapo",
-              "tl_grpo")
-
-_ADVANTAGE = {"ppo": "gae", "grpo": "grpo", "dr_grpo": "dr_grpo", "dapo": "grpo",
-              "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp", "bapo": "grpo",
-              "tl_grpo": "tl_grpo"}
-_LOSS_KIND = {"gspo": "gspo", "bapo": "bapo"}
+# The keys a record sets itself (name, estimator, loss kind); its `defaults` may not.
+_RECORD_KEYS = ("name", "advantage", "loss")
 
 
-def algo_config(name: str) -> ml_collections.ConfigDict:
-    """The `algo` block with `name`'s defaults (every key a sweep may override)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {ALGORITHMS}")
+def shared_algo_block() -> ml_collections.ConfigDict:
+    """The `algo` block every algorithm starts from; a record's `defaults` change some keys."""
     c = ml_collections.ConfigDict()
-    c.name = name
-    c.advantage = _ADVANTAGE[name]
+    c.name = ""
+    c.advantage = ""
     c.gamma = 1.0  # gae / reinforce_pp discount (over the agent's tokens)
-    c.lam = 0.95 if name == "ppo" else 1.0  # gae lambda
+    c.lam = 1.0  # gae lambda
     c.std_ddof = 1  # grpo std: 1 = unbiased (TRL, verl, DeepSeekMath)
-    c.loss = _LOSS_KIND.get(name, "ppo")
-    c.clip_low = 3e-4 if name == "gspo" else 0.2
-    c.clip_high = {"dapo": 0.28, "gspo": 4e-4}.get(name, 0.2)
+    c.loss = "ppo"
+    c.clip_low = 0.2
+    c.clip_high = 0.2
     c.dual_clip = 0.0  # 0 = off (bapo.variant="verl" turns on its own 3.0)
-    c.aggregation = {"grpo": "seq_mean_token_mean", "gspo": "seq_mean_token_mean",
-                     "tl_grpo": "seq_mean_token_mean",
-                     "dr_grpo": "fixed_normalizer"}.get(name, "token_mean")
+    c.aggregation = "token_mean"
     c.entropy_coef = 0.0
     c.kl_coef = 0.0  # KL(pi || ref) as a loss term; > 0 keeps a frozen reference policy
     c.kl_estimator = "k3"
-    c.reward_kl_coef = 0.01 if name == "reinforce_pp" else 0.0  # KL folded into the reward
+    c.reward_kl_coef = 0.0  # KL folded into the reward (estimators with reward_kl: REINFORCE++)
     c.behaviour_is = "none"  # none | truncate | mask: engine/trainer mismatch correction
     c.behaviour_is_cap = 2.0
-    c.dynamic_sampling = name == "dapo"  # drop groups whose rewards are all equal, refill
+    c.dynamic_sampling = False  # drop groups whose rewards are all equal, refill
     c.max_refill_rounds = 3
     # Branching rollouts (advantage tl_grpo): the turn each task's episode forks into G
     # branches at (at most H - 1): branch_turn for every task ("fixed"), or drawn per task
     # from 0..branch_turn ("uniform", so early turns are trained too: docs/architecture.md).
-    c.branch_turn = 2 if name == "tl_grpo" else 0
+    c.branch_turn = 0
     c.branch_sample = "fixed"
     c.overlong_buffer = 0  # DAPO overlong shaping: the last N tokens of the budget are penalised
     c.overlong_penalty = 1.0  # ... linearly up to this much at the full budget (DAPO: set
@@ -83,14 +86,152 @@ def algo_config(name: str) -> ml_collections.ConfigDict:
     c.bapo = ml_collections.ConfigDict(vars(BapoConfig()))
     c.value_clip = 0.2
     c.value_lr = 1e-5
-    c.whiten_advantages = name == "ppo"  # GAE advantages whitened over the batch (as verl)
+    c.whiten_advantages = False  # GAE advantages whitened over the batch (as verl)
     # The three policies (docs/architecture.md): the ratio divides by the proximal policy
     # (recomputed at the start of the update) or by the behaviour policy (the engine's
     # log-probs; BAPO's r = pi_theta / pi_rollout, which sees the staleness).
-    c.ratio_against = "behaviour" if name == "bapo" else "proximal"
+    c.ratio_against = "proximal"
     # False: no proximal forward; the behaviour log-probs stand in for it. Exact on-policy
     # with full-distribution log-probs, and whenever the ratio is against behaviour.
     c.recompute_proximal = True
+    return c
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorUse:
+    """What the loop needs around one advantage estimator (registered by its ADVANTAGES name).
+
+    options(algo) -> {name: value}: what `compute_advantages` passes it from the block.
+    group_based: it compares the samples of one task (needs train.samples_per_task >= 2).
+    critic: it reads a learned value (a value step follows the policy step).
+    reward_kl: `algo.reward_kl_coef` folds a KL to the reference into its rewards.
+    episode_player(algo, seed) -> player, or None for `agent.run_episodes`: how a step's
+        episodes are played (same arguments as agent.run_episodes).
+    batch_arrays(host, trajectories, algo) -> {name: array}, or None: host arrays it adds to
+        (or replaces in) the batch built from `trajectories`.
+    batch_keys: the extra rollout arrays the learner must get for it.
+    partial_rollouts: whether its episodes can be paused and resumed (rollout.
+        partial_token_budget); a player of its own (branching) cannot be.
+    """
+
+    options: Callable[[Any], dict] = lambda algo: {}
+    group_based: bool = False
+    critic: bool = False
+    reward_kl: bool = False
+    episode_player: Optional[Callable[[Any, int], Callable[..., list[Trajectory]]]] = None
+    batch_arrays: Optional[Callable[[dict, Sequence[Trajectory], Any], dict]] = None
+    batch_keys: tuple[str, ...] = ()
+    partial_rollouts: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One nameable algorithm: its estimator (an ESTIMATOR_USES / ADVANTAGES name), its policy
+    loss kind (a POLICY_LOSSES name) and the `algo`-block keys whose default differs from
+    `shared_algo_block` (same type as the shared value)."""
+
+    name: str
+    advantage: str
+    loss: str = "ppo"
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+ESTIMATOR_USES: Registry = Registry("advantage estimator")
+ALGORITHM_RECORDS: Registry = Registry("algorithm")
+_REGISTERED: list[str] = []  # registration order: ALGORITHMS' order
+
+
+def register_estimator_use(name: str, use: EstimatorUse) -> EstimatorUse:
+    ADVANTAGES.get(name)  # the math must exist under the same name
+    return ESTIMATOR_USES.register(name)(use)
+
+
+def register_algorithm(record: Algorithm) -> Algorithm:
+    """Adds `record` (checked against the registries and the shared block) by its name."""
+    ESTIMATOR_USES.get(record.advantage)
+    POLICY_LOSSES.get(record.loss)
+    shared = shared_algo_block()
+    for key, value in record.defaults.items():
+        if (key in _RECORD_KEYS or key not in shared
+                or isinstance(shared[key], ml_collections.ConfigDict)):
+            raise ValueError(f"algorithm {record.name!r}: defaults[{key!r}] is not a plain key "
+                             f"of the algo block (nor one of {_RECORD_KEYS}, the record's own)")
+        if type(value) is not type(shared[key]):
+            raise ValueError(f"algorithm {record.name!r}: defaults[{key!r}]={value!r} is a "
+                             f"{type(value).__name__}; the block's {key} is a "
+                             f"{type(shared[key]).__name__}")
+        if value == shared[key]:
+            raise ValueError(f"algorithm {record.name!r}: defaults[{key!r}]={value!r} is the "
+                             "shared default already; list only the keys it changes")
+    ALGORITHM_RECORDS.register(record.name)(record)
+    _REGISTERED.append(record.name)
+    return record
+
+
+def estimator_use(name: str) -> EstimatorUse:
+    if name not in ESTIMATOR_USES:
+        raise ValueError(f"algo.advantage={name!r}; choose one of {ESTIMATOR_USES.names()}")
+    return ESTIMATOR_USES.get(name)
+
+
+def _tl_grpo_player(algo, seed: int):
+    # `seed` (the run's) draws sampled fork turns, per task, the same on a rerun.
+    plan = branching.BranchPlan(algo.branch_turn, algo.branch_sample, seed)
+    return functools.partial(branching.run_branching_episodes, plan=plan)
+
+
+def _tl_grpo_arrays(host: dict, trajectories: Sequence[Trajectory], algo) -> dict:
+    # The branch groups' turn slots and the loss mask without the shared prefix.
+    return branching.turn_arrays(trajectories, host["loss_mask"], host["group_ids"],
+                                 num_slots=algo.branch_turn + 1)
+
+
+register_estimator_use("gae", EstimatorUse(
+    options=lambda a: {"gamma": a.gamma, "lam": a.lam, "whiten": bool(a.whiten_advantages)},
+    critic=True))
+register_estimator_use("reinforce_pp", EstimatorUse(
+    options=lambda a: {"gamma": a.gamma}, reward_kl=True))
+register_estimator_use("grpo", EstimatorUse(
+    options=lambda a: {"ddof": a.std_ddof}, group_based=True))
+register_estimator_use("dr_grpo", EstimatorUse(group_based=True))
+register_estimator_use("rloo", EstimatorUse(group_based=True))
+register_estimator_use("tl_grpo", EstimatorUse(
+    options=lambda a: {"ddof": a.std_ddof, "carry_forward": True}, group_based=True,
+    episode_player=_tl_grpo_player, batch_arrays=_tl_grpo_arrays,
+    batch_keys=("turn_rewards", "turn_group_ids"), partial_rollouts=False))
+
+_SEQ_MEAN = {"aggregation": "seq_mean_token_mean"}
+register_algorithm(Algorithm("ppo", "gae", defaults={"lam": 0.95, "whiten_advantages": True}))
+register_algorithm(Algorithm("grpo", "grpo", defaults=_SEQ_MEAN))
+register_algorithm(Algorithm("dr_grpo", "dr_grpo",
+                             defaults={"aggregation": "fixed_normalizer"}))
+register_algorithm(Algorithm("dapo", "grpo",
+                             defaults={"clip_high": 0.28, "dynamic_sampling": True}))
+register_algorithm(Algorithm("gspo", "grpo", "gspo",
+                             defaults={"clip_low": 3e-4, "clip_high": 4e-4, **_SEQ_MEAN}))
+register_algorithm(Algorithm("rloo", "rloo"))
+register_algorithm(Algorithm("reinforce_pp", "reinforce_pp", defaults={"reward_kl_coef": 0.01}))
+register_algorithm(Algorithm("bapo", "grpo", "bapo", defaults={"ratio_against": "behaviour"}))
+register_algorithm(Algorithm("tl_grpo", "tl_grpo", defaults={"branch_turn": 2, **_SEQ_MEAN}))
+
+ALGORITHMS = tuple(_REGISTERED)
+
+
+def algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHM_RECORDS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {ALGORITHMS}")
+    return ALGORITHM_RECORDS.get(name)
+
+
+def algo_config(name: str) -> ml_collections.ConfigDict:
+    """The `algo` block with `name`'s defaults (every key a sweep may override)."""
+    record = algorithm(name)
+    c = shared_algo_block()
+    c.name, c.advantage, c.loss = record.name, record.advantage, record.loss
+    for key, value in record.defaults.items():
+        c[key] = value
     return c
 
 
@@ -108,15 +249,7 @@ def loss_config(algo: ml_collections.ConfigDict, max_new_tokens: int) -> PolicyL
 
 def advantage_options(algo: ml_collections.ConfigDict) -> tuple:
     """(name, value) options compute_advantages passes to the estimator."""
-    by_estimator = {"gae": {"gamma": algo.gamma, "lam": algo.lam,
-                            "whiten": bool(algo.whiten_advantages)},
-                    "reinforce_pp": {"gamma": algo.gamma},
-                    "grpo": {"ddof": algo.std_ddof},
-                    "tl_grpo": {"ddof": algo.std_ddof, "carry_forward": True},
-                    "rloo": {}, "dr_grpo": {}}
-    if algo.advantage not in by_estimator:
-        raise ValueError(f"algo.advantage={algo.advantage!r}; choose one of {sorted(by_estimator)}")
-    return tuple(sorted(by_estimator[algo.advantage].items()))
+    return tuple(sorted(estimator_use(algo.advantage).options(algo).items()))
 
 
 def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
@@ -131,16 +264,17 @@ def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
                               temperature=config.rollout.temperature),
         advantage=algo.advantage, advantage_options=advantage_options(algo),
         value_clip=algo.value_clip or None, use_reference=uses_reference(algo),
-        reward_kl_coef=algo.reward_kl_coef if algo.advantage == "reinforce_pp" else 0.0,
+        reward_kl_coef=algo.reward_kl_coef if estimator_use(algo.advantage).reward_kl else 0.0,
         recompute_proximal=algo.recompute_proximal, shuffle_seed=config.seed)
 
 
 def uses_critic(algo: ml_collections.ConfigDict) -> bool:
-    return algo.advantage == "gae"
+    return estimator_use(algo.advantage).critic
 
 
 def uses_reference(algo: ml_collections.ConfigDict) -> bool:
-    return bool(algo.kl_coef) or bool(algo.reward_kl_coef and algo.advantage == "reinforce_pp")
+    return bool(algo.kl_coef) or bool(algo.reward_kl_coef
+                                      and estimator_use(algo.advantage).reward_kl)
 
 
 def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int) -> None:
@@ -186,23 +320,19 @@ def informative_groups(trajectories: Sequence[Trajectory]) -> list[list[Trajecto
 
 
 def episode_player(algo, seed: int) -> Callable[..., list[Trajectory]]:
-    """How the step's episodes are played: `agent.run_episodes`, or for TL-GRPO
-    `branching.run_branching_episodes` with the algo block's fork turn (same arguments).
-    `seed` (the run's) draws sampled fork turns, per task, the same on a rerun."""
-    if algo.advantage != "tl_grpo":
-        return agent.run_episodes
-    plan = branching.BranchPlan(algo.branch_turn, algo.branch_sample, seed)
-    return functools.partial(branching.run_branching_episodes, plan=plan)
+    """How the step's episodes are played: `agent.run_episodes`, or the estimator's own player
+    (TL-GRPO: `branching.run_branching_episodes` with the algo block's fork turn; same
+    arguments). `seed` (the run's) draws what the player samples, the same on a rerun."""
+    make = estimator_use(algo.advantage).episode_player
+    return agent.run_episodes if make is None else make(algo, seed)
 
 
 def batch_arrays(host: dict, trajectories: Sequence[Trajectory], algo) -> dict:
-    """Host arrays the algorithm adds to (or replaces in) the batch built from
+    """Host arrays the estimator adds to (or replaces in) the batch built from
     `trajectories`: for TL-GRPO the branch groups' turn slots and the loss mask without the
     shared prefix (`branching.turn_arrays`); nothing for the others."""
-    if algo.advantage != "tl_grpo":
-        return {}
-    return branching.turn_arrays(trajectories, host["loss_mask"], host["group_ids"],
-                                 num_slots=algo.branch_turn + 1)
+    arrays = estimator_use(algo.advantage).batch_arrays
+    return {} if arrays is None else arrays(host, trajectories, algo)
 
 
 def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, algo,
@@ -255,8 +385,7 @@ def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
     needed but truncated is a clear error; not needed, they are left out."""
     keys = ["tokens", "positions", "segment_ids", "loss_mask", "token_rewards", "rewards",
             "group_ids", "turn_ids"]
-    if algo.advantage == "tl_grpo":
-        keys += ["turn_rewards", "turn_group_ids"]
+    keys += list(estimator_use(algo.advantage).batch_keys)
     truncated = any(t.logprob_convention != "full" for t in trajectories)
     if not truncated:
         return keys + ["behaviour_logprobs"]

@@ -29,7 +29,7 @@ from ml_collections import config_dict
 from rl_tpu import branching, schedules
 from rl_tpu.envs import base as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
-from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, loss_config
+from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
 
 
 def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
@@ -669,13 +669,13 @@ def check(config: ml_collections.ConfigDict) -> None:
                          "train.replay.capacity > 0) makes wrong for a ratio against the "
                          "proximal policy: set algo.recompute_proximal=True or "
                          "algo.ratio_against='behaviour'")
-    group_based = config.algo.advantage in ("grpo", "dr_grpo", "rloo", "tl_grpo")
-    if group_based and config.train.samples_per_task < 2:
+    estimator = estimator_use(config.algo.advantage)
+    if estimator.group_based and config.train.samples_per_task < 2:
         raise ValueError(f"algo.advantage={config.algo.advantage!r} compares samples of a task: "
                          "set train.samples_per_task >= 2")
-    if config.algo.advantage == "tl_grpo" and r.partial_token_budget:
-        raise ValueError("algo.advantage='tl_grpo' plays branching rollouts, which partial "
-                         "rollouts cannot pause: set rollout.partial_token_budget=0")
+    if not estimator.partial_rollouts and r.partial_token_budget:
+        raise ValueError(f"algo.advantage={config.algo.advantage!r} plays branching rollouts, "
+                         "which partial rollouts cannot pause: set rollout.partial_token_budget=0")
     _check_selfplay_without_partial_rollouts(config)
     branching.BranchPlan(config.algo.branch_turn, config.algo.branch_sample)  # checks both
     sch = config.schedules

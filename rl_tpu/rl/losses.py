@@ -16,9 +16,10 @@ Conventions
   log-ratio is 95 would otherwise give exp = inf, a finite clipped loss but a NaN gradient
   (0 * inf), and the whole update would be skipped. Clamped, its gradient is 0 (the clip
   binds) or finite.
-- The clipped surrogate per token is  max(-r A, -clip(r, lower, upper) A)  (a loss, lower is
-  better); with a dual clip c > 1 (Ye et al. 2020) tokens with A < 0 take
-  min(that, -c A), which caps the loss of a negative token whose ratio exploded.
+- A kind owns its per-token surrogate (a loss, lower is better). The default, the clipped
+  one, is  max(-r A, -clip(r, lower, upper) A); with a dual clip c > 1 (Ye et al. 2020)
+  tokens with A < 0 take min(that, -c A), which caps the loss of a negative token whose
+  ratio exploded.
 - Policy losses are registered as `PolicyLossKind`s in POLICY_LOSSES:
   * "ppo":  lower = 1 - clip_low, upper = 1 + clip_high (DAPO clip-higher: clip_high = 0.28).
   * "bapo": lower, upper = c_low, c_high from `bapo.adapt_clip_bounds` on the whole batch
@@ -211,19 +212,30 @@ class PolicyLossKind:
     batch_statistics(logprobs, batch, config) -> (stats pytree, {name: Metric}), or None: a
         statistic of the WHOLE batch, from gradient-stopped log-probs [B, T] and a batch dict
         holding old_logprobs, advantages, loss_mask and, when known, behaviour_logprobs.
+    surrogate(ratio, logprobs, advantages, lower, upper, config) -> per-token loss [B, T]:
+        the whole per-token policy-gradient term from `ratio`'s output, the current log-probs
+        (0 off the mask) and the advantages (0 off the mask); the default is PPO's
+        `clipped_surrogate` (with the config's dual clip).
+    check(config) -> None, or None: the kind's own refusals of a PolicyLossConfig (a clear
+        ValueError), run at construction.
     """
 
     ratio: Callable[..., tuple[Array, Any, Any, dict[str, Metric]]]
     defaults: Callable[[Any], dict[str, Any]] = lambda config: {"aggregation": "token_mean"}
     batch_statistics: Optional[Callable[..., tuple[Any, dict[str, Metric]]]] = None
+    surrogate: Callable[..., Array] = (
+        lambda ratio, logprobs, advantages, lower, upper, config: clipped_surrogate(
+            ratio, advantages, lower, upper, config.dual_clip))
+    check: Optional[Callable[[Any], None]] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
     """How `policy_loss` clips, weights and reduces. Hashable, so it can be a static jit arg.
 
-    kind: a name in POLICY_LOSSES ("ppo" | "gspo" | "bapo"). clip_low / clip_high: ratio clip
-    epsilons for ppo and gspo (ignored by bapo, whose bounds come from `bapo`). dual_clip:
+    kind: a name in POLICY_LOSSES ("ppo" | "gspo" | "bapo"). clip_low / clip_high: ratio
+    clip epsilons for ppo and gspo (ignored by bapo, whose bounds come from `bapo`);
+    clip_low = 1 puts the lower bound at 0, i.e. no lower clip. dual_clip:
     c > 1, or None (off; the kind's default: 3.0 for bapo with bapo.variant="verl", as that
     recipe). aggregation: a name in AGGREGATIONS, or None for the kind's own (token_mean for
     ppo and bapo, seq_mean_token_mean for gspo); fixed_normalizer: its normalizer (max
@@ -248,15 +260,19 @@ class PolicyLossConfig:
     ratio_against: str = "proximal"  # the ratio's denominator: "proximal" | "behaviour"
 
     def __post_init__(self):
-        for name, value in POLICY_LOSSES.get(self.kind).defaults(self).items():
+        kind = POLICY_LOSSES.get(self.kind)
+        for name, value in kind.defaults(self).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: resolve once, here
         AGGREGATIONS.get(self.aggregation)
         KL_ESTIMATORS.get(self.kl_estimator)
-        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+        if not (0.0 <= self.clip_low <= 1.0 and self.clip_high >= 0.0):
             raise ValueError(
-                f"clip_low={self.clip_low} must be in [0, 1) and clip_high={self.clip_high} "
-                ">= 0: they are epsilons, the ratio is clipped to [1-clip_low, 1+clip_high]")
+                f"clip_low={self.clip_low} must be in [0, 1] and clip_high={self.clip_high} "
+                ">= 0: they are epsilons, the ratio is clipped to [1-clip_low, 1+clip_high] "
+                "(clip_low = 1: no lower clip)")
+        if kind.check is not None:
+            kind.check(self)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (e.g. 3.0) or None")
         if self.aggregation == "fixed_normalizer" and not self.fixed_normalizer:
@@ -367,7 +383,7 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
                 ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None,
                 batch_stats: Any = None, normalizer: Optional[Array] = None
                 ) -> tuple[Array, dict[str, Metric]]:
-    """Clipped policy-gradient loss (+ kl_coef * KL - entropy_coef * entropy) and metrics.
+    """The kind's policy-gradient loss (+ kl_coef * KL - entropy_coef * entropy) and metrics.
 
     logprobs [B, T]: current policy (differentiated); old_logprobs [B, T]: trainer log-probs at
     rollout time; advantages [B, T] or [B]; mask [B, T]. Optional [B, T]: behaviour_logprobs
@@ -408,7 +424,7 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
         batch_stats, metrics = kind.batch_statistics(sg(logprobs), part, config)
     ratio, lower, upper, extra = kind.ratio(logprobs, old_logprobs, adv, m, config, batch_stats)
     metrics.update(extra)
-    per_token_loss = clipped_surrogate(ratio, adv, lower, upper, config.dual_clip)
+    per_token_loss = kind.surrogate(ratio, _inside(logprobs, m), adv, lower, upper, config)
 
     if behaviour_logprobs is not None and config.ratio_against == "proximal":
         weight, is_metrics = _behaviour_weights(
