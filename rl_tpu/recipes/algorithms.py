@@ -22,6 +22,8 @@ overridden) block into the objects the learner and the loop take, with no branch
 | reinforce_pp | reinforce_pp | ppo clip, token mean            | KL to the reference, in reward  |
 | bapo         | grpo         | bapo adaptive bounds (Eq. 8)    | variant=verl: dual clip 3.0     |
 | tl_grpo      | tl_grpo      | ppo clip [0.8, 1.2], seq mean   | branching rollouts, fork turn   |
+| cispo        | grpo         | cispo: sg(clip(r, 0, 1.28)) A   | every token keeps its gradient  |
+|              |              | log pi, token mean              |                                 |
 
 tl_grpo plays each task once up to a fork turn (`algo.branch_turn`, fixed or drawn per task
 with `algo.branch_sample="uniform"`), forks it into G branches (rl_tpu/branching.py) and
@@ -215,6 +217,13 @@ register_algorithm(Algorithm("rloo", "rloo"))
 register_algorithm(Algorithm("reinforce_pp", "reinforce_pp", defaults={"reward_kl_coef": 0.01}))
 register_algorithm(Algorithm("bapo", "grpo", "bapo", defaults={"ratio_against": "behaviour"}))
 register_algorithm(Algorithm("tl_grpo", "tl_grpo", defaults={"branch_turn": 2, **_SEQ_MEAN}))
+# CISPO (MiniMax-M1, 2025): the weight clip(r, 1 - clip_low, 1 + clip_high) is a stopped
+# scale on every token's log pi gradient. clip_low = 1.0 puts the lower bound at 0, i.e. no
+# lower clip (MiniMax-M1 sets eps_low large; verl's recipe uses 10): a falling token's weight
+# shrinks on its own. clip_high = 0.28 (DAPO's clip-higher bound; verl's example uses 0.2)
+# caps one token's weight at 1.28 while still letting a rising rare token train.
+register_algorithm(Algorithm("cispo", "grpo", "cispo",
+                             defaults={"clip_low": 1.0, "clip_high": 0.28}))
 
 ALGORITHMS = tuple(_REGISTERED)
 

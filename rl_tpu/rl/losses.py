@@ -28,6 +28,11 @@ Conventions
     log r); each token's ratio is sg(s_i) * exp(logp_t - sg(logp_t)) (value s_i, gradient
     s_i * grad logp_t) clipped to [1 - clip_low, 1 + clip_high] (GSPO: 3e-4, 4e-4). Its
     aggregation defaults to GSPO's own sequence mean of token means.
+  * "cispo" (MiniMax-M1, 2025): REINFORCE with a clipped, stopped importance weight,
+    per token  -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi  with PPO's token ratio.
+    Its gradient is -clip(r) A grad log pi on EVERY token: a token outside the clip range is
+    scaled by the bound, where PPO's clip would zero it. clip_low = 1 (lower bound 0) turns
+    the lower clip off; no dual clip (the weight is bounded already).
 - Batch statistics: a kind may declare `batch_statistics(logprobs, batch, config) -> (stats,
   metrics)`, a number the loss needs over the WHOLE batch (BAPO's bounds). `policy_loss`
   computes it from what it is given; a step that splits the batch into micro-batches computes
@@ -233,9 +238,9 @@ class PolicyLossKind:
 class PolicyLossConfig:
     """How `policy_loss` clips, weights and reduces. Hashable, so it can be a static jit arg.
 
-    kind: a name in POLICY_LOSSES ("ppo" | "gspo" | "bapo"). clip_low / clip_high: ratio
-    clip epsilons for ppo and gspo (ignored by bapo, whose bounds come from `bapo`);
-    clip_low = 1 puts the lower bound at 0, i.e. no lower clip. dual_clip:
+    kind: a name in POLICY_LOSSES ("ppo" | "gspo" | "bapo" | "cispo"). clip_low / clip_high:
+    ratio clip epsilons for ppo, gspo and cispo (ignored by bapo, whose bounds come from
+    `bapo`); clip_low = 1 puts the lower bound at 0, i.e. no lower clip. dual_clip:
     c > 1, or None (off; the kind's default: 3.0 for bapo with bapo.variant="verl", as that
     recipe). aggregation: a name in AGGREGATIONS, or None for the kind's own (token_mean for
     ppo and bapo, seq_mean_token_mean for gspo); fixed_normalizer: its normalizer (max
@@ -345,11 +350,24 @@ def _bapo_defaults(config):
             "dual_clip": 3.0 if config.bapo.variant == "verl" else None}
 
 
+def _cispo_surrogate(ratio, logprobs, advantages, lower, upper, config):
+    # The weight is stopped: the gradient is -clip(r) A d(log pi), never zeroed by the clip.
+    return -sg(jnp.clip(ratio, lower, upper)) * advantages * logprobs
+
+
+def _cispo_check(config):
+    if config.dual_clip is not None:
+        raise ValueError(f"dual_clip={config.dual_clip}: kind='cispo' bounds its weight by "
+                         "clip_high already and has no PPO surrogate to dual-clip; set None")
+
+
 POLICY_LOSSES.register("ppo")(PolicyLossKind(_ppo_ratio))
 POLICY_LOSSES.register("gspo")(PolicyLossKind(
     _gspo_ratio, defaults=lambda config: {"aggregation": "seq_mean_token_mean"}))
 POLICY_LOSSES.register("bapo")(PolicyLossKind(
     _bapo_ratio, defaults=_bapo_defaults, batch_statistics=_bapo_statistics))
+POLICY_LOSSES.register("cispo")(PolicyLossKind(
+    _ppo_ratio, surrogate=_cispo_surrogate, check=_cispo_check))
 
 
 def clipped_surrogate(ratio: Array, advantages: Array, lower, upper,

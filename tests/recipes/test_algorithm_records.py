@@ -57,11 +57,26 @@ def test_algo_config_is_the_block_of_before(name):
 
 def test_algorithms_are_the_registered_names_in_order():
     assert algorithms.ALGORITHMS == ("ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo",
-                                     "reinforce_pp", "bapo", "tl_grpo")
+                                     "reinforce_pp", "bapo", "tl_grpo", "cispo")
     for name in algorithms.ALGORITHMS:
         record = algorithms.algorithm(name)
         block = algorithms.algo_config(name)
         assert (block.advantage, block.loss) == (record.advantage, record.loss)
+
+
+def test_cispo_block_and_loss():
+    block = algorithms.algo_config("cispo")
+    assert _typed(block.to_dict()) == _typed(
+        {**_SHARED, "name": "cispo", "advantage": "grpo", "loss": "cispo", "clip_low": 1.0,
+         "clip_high": 0.28})
+    loss = algorithms.loss_config(block, max_new_tokens=16)
+    assert (loss.kind, loss.clip_low, loss.clip_high, loss.aggregation, loss.dual_clip) == (
+        "cispo", 1.0, 0.28, "token_mean", None)
+    assert algorithms.advantage_options(block) == (("ddof", 1),)
+    block.dual_clip = 3.0
+    with pytest.raises(ValueError, match="cispo.*dual"):
+        algorithms.loss_config(block, max_new_tokens=16)
+    check(base_config("cispo"))  # a whole default config passes
 
 
 def test_estimator_needs_follow_algo_advantage():
@@ -75,7 +90,7 @@ def test_estimator_needs_follow_algo_advantage():
                                                          "whiten": False}
     block.advantage = "tl_grpo"
     assert algorithms.episode_player(block, 0) is not agent.run_episodes
-    assert algorithms.episode_player(algorithms.algo_config("grpo"), 0) is agent.run_episodes
+    assert algorithms.episode_player(algorithms.algo_config("cispo"), 0) is agent.run_episodes
     block.advantage = "reinforce_pp"
     block.reward_kl_coef = 0.1
     assert algorithms.uses_reference(block)
@@ -87,7 +102,7 @@ def test_estimator_needs_follow_algo_advantage():
 
 
 @pytest.mark.parametrize("name,group_based", [("grpo", True), ("dr_grpo", True), ("rloo", True),
-                                              ("tl_grpo", True), ("dapo", True),
+                                              ("tl_grpo", True), ("cispo", True),
                                               ("ppo", False), ("reinforce_pp", False)])
 def test_group_based_estimators_need_two_samples(name, group_based):
     c = base_config(name)

@@ -21,7 +21,7 @@ def test_every_algorithm_builds_its_loss_and_advantage():
     for name in algorithms.ALGORITHMS:
         algo = algorithms.algo_config(name)
         loss = algorithms.loss_config(algo, max_new_tokens=16)
-        assert loss.kind == {"gspo": "gspo", "bapo": "bapo"}.get(name, "ppo")
+        assert loss.kind == {"gspo": "gspo", "bapo": "bapo", "cispo": "cispo"}.get(name, "ppo")
         algorithms.advantage_options(algo)
     assert algorithms.uses_critic(algorithms.algo_config("ppo"))
     assert algorithms.uses_reference(algorithms.algo_config("reinforce_pp"))
@@ -60,7 +60,7 @@ def test_base_config_is_locked_and_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "cispo"])
 def test_each_algorithm_trains_a_step(tmp_path, name):
     from rl_tpu.metrics import read_metrics
     from rl_tpu.recipes import rl

@@ -36,7 +36,7 @@ def policy_grad(logprobs, old_logprobs, advantages, mask, config, **kwargs):
 def test_registries_list_the_names():
     assert AGGREGATIONS.names() == [
         "fixed_normalizer", "seq_mean_token_mean", "seq_mean_token_sum", "token_mean"]
-    assert POLICY_LOSSES.names() == ["bapo", "gspo", "ppo"]
+    assert POLICY_LOSSES.names() == ["bapo", "cispo", "gspo", "ppo"]
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
     with pytest.raises(ValueError, match="choose one of"):
         PolicyLossConfig(kind="ppo2")
