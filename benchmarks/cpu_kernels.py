@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Only numpy and the side-process helper at the top: a PyTorch child must not load JAX.
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from benchmarks import side_process  # noqa: E402
 from benchmarks.side_process import median  # noqa: E402
@@ -170,14 +170,5 @@ def parent_main(f) -> None:
                               "rl_tpu / PyTorch speed (fwd+bwd)", "load"], rows)
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    if f.side:
-        side_process.child_main(f, run_jax, run_torch)
-    else:
-        parent_main(f)
-
-
 if __name__ == "__main__":
-    app.run(main)
+    side_process.run(parent_main, run_jax, run_torch)

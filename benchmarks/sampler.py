@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Only numpy and the side-process helper at the top: a PyTorch child must not load JAX.
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from benchmarks import side_process  # noqa: E402
 from benchmarks.side_process import median  # noqa: E402
@@ -248,14 +248,5 @@ def time_draws(batches, vocab: int):
     side_process.print_table(["batch", "vocab", "draw ms (plain)", "draw ms (top-p 0.9)"], rows)
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    if f.side:
-        side_process.child_main(f, run_jax, run_torch)
-    else:
-        parent_main(f)
-
-
 if __name__ == "__main__":
-    app.run(main)
+    side_process.run(parent_main, run_jax, run_torch)

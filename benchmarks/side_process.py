@@ -100,6 +100,22 @@ def child_main(f, run_jax, run_torch) -> None:
     write_result(f.result, result, load_at_start)
 
 
+def run(parent_main, run_jax, run_torch) -> None:
+    """absl's app.run of a head-to-head script: with --side, that side's process (`child_main`),
+    else `parent_main(flags.FLAGS)`, which starts the sides."""
+    from absl import app, flags
+
+    def main(argv):
+        del argv
+        f = flags.FLAGS
+        if f.side:
+            child_main(f, run_jax, run_torch)
+        else:
+            parent_main(f)
+
+    app.run(main)
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

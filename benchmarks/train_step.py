@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Only numpy and the side-process helper at the top: a PyTorch child must not load JAX (its
 # memory would count in torch's peak RSS and its thread pool would compete for the cores).
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from benchmarks import side_process  # noqa: E402
 from benchmarks.side_process import median  # noqa: E402
@@ -293,14 +293,5 @@ def compare_rows(b: int, t: int, results: dict) -> list[list]:
             for side, rs in results.items()]
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    if f.side:
-        side_process.child_main(f, run_jax, run_torch)
-    else:
-        parent_main(f)
-
-
 if __name__ == "__main__":
-    app.run(main)
+    side_process.run(parent_main, run_jax, run_torch)
