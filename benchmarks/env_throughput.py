@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rl_tpu.envs import base  # noqa: E402
-from rl_tpu.envs.remote import RemoteEnv  # noqa: E402
+from rl_tpu.env_serving.remote import RemoteEnv  # noqa: E402
 
 
 def random_actions(env_name: str, observation: str, rng: random.Random):

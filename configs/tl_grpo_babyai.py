@@ -10,7 +10,7 @@ configs/agentgym.py:babyai: 20 turns, 256 tokens a turn, the running score as th
 ScalingInter-RL's horizon stages 6 / 13 / 20), trained with TL-GRPO:
 each task is played once up to its fork turn, drawn per task from 0..5 (`uniform`, so the
 early turns are trained too, in the tasks that fork early), then forked into 8 branches that
-share its history, each branch's env restored by replaying the actions (rl_tpu/branching.py;
+share its history, each branch's env restored by replaying the actions (rl_tpu/agent/branching.py;
 BabyAI is deterministic given the task and the actions). The branches' rewards, the score
 of their own turns, are normalised in their group; the turns before the fork carry no loss
 (docs/architecture.md, "Turn-level GRPO and branching rollouts"). `fixed` forks every task at

@@ -9,7 +9,7 @@
 subprocess read the URL from it. `--error_style agentgym` answers errors as AgentGym's servers
 do (HTTP 200 `{"error": "..."}`) instead of rl_tpu's 4xx/5xx `{"error": {"message": "..."}}`;
 `--idle_timeout_s` closes instances no request has touched for that long (0: never).
-Clients: `rl_tpu.envs.remote.RemoteEnv(url, env_name)`, or a training run given
+Clients: `rl_tpu.env_serving.remote.RemoteEnv(url, env_name)`, or a training run given
 `--config.env.remote_url=<url>` (docs/env_servers.md). An unknown env
 name or kwarg fails before the socket is bound, naming the envs or kwargs there are.
 An env defined outside rl_tpu is served by importing the module that registers it first:
@@ -31,7 +31,8 @@ from absl import app, flags
 
 from launch import parse_flags
 from rl_tpu import serving
-from rl_tpu.envs import ENV_MODULES, base, server
+from rl_tpu.env_serving import server
+from rl_tpu.envs import ENV_MODULES, base
 
 flags.DEFINE_string("env", None, "Registered env name, one of: " + ", ".join(sorted(ENV_MODULES))
                     + " (or one that an --env_module registers).", required=True)

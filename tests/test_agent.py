@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from rl_tpu import agent
+from rl_tpu.agent import loop as agent  # the loop's internals too (_content_text)
 from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer

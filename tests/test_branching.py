@@ -1,4 +1,4 @@
-"""Tests for rl_tpu.branching: forking episodes into branches, replay, and TL-GRPO's batch.
+"""Tests for rl_tpu.agent.branching: forking episodes into branches, replay, and TL-GRPO's batch.
 
 A counter env (state: a running total) and an engine that answers by (sample, turn) make every
 branch's actions known, so which branch saw what can be checked exactly.
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from rl_tpu import branching
+from rl_tpu.agent import branching
 from rl_tpu.envs import base as envs
 from rl_tpu.envs.base import Env, StepResult, Task
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
@@ -19,7 +19,7 @@ from rl_tpu.recipes import algorithms
 from rl_tpu.rl.advantages import compute_advantages
 from rl_tpu.rollout.engine import GenerateResult, RolloutEngine
 from rl_tpu.train.rollout_batch import trajectories_to_batch
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.agent.trajectory import Trajectory
 
 
 class CounterEnv(Env):

@@ -12,7 +12,7 @@ import pytest
 
 from rl_tpu import host_state
 from rl_tpu.envs.base import Task
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.agent.trajectory import Trajectory
 
 
 def make_trajectory(group_id=7):

@@ -22,8 +22,8 @@ import pytest
 
 from rl_tpu import http_limits
 from rl_tpu.envs import base
-from rl_tpu.envs.remote import RemoteEnv, RemoteEnvError
-from rl_tpu.envs.server import make_server
+from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError
+from rl_tpu.env_serving.server import make_server
 from rl_tpu.http_limits import HttpLimits, JSONLimitError, deeper_than, loads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,8 +2,9 @@
 
 The agentic domains have one env each, AgentGym's behaviour by default and rl_tpu's own
 variants as keyword options: babyai (a package: env, levels, primitive mode), textcraft,
-sciworld, search (docs/environments.md). The wire format (agentgym_parse), the env server
-(server) and its client (remote) are apart from the domains."""
+sciworld, search (docs/environments.md); agentgym_parse is AgentGym's action format. Serving
+an env over HTTP and calling a served one (server, remote, workers, isolated scorers) live
+apart, in `rl_tpu.env_serving`."""
 
 # Env name -> module under rl_tpu/envs/ that registers it; `base.make` imports it on first use.
 ENV_MODULES: dict[str, str] = {

@@ -92,7 +92,7 @@ class Env(abc.ABC):
     system_prompt: str = ""  # states the action format the env parses
     # True: reset(task) followed by the same actions always reaches the same state (the same
     # observations, rewards, done), so a branching rollout may restore a state by replaying
-    # the actions in a fresh env (rl_tpu/branching.py). Declare it only when that holds.
+    # the actions in a fresh env (rl_tpu/agent/branching.py). Declare it only when that holds.
     replayable: bool = False
 
     @abc.abstractmethod

@@ -11,7 +11,7 @@ timeouts are turned off (`parsing_timeout=None`, `timeout_seconds=None`), and th
 threads, so by default every check runs in a small pool of child processes (`IsolatedWorkers`)
 where math-verify runs in *their* main thread with its own timeouts, and the parent kills a
 child that overruns a hard deadline (a C-level loop that ignores signals, say); the pool is
-`rl_tpu.envs.isolated`, shared with the reasoning-gym scorers.
+`rl_tpu.env_serving.isolated`, shared with the reasoning-gym scorers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
-from rl_tpu.envs.isolated import IsolatedWorkers, WorkerError, shared_workers
+from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError, shared_workers
 
 SYSTEM_PROMPT = """Solve the math problem. Reason step by step, then give only the final answer
 inside <answer>...</answer>, in LaTeX where needed, e.g. <answer>\\frac{3}{4}</answer>.

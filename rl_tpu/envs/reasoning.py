@@ -31,7 +31,7 @@ import random
 from typing import Any, Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
-from rl_tpu.envs.isolated import IsolatedWorkers, WorkerError
+from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError
 
 SYSTEM_PROMPT = """Solve the task. Think it through, then give only the final answer inside
 <answer>...</answer>, in exactly the format the task asks for, e.g. <answer>42</answer>.
@@ -164,7 +164,7 @@ class ReasoningGymEnv(Env):
         if not self.isolate:
             return score_entry(*args)
         if self._workers is None:
-            from rl_tpu.envs.isolated import shared_workers
+            from rl_tpu.env_serving.isolated import shared_workers
             self._workers = shared_workers()
         # Building the dataset (and importing reasoning-gym) happens once per worker, outside
         # the scoring deadline.

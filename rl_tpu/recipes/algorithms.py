@@ -26,7 +26,7 @@ overridden) block into the objects the learner and the loop take, with no branch
 |              |              | log pi, token mean              |                                 |
 
 tl_grpo plays each task once up to a fork turn (`algo.branch_turn`, fixed or drawn per task
-with `algo.branch_sample="uniform"`), forks it into G branches (rl_tpu/branching.py) and
+with `algo.branch_sample="uniform"`), forks it into G branches (rl_tpu/agent/branching.py) and
 normalises the branches' rewards in their group; the turns before the fork carry no loss.
 DAPO's dynamic sampling and overlong shaping are switches of the block
 (`algo.dynamic_sampling`, `algo.overlong_buffer`) that any algorithm may turn on; DAPO's record
@@ -42,7 +42,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ml_collections
 import numpy as np
 
-from rl_tpu import agent, branching
+from rl_tpu import agent
+
+from rl_tpu.agent import branching
 from rl_tpu.rl.advantages import ADVANTAGES
 from rl_tpu.rl.bapo import BapoConfig
 from rl_tpu.rl.losses import POLICY_LOSSES, PolicyLossConfig
@@ -50,7 +52,7 @@ from rl_tpu.rl.registry import Registry
 from rl_tpu.train import steps
 from rl_tpu.train.learner import UpdateConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.trajectory import Trajectory, groups_of
+from rl_tpu.agent.trajectory import Trajectory, groups_of
 
 # The keys a record sets itself (name, estimator, loss kind); its `defaults` may not.
 _RECORD_KEYS = ("name", "advantage", "loss")

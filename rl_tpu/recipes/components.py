@@ -172,7 +172,7 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
             raise FileNotFoundError(f"{key}={given!r}: no such {kind}; give {what}, or leave "
                                     "it empty")
     if config.env.remote_url:
-        from rl_tpu.envs.remote import parse_urls
+        from rl_tpu.env_serving.remote import parse_urls
         for url in parse_urls(config.env.remote_url):
             probe_env_server(config, url)
 
@@ -184,7 +184,7 @@ def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
     (RL_TPU_ENV_API_KEY), so a missing or wrong key is found here too."""
     import httpx
 
-    from rl_tpu.envs.remote import API_KEY_ENV
+    from rl_tpu.env_serving.remote import API_KEY_ENV
 
     name = config.env.name
     start = (f"start it with `python -m launch.serve_env --env {name} --port PORT` (or fix "
@@ -219,7 +219,7 @@ def probe_env_server(config: ml_collections.ConfigDict, url: str) -> None:
     served = info.get("env") if isinstance(info, dict) else None
     if served == name:
         return
-    from rl_tpu.envs.remote import agentgym_name
+    from rl_tpu.env_serving.remote import agentgym_name
     local = make_env_by_name(name, **config.env.kwargs.to_dict())
     try:
         theirs = agentgym_name(local)
@@ -345,7 +345,7 @@ def remote_env_factory(config: ml_collections.ConfigDict, local: Env) -> Callabl
     """Envs on the servers of `env.remote_url` (round robin), with `local`'s tasks, prompts and
     conversation start (docs/env_servers.md); each server is asked, before any compute,
     whether it is up and serves this env."""
-    from rl_tpu.envs.remote import RemoteEnvFactory, parse_urls
+    from rl_tpu.env_serving.remote import RemoteEnvFactory, parse_urls
     e = config.env
     try:
         factory = RemoteEnvFactory(local, parse_urls(e.remote_url), env_name=e.name,
@@ -441,7 +441,7 @@ def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, ma
                     tasks, tokenizer: ChatTokenizer, seed: int) -> dict[str, float]:
     """The config's eval suite on `tasks` (greedy success, pass@k, turns, tokens): the one
     place rl, sft and evaluate build the eval's arguments."""
-    from rl_tpu.evaluation import evaluate
+    from rl_tpu.agent.evaluation import evaluate
     env = config.env
     return evaluate(engine, make_env, tasks, tokenizer=tokenizer,
                     max_turns=eval_horizon(config),

@@ -26,7 +26,9 @@ from typing import Any, Mapping, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from rl_tpu import branching, schedules
+from rl_tpu import schedules
+
+from rl_tpu.agent import branching
 from rl_tpu.envs import base as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
@@ -91,7 +93,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.rollout.prefix_cache_tokens = 65536
     c.rollout.prefix_cache_keep_on_update = False  # True: reuse K/V of older weights (inexact)
     # Off-policy: 0 = on-policy (rollouts by the latest weights, synchronous); k >= 1 = an
-    # asynchronous producer whose data is at most k versions old (rl_tpu/recipes/producer.py).
+    # asynchronous producer whose data is at most k versions old (rl_tpu/offpolicy/producer.py).
     c.rollout.max_staleness = 0
     c.rollout.deterministic = False  # async in lock-step, exactly k versions behind (exact resume)
     # Partial rollouts (async, free-running): generated tokens one rollout chunk may spend on
@@ -146,7 +148,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.train.score_tokens_per_device = 0
     c.train.length_buckets = (128, 256, 512, 1024, 2048)
     c.train.logprob_chunk = 128
-    # Sample replay (rl_tpu/train/replay.py): past groups mixed into each update.
+    # Sample replay (rl_tpu/offpolicy/replay.py): past groups mixed into each update.
     c.train.replay = ml_collections.ConfigDict()
     c.train.replay.capacity = 0  # groups kept per host (0 = off)
     c.train.replay.fraction = 0.5  # replayed share of an update's groups
@@ -548,7 +550,7 @@ def _check_urls(config: ml_collections.ConfigDict) -> None:
 def _check_remote_env(env: ml_collections.ConfigDict) -> None:
     if not env.remote_url:
         return
-    from rl_tpu.envs.remote import parse_urls
+    from rl_tpu.env_serving.remote import parse_urls
     parse_urls(env.remote_url)  # each one http(s)://host[:port]
     if not 0 < env.remote_timeout_s <= env.step_timeout_s:
         raise ValueError(f"env.remote_timeout_s={env.remote_timeout_s} must be > 0 and <= "

@@ -47,7 +47,7 @@ from rl_tpu.recipes.policy_chain import PolicyChain
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.rollout_batch import UNSCORED_FINISHES
-from rl_tpu.trajectory import Trajectory, groups_of
+from rl_tpu.agent.trajectory import Trajectory, groups_of
 
 Example = sft.Example
 Pair = tuple[Example, Example]  # (chosen, rejected)

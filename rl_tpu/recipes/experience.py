@@ -24,7 +24,7 @@ import ml_collections
 from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Task
 from rl_tpu.recipes import components
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.agent.trajectory import Trajectory
 
 Example = tuple[list[int], list[bool]]  # (ids, loss mask), as recipes/sft.py trains on
 

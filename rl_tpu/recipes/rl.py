@@ -3,7 +3,7 @@
     python -m launch.train --config configs/quickstart.py --workdir /tmp/quickstart
 
 One step (each phase a method of `Trainer`, so other loops can compose them):
-  rollout     the step's task groups, G samples each, from the producer (rl_tpu/recipes/
+  rollout     the step's task groups, G samples each, from the producer (rl_tpu/offpolicy/
               producer.py): played now (on-policy), or taken from an asynchronous producer
               within `rollout.max_staleness` versions; plus replayed groups (`train.replay`)
   batch       trajectories -> one padded [B, T] batch (rl_tpu/train/rollout_batch.py)
@@ -49,19 +49,19 @@ from rl_tpu.agent import play_partial
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
-from rl_tpu.evaluation import episode_stats, oldest_version_over_hosts
+from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft, shapes
 from rl_tpu.recipes.config import check
-from rl_tpu.recipes.producer import (AsyncProducer, PartialRollouts, SyncProducer,
+from rl_tpu.offpolicy.producer import (AsyncProducer, PartialRollouts, SyncProducer,
                                      metrics_over_hosts)
 from rl_tpu.train import rollout_batch
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
-from rl_tpu.train.replay import ReplayBuffer, ReplayConfig
+from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig
 from rl_tpu.train.state import step_schedule
-from rl_tpu.trajectory import Trajectory, groups_of
+from rl_tpu.agent.trajectory import Trajectory, groups_of
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from rl_tpu.envs.selfplay import solve_task
 from rl_tpu.recipes import components, shapes
 from rl_tpu.recipes.rl import Trainer, run as run_trainer
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.agent.trajectory import Trajectory
 
 SOLVER_GROUPS = 1 << 30  # solver group ids start here, above every task position
 CURVES = ("selfplay/solver_success", "selfplay/proposal_terms", "selfplay/proposal_abs_value",

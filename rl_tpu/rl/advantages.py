@@ -269,7 +269,7 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
 
     carry_forward=True: a token whose turn's slot is unused (-1, or k >= M) takes the slot of
     the closest EARLIER used turn of its row instead of 0; tokens before a row's first used
-    slot still get 0. A branching rollout (rl_tpu/branching.py) fills one slot a row, its
+    slot still get 0. A branching rollout (rl_tpu/agent/branching.py) fills one slot a row, its
     fork turn f, so every token of turns f, f+1, ... carries the branch's advantage.
     """
     _check_ndim("tl_grpo", turn_rewards=turn_rewards, turn_group_ids=turn_group_ids,

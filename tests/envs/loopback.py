@@ -6,7 +6,7 @@ import threading
 
 def serve_in_background(server) -> str:
     """Serves `server` on 127.0.0.1 from a daemon thread; returns its URL. `server` is an
-    `rl_tpu.envs.server.EnvServer` (uvicorn) or a stdlib `http.server.HTTPServer` (the tests'
+    `rl_tpu.env_serving.server.EnvServer` (uvicorn) or a stdlib `http.server.HTTPServer` (the tests'
     misbehaving fake servers). `stop(server)` ends it."""
     if hasattr(server, "start"):
         return server.start()

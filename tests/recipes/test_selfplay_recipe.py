@@ -75,7 +75,7 @@ def _decision_trajectories():
 
 
 def test_violation_rate_is_over_valid_decisions_and_format_validity_apart():
-    from rl_tpu.evaluation import episode_stats
+    from rl_tpu.agent.evaluation import episode_stats
     a, b, c = _decision_trajectories()
     stats = episode_stats([a, b, c])
     # asked 2 + 2 = 4; valid 2 + 1 = 3; broke 1 + 1 = 2. The invalid reply is no decision
@@ -91,7 +91,7 @@ def test_violation_rate_is_over_valid_decisions_and_format_validity_apart():
 
 
 def test_episode_stats_count_decisions_asked_valid_and_broken():
-    from rl_tpu.trajectory import EpisodeStats
+    from rl_tpu.agent.trajectory import EpisodeStats
     stats = EpisodeStats.of(list(_decision_trajectories()))
     assert (stats.decisions, stats.valid_decisions, stats.violations) == (4, 3, 2)
     d = stats.as_dict()

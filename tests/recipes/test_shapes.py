@@ -16,9 +16,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as launch.compile_ch
 from rl_tpu import aot  # noqa: E402
 from rl_tpu.envs.base import Task  # noqa: E402
 from rl_tpu.recipes import components, shapes  # noqa: E402
-from rl_tpu.train.replay import ReplayBuffer, ReplayConfig  # noqa: E402
+from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig  # noqa: E402
 from rl_tpu.train.rollout_batch import trajectories_to_batch  # noqa: E402
-from rl_tpu.trajectory import Trajectory  # noqa: E402
+from rl_tpu.agent.trajectory import Trajectory  # noqa: E402
 
 pytest.importorskip("libtpu")
 

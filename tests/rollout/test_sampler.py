@@ -214,7 +214,7 @@ def test_ids_sampled_after_a_mid_sample_swap_count_as_the_first_version(setup):
     the trajectory's per-token version is the one the sample's K/V started with: 3 for every
     id (its prompt and first ids were computed by version 3, and every later id attends to
     them), so the trainer's stale-token mask and staleness see them as that old."""
-    from rl_tpu.trajectory import token_versions
+    from rl_tpu.agent.trajectory import token_versions
     _, params_b = hf.load(str(setup["root"] / "b"))
     sampler = JaxSampler(setup["cfg"], setup["params"], decode_chunk=4, version="3")
     swapped = {}

@@ -1,6 +1,6 @@
 """The env server's logic, free of HTTP: a table of live env instances keyed by integer id.
 
-`rl_tpu.envs.server` puts it behind FastAPI (the wire format is described there). Everything a
+`rl_tpu.env_serving.server` puts it behind FastAPI (the wire format is described there). Everything a
 client can get wrong is a `RequestError` carrying the HTTP status to answer; an env that
 raises is dropped (its state is suspect) and answered 500, except when it raised starting a
 task the client itself named, or reached at a step for a data key the client's task lacks:
@@ -30,7 +30,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task
-from rl_tpu.envs.remote import agentgym_name
+from rl_tpu.env_serving.remote import agentgym_name
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def jsonable(value: Any) -> Any:
 class EnvService:
     """Live env instances built by `env_factory()`, at most `max_instances` at once, each
     expired after `idle_timeout_s` seconds without a request (None: never). See the module
-    docstring of `rl_tpu.envs.server` for `action_prefix` and `dialect`."""
+    docstring of `rl_tpu.env_serving.server` for `action_prefix` and `dialect`."""
 
     def __init__(self, env_factory: Callable[[], Env], max_instances: int = 256,
                  env_name: Optional[str] = None, action_prefix: Optional[str] = None,
@@ -123,7 +123,7 @@ class EnvService:
         # instance a client is stepping.
         self._meta_env = env_factory()
         self.env_name = env_name or self._meta_env.name
-        # Told by the env's tasks, not its registered name (see rl_tpu.envs.server).
+        # Told by the env's tasks, not its registered name (see rl_tpu.env_serving.server).
         self.agentgym = agentgym_name(self._meta_env)
         if dialect is None:
             dialect = "searchqa" if self.agentgym == "searchqa" else "agentgym"

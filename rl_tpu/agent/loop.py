@@ -3,7 +3,7 @@
 `run_episodes` plays every episode of a rollout batch at once. Each turn it makes ONE batched
 `engine.generate` call over all live episodes (each request is that episode's whole token
 history), decodes each sample into an action, steps the envs in parallel threads (a
-`rl_tpu.envs.workers.WorkerPool`: a time limit per call, stuck envs abandoned), appends each
+`rl_tpu.env_serving.workers.WorkerPool`: a time limit per call, stuck envs abandoned), appends each
 observation to its history as a new user message, and repeats until every episode has ended.
 
 Token accounting, the part the trainer depends on:
@@ -57,10 +57,10 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
-from rl_tpu.envs.workers import Outcome, WorkerPool
+from rl_tpu.env_serving.workers import Outcome, WorkerPool
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
-from rl_tpu.trajectory import (NO_VERSION, EpisodeStats,  # noqa: F401 (EpisodeStats: API)
+from rl_tpu.agent.trajectory import (NO_VERSION, EpisodeStats,  # noqa: F401 (EpisodeStats: API)
                                Trajectory, token_versions)
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Episode:
         self.turn_left = 0
         self.parts = 0
         # What the env said, for a branching rollout to restore this state in a fresh env by
-        # replaying (rl_tpu/branching.py): reset's observation, then (action, observation,
+        # replaying (rl_tpu/agent/branching.py): reset's observation, then (action, observation,
         # reward, done) of every step the env took (unparseable actions never reach it).
         self.first_observation: Optional[str] = None
         self.env_trace: list[tuple[str, str, float, bool]] = []
@@ -205,7 +205,7 @@ def _play_groups(
         e.g. those a resumed producer plays again); overrides group_id_offset.
       token_budget, resume, paused: partial rollouts (see `play_partial`); with a budget every
         episode is yielded on its own, as its group may end in another call.
-      forker: branching rollouts (rl_tpu/branching.py): one episode a task is played, and the
+      forker: branching rollouts (rl_tpu/agent/branching.py): one episode a task is played, and the
         forker adds its other samples_per_task - 1 episodes to its group as copies of it.
 
     Yields:

@@ -29,7 +29,7 @@ from rl_tpu.agent import run_episodes
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
-from rl_tpu.trajectory import NO_VERSION, EpisodeStats, Trajectory
+from rl_tpu.agent.trajectory import NO_VERSION, EpisodeStats, Trajectory
 
 
 def global_sums(values: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 _HEADER = struct.Struct("<Q")  # payload length of one pickled message on the worker pipes
 # Children start with `python -c` importing this module, not multiprocessing's spawn, which
 # would re-run an unguarded user script.
-_WORKER_MAIN = "from rl_tpu.envs.isolated import _serve_worker; _serve_worker()"
+_WORKER_MAIN = "from rl_tpu.env_serving.isolated import _serve_worker; _serve_worker()"
 
 
 class WorkerError(RuntimeError):

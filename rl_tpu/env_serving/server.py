@@ -1,7 +1,7 @@
 """Serve any registered env over the AgentGym env-server HTTP API (FastAPI + uvicorn).
 
 Wire format (JSON bodies; the routes and fields of AgentGym's BabyAI / TextCraft / SciWorld
-servers, so `rl_tpu.envs.remote.RemoteEnv` and AgentGym's own clients read both alike):
+servers, so `rl_tpu.env_serving.remote.RemoteEnv` and AgentGym's own clients read both alike):
 
   POST /create  no body, {} or {"data_idx": i, "split": "train"}
                                         -> {"id", "observation", "reward", "score", "done"}
@@ -82,8 +82,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl_tpu.envs import base
 from rl_tpu.envs.base import Env
-from rl_tpu.envs.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestError, jsonable
-from rl_tpu.envs.server_wire import (ERROR_STYLES, Close, Create, JSONReply, Reset, SearchQAClose,
+from rl_tpu.env_serving.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestError, jsonable
+from rl_tpu.env_serving.server_wire import (ERROR_STYLES, Close, Create, JSONReply, Reset, SearchQAClose,
                                      SearchQACreate, SearchQAReset, SearchQAStep, Step,
                                      error_reply)
 from rl_tpu.http_limits import ENV_LIMITS, HttpLimits

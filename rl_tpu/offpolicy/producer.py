@@ -56,9 +56,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.agent import close_paused, paused_task
+from rl_tpu.agent.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 from rl_tpu.data.tasks import TaskStream
 from rl_tpu.recipes import components
-from rl_tpu.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 
 log = logging.getLogger(__name__)
 
@@ -507,13 +508,11 @@ class PartialRollouts:
 
     def pending_tasks(self) -> list:
         """(position, Task) of every group not yet complete: a restarted producer replays them."""
-        from rl_tpu.agent import paused_task
         tasks = {t.group_id: t.info["task"] for trajs in self.waiting.values() for t in trajs}
         tasks.update(paused_task(ep) for ep in self.paused)
         return sorted(tasks.items())
 
     def close(self) -> None:
-        from rl_tpu.agent import close_paused
         close_paused(self.paused)
         self.paused = []
 

@@ -45,7 +45,7 @@ import numpy as np
 from rl_tpu import agent
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.rollout.engine import RolloutEngine
-from rl_tpu.trajectory import Trajectory
+from rl_tpu.agent.trajectory import Trajectory
 
 SAMPLES = ("fixed", "uniform")
 
@@ -221,7 +221,7 @@ def turn_arrays(trajectories: Sequence[Trajectory], loss_mask: np.ndarray,
         if turn is None:
             raise ValueError(f"trajectory of task {traj.task_id!r} has no branch turn: the "
                              "tl_grpo advantage trains on branching rollouts "
-                             "(rl_tpu.branching), not on plain or partial ones")
+                             "(rl_tpu.agent.branching), not on plain or partial ones")
         if turn >= num_slots:
             raise ValueError(f"trajectory of task {traj.task_id!r} forked at turn {turn}, past "
                              f"the {num_slots} turn slots of algo.branch_turn={num_slots - 1}")

@@ -1,6 +1,6 @@
 """`RemoteEnv`: an `Env` whose episodes run in an env server (AgentGym's HTTP API).
 
-One client for AgentGym's own `agentenv-*` servers and for rl_tpu's (`rl_tpu.envs.server`,
+One client for AgentGym's own `agentenv-*` servers and for rl_tpu's (`rl_tpu.env_serving.server`,
 `python -m launch.serve_env`), which answers in the same shapes. Two protocols:
 
 `protocol="agentgym"` (the default for env_name babyai, textcraft, sciworld, searchqa) does
@@ -50,7 +50,7 @@ A server started with a key (`launch.serve_env --api_key`, or RL_TPU_ENV_API_KEY
 without it: RemoteEnv sends `api_key`, by default the same environment variable, and a 401 is
 a RemoteEnvError saying to set it.
 
-HTTP goes through httpx (`rl_tpu.envs.remote_http`): keep-alive connections from a pool,
+HTTP goes through httpx (`rl_tpu.env_serving.remote_http`): keep-alive connections from a pool,
 the RemoteEnv's own or one shared by every env a `RemoteEnvFactory` builds for that server, and
 a lock that serialises the calls on one RemoteEnv (a timed-out step still running in its
 worker thread and a later close, say), so one episode never has two requests in flight.
@@ -74,7 +74,7 @@ import httpx
 
 from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
-from rl_tpu.envs.remote_http import RemoteEnvError, Transport, shared_client
+from rl_tpu.env_serving.remote_http import RemoteEnvError, Transport, shared_client
 
 __all__ = ["AGENTGYM_ENVS", "API_KEY_ENV", "RemoteEnv", "RemoteEnvError", "RemoteEnvFactory",
            "RemoteTaskSource", "agentgym_name", "parse_urls", "split_url"]

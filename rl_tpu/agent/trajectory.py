@@ -1,6 +1,6 @@
 """What one episode leaves behind, host side: `Trajectory`, and `EpisodeStats` over many.
 
-This module is the boundary between the agent loop (rl_tpu/agent.py, which makes
+This module is the boundary between the agent loop (rl_tpu/agent/loop.py, which makes
 trajectories) and everything that consumes them (rl_tpu/train/, the replay buffer, the
 recipes): it imports nothing of either, so `train/` never depends on the agent loop.
 
