@@ -28,19 +28,15 @@ The comparison, its figure and what it shows are in docs/off_policy.md.
 """
 
 from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.variants import parse_variant
 
 LOSSES = ("bapo", "clip", "clip_higher")
 SETTINGS = ("s0", "s2", "s4", "replay", "partial")
 
 
 def get_config(arg: str = ""):
-    parts = [p for p in arg.split(",") if p]
-    unknown = [p for p in parts if p not in LOSSES + SETTINGS + ("smoke",)]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; combine one of {LOSSES}, one of "
-                         f"{SETTINGS} and optionally 'smoke', e.g. 'bapo,s2'")
-    loss = next((p for p in parts if p in LOSSES), "bapo")
-    setting = next((p for p in parts if p in SETTINGS), "s2")
+    chosen, smoke = parse_variant(arg, {"loss": LOSSES, "setting": SETTINGS}, {"setting": "s2"})
+    loss, setting = chosen["loss"], chosen["setting"]
 
     c = largest_task(base_config("bapo" if loss == "bapo" else "grpo"))
     c.algo.ratio_against = "behaviour"
@@ -63,7 +59,7 @@ def get_config(arg: str = ""):
                                           * c.env.max_new_tokens // 2)
         c.rollout.mask_stale_tokens = True
 
-    if "smoke" in parts:
+    if smoke:
         c.train.steps = 2
         c.train.tasks_per_step = 4
         c.train.samples_per_task = 2

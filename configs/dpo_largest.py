@@ -16,17 +16,14 @@ W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("dpo", "ipo", "inpo", "offline")
 
 
 def get_config(arg: str = ""):
-    parts = [p for p in arg.split(",") if p]
-    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
-                         "with ',smoke'")
-    variant = next((p for p in parts if p in VARIANTS), "dpo")
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    variant = chosen["variant"]
     c = largest_task(base_config("grpo"))
     c.recipe = "dpo"
     c.eval.num_tasks = 500
@@ -48,7 +45,7 @@ def get_config(arg: str = ""):
     elif variant == "offline":
         c.loop.rounds = 1
         c.dpo.epochs = 0.0
-    if "smoke" in parts:
+    if smoke:
         shrink_loop_for_smoke(c)
         c.dpo.steps = 3
         c.dpo.epochs = 0.0

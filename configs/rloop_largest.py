@@ -17,17 +17,14 @@ The figures are in docs/loops.md.
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("rloop", "alternate", "plain_rl")
 
 
 def get_config(arg: str = ""):
-    parts = [p for p in arg.split(",") if p]
-    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
-                         "with ',smoke'")
-    variant = next((p for p in parts if p in VARIANTS), "rloop")
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    variant = chosen["variant"]
     c = largest_task(base_config("grpo"))
     c.eval.num_tasks = 500
     c.recipe = "rloop"
@@ -41,7 +38,7 @@ def get_config(arg: str = ""):
     if variant == "plain_rl":
         c.recipe = "rl"
         c.train.steps = 60
-    if "smoke" in parts:
+    if smoke:
         shrink_loop_for_smoke(c)
         c.train.steps = 2
         c.train.tasks_per_step = 4

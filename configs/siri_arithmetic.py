@@ -25,6 +25,7 @@ docs/siri.md has the results.
 """
 
 from rl_tpu.recipes.config import base_config, set_env
+from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("siri", "fixed", "cosine")
 
@@ -41,12 +42,8 @@ PROMPT = "Give the final answer inside <answer>...</answer>."
 
 
 def get_config(arg: str = ""):
-    parts = [p for p in arg.split(",") if p]
-    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
-                         "with ',smoke' (e.g. 'siri,smoke'); 'smoke' alone is siri's")
-    variant = next((p for p in parts if p in VARIANTS), "siri")
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    variant = chosen["variant"]
 
     c = base_config("dr_grpo")
     c.seed = 0
@@ -78,7 +75,7 @@ def get_config(arg: str = ""):
         c.schedules.budget_period = 20
         c.schedules.budget_start = "short"  # compression first: steps 1-10 at 32 tokens
 
-    if "smoke" in parts:
+    if smoke:
         c.train.steps = 2
         c.train.tasks_per_step = 2
         c.train.samples_per_task = 2

@@ -19,17 +19,14 @@ rollouts `rollout/violation_rate`:
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_loop_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("plain", "penalty", "kl")
 
 
 def get_config(arg: str = ""):
-    parts = [p for p in arg.split(",") if p]
-    unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; use one of {VARIANTS}, optionally "
-                         "with ',smoke'")
-    variant = next((p for p in parts if p in VARIANTS), "plain")
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    variant = chosen["variant"]
     c = base_config("grpo")
     set_env(c, "tipping_routes", rounds=1,
             violation_penalty=1.0 if variant == "penalty" else 0.0)
@@ -55,7 +52,7 @@ def get_config(arg: str = ""):
     c.checkpoint.every = 20
     if variant == "kl":
         c.algo.kl_coef = 0.5
-    if "smoke" in parts:
+    if smoke:
         shrink_loop_for_smoke(c, warm_start_steps=4)
         c.model.tiny_corpus_tasks = 20
         c.train.steps = 2

@@ -1,0 +1,53 @@
+"""The configs' one variant parser, and the configs that use it refusing what they did not."""
+
+import importlib
+import os
+import sys
+
+import pytest
+
+from rl_tpu.recipes.variants import parse_variant
+
+LOSSES, SETTINGS = ("bapo", "clip", "clip_higher"), ("s0", "s2", "s4")
+GROUPS = {"loss": LOSSES, "setting": SETTINGS}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("", ({"loss": "bapo", "setting": "s2"}, False)),           # defaults: first, or given
+    ("clip_higher,s4", ({"loss": "clip_higher", "setting": "s4"}, False)),
+    ("s0,smoke", ({"loss": "bapo", "setting": "s0"}, True)),   # any order
+    ("smoke", ({"loss": "bapo", "setting": "s2"}, True)),
+    (" clip , smoke ,", ({"loss": "clip", "setting": "s2"}, True)),
+])
+def test_names_from_each_group_and_smoke(arg, expected):
+    assert parse_variant(arg, GROUPS, {"setting": "s2"}) == expected
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("bapo,s9", r"'s9' is not a choice.*loss: bapo, clip, clip_higher; setting: s0, s2, s4"),
+    ("bapo,clip", r"'clip' is a second loss \(after 'bapo'\)"),
+    ("smoke,smoke", r"'smoke' is given twice"),
+])
+def test_refuses_what_is_not_a_variant(arg, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variant(arg, GROUPS)
+
+
+def test_a_default_must_be_a_choice():
+    with pytest.raises(ValueError, match="default 's9' of group 'setting'"):
+        parse_variant("", GROUPS, {"setting": "s9"})
+
+
+@pytest.mark.parametrize("name, arg", [
+    ("bapo_offpolicy", "bapo,clip"), ("dpo_largest", "ipo,inpo"), ("rloop_largest", "rlop"),
+    ("siri_arithmetic", "siri,cosine"), ("tipping_routes", "kl,smoke,smoke"),
+])
+def test_configs_refuse_two_of_a_group_or_a_typo(name, arg):
+    sys.path.insert(0, REPO)
+    try:
+        module = importlib.import_module(f"configs.{name}")
+    finally:
+        sys.path.remove(REPO)
+    with pytest.raises(ValueError, match=f"variant '{arg}'"):
+        module.get_config(arg)
