@@ -48,7 +48,7 @@ from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.recipes import algorithms, components, shapes
-from rl_tpu.train.learner import Learner
+from rl_tpu.train.learner import Learner, abstract_batch
 from rl_tpu.train.state import abstract_state, make_optimizer
 
 GIB = 2 ** 30
@@ -162,10 +162,7 @@ def _sds(shape, dtype, sharding):
 
 def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> dict:
     """An RL batch of `rows` x `length` as the trainer builds it, sharded on rows."""
-    sharding = NamedSharding(mesh, parallel.batch_spec(1))
-    dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32,
-                  loss_mask=jnp.bool_)  # as rollout_batch.trajectories_to_batch makes them
-    return {k: _sds((rows, length), dtypes.get(k, jnp.float32), sharding) for k in keys}
+    return abstract_batch(rows, length, NamedSharding(mesh, parallel.batch_spec(1)), keys)
 
 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}

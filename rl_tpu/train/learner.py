@@ -289,13 +289,9 @@ class Learner:
         (of OPTIONAL_UPDATE_KEYS) as trajectories_to_batch makes it, lowered against
         ShapeDtypeStructs of its inputs: nothing runs and nothing is allocated. What
         aot.check measures on a TPU topology and `compile_ahead` compiles here."""
-        rows_sharded = self._batch_sharding
-        batch = {k: _abstract_array((rows, length), _BATCH_DTYPES.get(k, jnp.float32),
-                                    rows_sharded)
-                 for k in ("tokens", "positions", "segment_ids", "loss_mask", "advantages",
-                           "old_logprobs", "behaviour_logprobs", "ref_logprobs", "values",
-                           "returns")}
-        batch["length_normalizer"] = _abstract_array((rows,), jnp.float32, rows_sharded)
+        batch = abstract_batch(rows, length, self._batch_sharding, (
+            "tokens", "positions", "segment_ids", "loss_mask", "advantages", "old_logprobs",
+            "behaviour_logprobs", "ref_logprobs", "values", "returns", "length_normalizer"))
         inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         # the key as `update` passes it: uncommitted (a committed replicated one is another
         # jit cache entry, so the program compiled ahead would go unused)
@@ -392,13 +388,18 @@ class Learner:
 OPTIONAL_UPDATE_KEYS = ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
 _BATCH_DTYPES = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32,
                      loss_mask=jnp.bool_)
+_ROW_KEYS = ("length_normalizer",)  # [B]: one value a row; every other key is [B, T]
 # One thread: compiles ahead queue behind each other rather than take both cores from a
 # sampler that is running its own.
 _AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-compile-ahead")
 
 
-def _abstract_array(shape, dtype, sharding):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+def abstract_batch(rows: int, length: int, sharding, keys) -> dict:
+    """ShapeDtypeStructs of an RL batch's `keys` as the trainer builds it: [rows, length]
+    arrays (a [rows] one for length_normalizer) in their dtypes, sharded by `sharding`."""
+    return {k: jax.ShapeDtypeStruct((rows,) if k in _ROW_KEYS else (rows, length),
+                                    _BATCH_DTYPES.get(k, jnp.float32), sharding=sharding)
+            for k in keys}
 
 
 def _abstract(tree):
