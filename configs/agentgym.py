@@ -17,6 +17,7 @@ protocol.
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 # env: (train turns, eval turns, ScalingInter-RL stages, tokens a turn, step timeout s)
 SETTINGS = {
@@ -29,10 +30,8 @@ ENV_NAMES = {"searchqa": "search"}  # AgentGym's name -> rl_tpu's, where they di
 
 
 def get_config(arg: str = "babyai"):
-    env, *variant = arg.split(",")
-    if env not in SETTINGS or len(variant) > 1 or variant[:1] not in ([], ["fixed"], ["smoke"]):
-        raise ValueError(f"unknown variant {arg!r}; use '<env>', '<env>,fixed' or "
-                         f"'<env>,smoke' with <env> one of {sorted(SETTINGS)}")
+    chosen, smoke = parse_variant(arg, {"env": tuple(SETTINGS), "horizon": ("scaling", "fixed")})
+    env = chosen["env"]
     train_turns, eval_turns, stages, new_tokens, timeout = SETTINGS[env]
     c = multi_turn_agent(base_config("grpo"), ENV_NAMES.get(env, env), turns=train_turns,
                          horizon_stages=stages, max_new_tokens=new_tokens,
@@ -40,11 +39,8 @@ def get_config(arg: str = "babyai"):
     c.eval.max_turns = eval_turns
     c.env.reward_reduce = "last"
     c.env.step_timeout_s = timeout
-    if variant == ["fixed"]:
+    if chosen["horizon"] == "fixed":
         c.schedules.horizon_turns = ()
-    elif variant == ["smoke"]:
-        shrink_for_smoke(c)
-        c.eval.max_turns = 2
-        c.env.max_context_tokens = 2048
-        c.train.length_buckets = (1024, 2048)
+    if smoke:
+        shrink_for_smoke(c, context_tokens=2048)
     return c

@@ -13,16 +13,14 @@ configs/agentgym.py:babyai trains the AgentGym default (macro actions, all 40 le
 
 from rl_tpu.envs.babyai.levels import PRIMITIVE_LEVELS
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    _, smoke = parse_variant(arg, {})
     c = multi_turn_agent(base_config("grpo"), "babyai", turns=20, horizon_stages=(6, 13, 20))
     c.env.kwargs.update(actions="primitive", levels=PRIMITIVE_LEVELS)
     c.eval.num_tasks = 200
-    if arg == "smoke":
-        shrink_for_smoke(c)
-        c.env.max_context_tokens = 1024
-        c.train.length_buckets = (512, 1024)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    if smoke:
+        shrink_for_smoke(c, context_tokens=1024)
     return c

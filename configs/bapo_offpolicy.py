@@ -27,7 +27,7 @@ numbers as on two devices), only without the overlap.
 The comparison, its figure and what it shows are in docs/off_policy.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 LOSSES = ("bapo", "clip", "clip_higher")
@@ -60,18 +60,11 @@ def get_config(arg: str = ""):
         c.rollout.mask_stale_tokens = True
 
     if smoke:
-        c.train.steps = 2
+        shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
         c.train.tasks_per_step = 4
-        c.train.samples_per_task = 2
         c.train.minibatches = 2
         c.train.replay.capacity = min(c.train.replay.capacity, 8)
         if setting == "partial":
             c.rollout.partial_token_budget = 8
-        c.sft.steps = 4
         c.sft.num_demos = 64
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 8
-        c.eval.every = 2
-        c.checkpoint.every = 1
-        c.log.plot = False
     return c

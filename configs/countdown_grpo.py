@@ -7,30 +7,15 @@ Single-turn: one reply per task, scored by reasoning-gym's own checker (1.0 righ
 well-formed wrong answer). `get_config("smoke")` runs two steps on a tiny random model.
 """
 
-from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, shrink_for_smoke, single_turn_reasoning
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    c = base_config("grpo")
-    set_env(c, "countdown")
-    c.env.max_turns = 1
-    c.env.max_new_tokens = 1024
-    c.env.max_context_tokens = 1536
-    c.train.length_buckets = (512, 1024, 2048)
-    c.train.steps = 200
-    c.train.tasks_per_step = 64
-    c.train.samples_per_task = 8
-    c.train.minibatches = 4
-    c.optim.lr = 1e-6
-    c.model.dtype = "bfloat16"
-    c.model.remat = "dots"
-    c.eval.every = 20
-    c.eval.num_tasks = 200
+    _, smoke = parse_variant(arg, {})
+    c = single_turn_reasoning(base_config("grpo"), "countdown", max_new_tokens=1024,
+                              max_context_tokens=1536)
     c.eval.pass_k = 4
-    if arg == "smoke":
-        shrink_for_smoke(c)
-        c.env.max_context_tokens = 512
-        c.train.length_buckets = (256, 512)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    if smoke:
+        shrink_for_smoke(c, context_tokens=512)
     return c

@@ -15,7 +15,7 @@ dpo.data_path's pairs, reference P_0); `smoke` shrinks any of them. Greedy succe
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
+from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("dpo", "ipo", "inpo", "offline")
@@ -27,26 +27,21 @@ def get_config(arg: str = ""):
     c = largest_task(base_config("grpo"))
     c.recipe = "dpo"
     c.eval.num_tasks = 500
-    c.loop.rounds = 3
-    c.loop.tasks_per_round = 256
+    # 3 rounds of 8 replies to 256 prompts (loop.*'s defaults); dpo.loss "dpo", beta 0.1
     c.loop.samples_per_task = 8
-    c.dpo.loss = "dpo"
-    c.dpo.beta = 0.1
     c.dpo.steps = 60
     c.dpo.epochs = 4.0  # online: 4 passes over each round's pairs (offline: dpo.steps)
     c.dpo.lr = 2e-4
-    c.dpo.batch_size = 32
     c.checkpoint.every = 30
-    if variant == "ipo":
-        c.dpo.loss = "ipo"
-    elif variant == "inpo":
-        c.dpo.loss = "inpo"
+    if variant in ("ipo", "inpo"):
+        c.dpo.loss = variant
+    if variant == "inpo":
         c.dpo.inpo_tau = 0.05
     elif variant == "offline":
         c.loop.rounds = 1
         c.dpo.epochs = 0.0
     if smoke:
-        shrink_loop_for_smoke(c)
+        shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
         c.dpo.steps = 3
         c.dpo.epochs = 0.0
         c.dpo.batch_size = 8

@@ -12,25 +12,21 @@ held-out tasks after each round is W/metrics.jsonl's eval/success at steps 0..3.
 seconds. The figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
+from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    chosen, smoke = parse_variant(arg, {"rounds": ("expert_iteration", "rft")})
     c = largest_task(base_config("grpo"))
     c.recipe = "expert_iteration"
     c.eval.num_tasks = 500
-    c.loop.rounds = 3
+    # 3 rounds (rft: 1) of 8 replies to 512 tasks; the correct ones (loop.reward_threshold 1)
+    # fine-tune the policy for loop.sft_steps = 100 steps at loop.sft_lr = 1e-3
+    c.loop.rounds = 1 if chosen["rounds"] == "rft" else 3
     c.loop.tasks_per_round = 512
     c.loop.samples_per_task = 8
-    c.loop.reward_threshold = 1.0
-    c.loop.sft_steps = 100
-    c.loop.sft_lr = 1e-3
-    c.loop.sft_batch_size = 64
     c.checkpoint.every = 50
-    if arg == "rft":
-        c.loop.rounds = 1
-    elif arg == "smoke":
-        shrink_loop_for_smoke(c)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '', 'rft' or 'smoke'")
+    if smoke:
+        shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
     return c

@@ -13,33 +13,19 @@ math-verify. `get_config("smoke")`: a tiny random model served by `launch.serve_
 reasoning-gym, two steps; the tests pass the server's url with --rollout_urls.
 """
 
-from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, single_turn_reasoning
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    c = base_config("dapo")
+    _, smoke = parse_variant(arg, {})
+    # env.kwargs.path: the JSONL of problems (question + answer per line)
+    c = single_turn_reasoning(base_config("dapo"), "math", max_new_tokens=2048,
+                              max_context_tokens=3072)
     c.rollout.engine = "sglang"
-    set_env(c, "math")  # env.kwargs.path: the JSONL of problems (question + answer per line)
-    c.env.max_turns = 1
-    c.env.max_new_tokens = 2048
-    c.env.max_context_tokens = 3072
     c.algo.overlong_buffer = 512
-    c.train.length_buckets = (1024, 2048, 4096)
-    c.train.steps = 200
-    c.train.tasks_per_step = 64
-    c.train.samples_per_task = 8
-    c.train.minibatches = 4
-    c.optim.lr = 1e-6
-    c.model.dtype = "bfloat16"
-    c.model.remat = "dots"
-    c.eval.every = 20
-    c.eval.num_tasks = 200
-    if arg == "smoke":
-        shrink_for_smoke(c)
+    if smoke:
+        shrink_for_smoke(c, context_tokens=512)
         set_env(c, "arithmetic")
         c.algo.overlong_buffer = 4
-        c.env.max_context_tokens = 512
-        c.train.length_buckets = (256, 512)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
     return c

@@ -14,26 +14,21 @@ every step, W/curves.png the curves. `get_config("smoke")` runs the same pipelin
 `get_config("sft_only")` is the control: the same budget spent on more SFT instead of RL.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task
+from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only")})
     c = largest_task(base_config("grpo"))
     c.seed = 0
     c.eval.num_tasks = 500
-    if arg == "smoke":
-        c.train.steps = 2
-        c.train.tasks_per_step = 4
-        c.train.samples_per_task = 4
-        c.sft.steps = 4
-        c.sft.num_demos = 64
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 16
-        c.eval.every = 2
-        c.checkpoint.every = 1
-    elif arg == "sft_only":
+    if chosen["variant"] == "sft_only":
         c.train.steps = 0
         c.sft.steps = 600
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '', 'smoke' or 'sft_only'")
+    if smoke:
+        shrink_for_smoke(c, warm_start_steps=4, eval_tasks=16)
+        c.train.tasks_per_step = c.train.samples_per_task = 4
+        c.sft.num_demos = 64
+        c.log.plot = True  # the notebook's smoke run shows the curves
     return c

@@ -16,7 +16,7 @@ round; each round's RL run has its own curve in W/round_R/rl). `smoke` shrinks a
 The figures are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, largest_task, shrink_loop_for_smoke
+from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("rloop", "alternate", "plain_rl")
@@ -27,20 +27,15 @@ def get_config(arg: str = ""):
     variant = chosen["variant"]
     c = largest_task(base_config("grpo"))
     c.eval.num_tasks = 500
+    # 3 rounds of a 20-step RL run whose successes (loop.reward_threshold 1) fine-tune for
+    # loop.sft_steps = 100 steps at loop.sft_lr = 1e-3
     c.recipe = "rloop"
-    c.loop.rounds = 3
-    c.train.steps = 20  # the RL run of a round
-    c.loop.reward_threshold = 1.0
-    c.loop.sft_steps = 100
-    c.loop.sft_lr = 1e-3
-    c.loop.sft_batch_size = 64
+    c.train.steps = 20
     c.loop.rft_from = "end" if variant == "alternate" else "start"
     if variant == "plain_rl":
         c.recipe = "rl"
         c.train.steps = 60
     if smoke:
-        shrink_loop_for_smoke(c)
-        c.train.steps = 2
-        c.train.tasks_per_step = 4
-        c.train.samples_per_task = 4
+        shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
+        c.train.tasks_per_step = c.train.samples_per_task = 4
     return c

@@ -12,19 +12,17 @@ system prompt, round-robin tasks over all 30 families, 100 replies instead of th
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    _, smoke = parse_variant(arg, {})
     c = multi_turn_agent(base_config("ppo"), "sciworld", turns=30, horizon_stages=(10, 20, 30))
     c.env.kwargs.update(reward="delta", prompt="system", tasks="round_robin", max_steps=100,
                         move_limit=None)
     c.env.step_timeout_s = 120.0
     c.train.samples_per_task = 4
     c.algo.value_lr = 1e-5
-    if arg == "smoke":
-        shrink_for_smoke(c)
-        c.env.max_context_tokens = 2048
-        c.train.length_buckets = (1024, 2048)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    if smoke:
+        shrink_for_smoke(c, context_tokens=2048)
     return c

@@ -10,16 +10,14 @@ as AgentGym-RL trains Deep Search. `get_config("smoke")` runs two steps on a tin
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    _, smoke = parse_variant(arg, {})
     c = multi_turn_agent(base_config("grpo"), "search", turns=10, horizon_stages=(5, 8, 10),
                          max_new_tokens=256)
     c.env.kwargs.actions = "brackets"
-    if arg == "smoke":
-        shrink_for_smoke(c)
-        c.env.max_context_tokens = 2048
-        c.train.length_buckets = (1024, 2048)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
+    if smoke:
+        shrink_for_smoke(c, context_tokens=2048)
     return c

@@ -13,42 +13,25 @@ solver. The proposer is paid most when the solver succeeds half the time on its 
 figures are in docs/loops.md. `smoke` runs the same game in seconds.
 """
 
-from rl_tpu.recipes.config import base_config, set_env, shrink_loop_for_smoke
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    _, smoke = parse_variant(arg, {})
     c = base_config("grpo")
     c.recipe = "selfplay"
     set_env(c, "selfplay_arithmetic", max_terms=4, max_number=20)
-    c.model.tiny_hidden = 64
-    c.model.tiny_layers = 2
-    c.model.tiny_corpus_tasks = 200
-    c.env.max_turns = 1
+    tiny_model_warm_start(c, context_tokens=256, sft_steps=300, num_demos=4000,
+                          teacher_skill=0.5, corpus_tasks=200)
     c.env.max_new_tokens = 12
-    c.env.max_context_tokens = 256
-    c.train.length_buckets = (128, 256)
     c.train.steps = 40
     c.train.tasks_per_step = 16
     c.train.samples_per_task = 4
-    c.selfplay.solver_samples = 4
-    c.selfplay.target_success = 0.5
-    c.optim.lr = 5e-4
-    c.sft.steps = 300
-    c.sft.batch_size = 64
-    c.sft.lr = 3e-3
-    c.sft.num_demos = 4000
-    c.sft.teacher_skill = 0.5
-    c.sft.max_length = 256
-    c.eval.every = 10
     c.eval.num_tasks = 300
-    c.checkpoint.every = 20
-    if arg == "smoke":
-        shrink_loop_for_smoke(c)
+    if smoke:
+        shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
         c.model.tiny_corpus_tasks = 20
-        c.train.steps = 2
-        c.train.tasks_per_step = 2
-        c.train.samples_per_task = 2
+        c.env.max_new_tokens = 12  # a proposal of four numbers
         c.selfplay.solver_samples = 2
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
     return c

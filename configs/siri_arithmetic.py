@@ -24,7 +24,7 @@ end of each compression and each expansion phase. `smoke` shrinks any of them to
 docs/siri.md has the results.
 """
 
-from rl_tpu.recipes.config import base_config, set_env
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("siri", "fixed", "cosine")
@@ -49,25 +49,13 @@ def get_config(arg: str = ""):
     c.seed = 0
     # in-process scoring: basic_arithmetic's checker compares strings, nothing to isolate
     set_env(c, "arithmetic", config=dict(ARITHMETIC), isolate=False, system_prompt=PROMPT)
-    c.model.tiny_hidden = 64
-    c.model.tiny_layers = 2
-    c.env.max_turns = 1
+    # rows of at most 128 tokens: prompt ~35 tokens + 64
+    tiny_model_warm_start(c, context_tokens=128, sft_steps=200, sft_batch_size=32,
+                          num_demos=4000, teacher_skill=0.5)
     c.env.max_new_tokens = 64  # L_max: fits every teacher reply (at most 58 tokens + eos)
-    c.env.max_context_tokens = 128  # prompt ~35 tokens + 64
-    c.train.length_buckets = (128,)
     c.train.steps = 60
     c.train.tasks_per_step = 16
-    c.train.samples_per_task = 8
-    c.optim.lr = 5e-4
-    c.sft.steps = 200
-    c.sft.batch_size = 32
-    c.sft.lr = 3e-3
-    c.sft.num_demos = 4000
-    c.sft.teacher_skill = 0.5
-    c.sft.max_length = 128
-    c.eval.every = 10
     c.eval.num_tasks = 200
-    c.checkpoint.every = 20
 
     if variant in ("siri", "cosine"):
         c.schedules.budget = "stair" if variant == "siri" else "cosine"
@@ -76,15 +64,8 @@ def get_config(arg: str = ""):
         c.schedules.budget_start = "short"  # compression first: steps 1-10 at 32 tokens
 
     if smoke:
-        c.train.steps = 2
-        c.train.tasks_per_step = 2
-        c.train.samples_per_task = 2
+        shrink_for_smoke(c, warm_start_steps=4, eval_tasks=4)
+        c.env.max_new_tokens = 64  # the schedule's range, as in the experiment
         c.schedules.budget_period = 2  # steps 1 and 2 at different budgets
-        c.sft.steps = 4
         c.sft.num_demos = 32
-        c.sft.batch_size = 16
-        c.eval.num_tasks = 4
-        c.eval.every = 2
-        c.checkpoint.every = 1
-        c.log.plot = False
     return c

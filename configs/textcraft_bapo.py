@@ -16,18 +16,16 @@ paper's defaults), 4 minibatches so each mini-update adapts its own bounds.
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
+    _, smoke = parse_variant(arg, {})
     c = multi_turn_agent(base_config("bapo"), "textcraft", turns=30,
                          horizon_stages=(10, 20, 30))
     c.env.kwargs.update(prompt="system", batch_crafting=True, tasks="held_out")
     c.rollout.max_staleness = 2
-    if arg == "smoke":
-        shrink_for_smoke(c)
+    if smoke:
+        shrink_for_smoke(c, context_tokens=2048)
         c.rollout.max_staleness = 0  # the smoke suite runs on one device
-        c.env.max_context_tokens = 2048
-        c.train.length_buckets = (1024, 2048)
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r}; use '' or 'smoke'")
     return c

@@ -18,7 +18,7 @@ rollouts `rollout/violation_rate`:
 `smoke` shrinks any of them. The figure and what it shows are in docs/loops.md.
 """
 
-from rl_tpu.recipes.config import base_config, set_env, shrink_loop_for_smoke
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("plain", "penalty", "kl")
@@ -30,32 +30,17 @@ def get_config(arg: str = ""):
     c = base_config("grpo")
     set_env(c, "tipping_routes", rounds=1,
             violation_penalty=1.0 if variant == "penalty" else 0.0)
-    c.model.tiny_hidden = 64
-    c.model.tiny_layers = 2
-    c.model.tiny_corpus_tasks = 200  # the tokenizer learns the scenarios' words
-    c.env.max_turns = 1
+    # the tokenizer learns the scenarios' words; the teacher complies 90% of the time
+    tiny_model_warm_start(c, context_tokens=256, sft_steps=200, num_demos=2000,
+                          teacher_skill=0.9, corpus_tasks=200)
     c.env.max_new_tokens = 4
-    c.env.max_context_tokens = 256
-    c.train.length_buckets = (128, 256)
     c.train.steps = 40
-    c.train.tasks_per_step = 32
-    c.train.samples_per_task = 8
-    c.optim.lr = 5e-4
-    c.sft.steps = 200
-    c.sft.batch_size = 64
-    c.sft.lr = 3e-3
-    c.sft.num_demos = 2000
-    c.sft.teacher_skill = 0.9  # complies 90% of the time
-    c.sft.max_length = 256
     c.eval.every = 5
     c.eval.num_tasks = 200
-    c.checkpoint.every = 20
     if variant == "kl":
         c.algo.kl_coef = 0.5
     if smoke:
-        shrink_loop_for_smoke(c, warm_start_steps=4)
+        shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
         c.model.tiny_corpus_tasks = 20
-        c.train.steps = 2
-        c.train.tasks_per_step = 4
-        c.train.samples_per_task = 4
+        c.train.tasks_per_step = c.train.samples_per_task = 4
     return c

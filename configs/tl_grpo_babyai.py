@@ -18,11 +18,11 @@ turn 3. `smoke`: a tiny random model, 2 steps of 2 tasks x 2 branches, forked at
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
+from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    if arg not in ("", "fixed", "smoke"):
-        raise ValueError(f"unknown variant {arg!r}; use '', 'fixed' or 'smoke'")
+    chosen, smoke = parse_variant(arg, {"branch": ("uniform", "fixed")})
     c = multi_turn_agent(base_config("tl_grpo"), "babyai", turns=20, horizon_stages=(6, 13, 20),
                          max_new_tokens=256, max_context_tokens=8192)
     c.env.reward_reduce = "last"  # AgentGym's running score: the last one is the episode's
@@ -30,15 +30,13 @@ def get_config(arg: str = ""):
     c.eval.max_turns = 20
     c.algo.branch_turn = 5
     c.algo.branch_sample = "uniform"
-    if arg == "fixed":
+    if chosen["branch"] == "fixed":
         c.algo.branch_turn = 3
         c.algo.branch_sample = "fixed"
-    elif arg == "smoke":
-        shrink_for_smoke(c)
+    if smoke:
+        shrink_for_smoke(c, context_tokens=2048)
         c.algo.branch_turn = 1  # forks after one turn: every branch but the trunk replays it
         c.algo.branch_sample = "fixed"
-        c.eval.max_turns = 2
-        c.env.max_context_tokens = 2048
         c.train.length_buckets = (2048,)  # one compiled update: rows are 900-1300 tokens
         c.model.dtype, c.model.remat = "float32", "none"  # CPU: bf16 is emulated, slower
     return c

@@ -20,7 +20,7 @@ from rl_tpu import parallel
 from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
-from rl_tpu.recipes import config as config_lib
+from rl_tpu.recipes.config_checks import warmup_shapes
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
@@ -399,7 +399,7 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         wait_for_shared_weights(engine, version)
         return engine
     from rl_tpu.rollout.sampler import JaxSampler
-    shapes = config_lib.warmup_shapes(r.warmup)
+    shapes = warmup_shapes(r.warmup)
     if devices is None:
         devices = jax.local_devices()[:r.sampler_devices or None]
     mesh = parallel.sampler_mesh(devices, model_cfg.num_kv_heads, r.sampler_tensor)

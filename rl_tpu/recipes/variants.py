@@ -16,11 +16,15 @@ SMOKE = "smoke"
 
 
 def parse_variant(arg: str, groups: Mapping[str, Sequence[str]],
-                  defaults: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], bool]:
+                  defaults: Optional[Mapping[str, str]] = None,
+                  numbered: Optional[Mapping[str, int]] = None) -> tuple[dict, bool]:
     """('a,b,smoke', {group: names}) -> ({group: the name given, else defaults[group], else the
-    group's first name}, whether 'smoke' was given). A name that is no group's, a second name
-    of one group, or 'smoke' twice is a ValueError naming it and the choices."""
+    group's first name}, whether 'smoke' was given). `numbered` ({"seed": 0}) also takes
+    names like 'seed3': chosen["seed"] is then 3 (else the default given). A name that is no
+    group's, a second name of one group, or 'smoke' twice is a ValueError naming it and the
+    choices."""
     defaults = dict(defaults or {})
+    numbered = dict(numbered or {})
     for group, name in defaults.items():
         if name not in groups.get(group, ()):
             raise ValueError(f"default {name!r} of group {group!r} is not among its choices "
@@ -34,12 +38,24 @@ def parse_variant(arg: str, groups: Mapping[str, Sequence[str]],
             smoke = True
             continue
         group = next((g for g, names in groups.items() if part in names), None)
+        number = next((n for n in numbered if part.startswith(n) and part[len(n):].isdigit()),
+                      None)
+        if number is not None and number not in chosen:
+            chosen[number] = int(part[len(number):])
+            continue
         if group is None or group in chosen or part == SMOKE:
-            why = ("is not a choice" if group is None and part != SMOKE else
+            why = (f"is a second {number} (after {chosen[number]})" if number is not None else
+                   "is not a choice" if group is None and part != SMOKE else
                    "is given twice" if part == SMOKE else
                    f"is a second {group} (after {chosen[group]!r})")
-            choices = "; ".join(f"{g}: {', '.join(names)}" for g, names in groups.items())
+            if not groups and not numbered:
+                raise ValueError(f"variant {arg!r}: {part!r} {why}; this config takes '' (the "
+                                 f"experiment) or {SMOKE!r}")
+            choices = "; ".join([f"{g}: {', '.join(names)}" for g, names in groups.items()]
+                                + [f"{n}: {n}<N>" for n in numbered])
             raise ValueError(f"variant {arg!r}: {part!r} {why}. Give at most one of each group "
                              f"({choices}) and optionally {SMOKE!r}, comma-separated")
         chosen[group] = part
-    return {g: chosen.get(g, defaults.get(g, names[0])) for g, names in groups.items()}, smoke
+    picked = {g: chosen.get(g, defaults.get(g, names[0])) for g, names in groups.items()}
+    picked.update({n: chosen.get(n, default) for n, default in numbered.items()})
+    return picked, smoke

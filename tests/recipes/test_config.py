@@ -205,3 +205,32 @@ def test_an_asynchronous_run_on_one_device_shares_it_between_sampler_and_learner
     with pytest.raises(ValueError, match=r"Set rollout.sampler_devices to 0 \(half of them\) "
                                          r"or 1 <= rollout.sampler_devices < 2"):
         components.split_devices(c, jax.devices()[:2], 0)
+
+
+def test_presets_and_the_smoke_shrinker_by_hand():
+    from rl_tpu.recipes.config import (largest_task, shrink_for_smoke, single_turn_reasoning,
+                                       tiny_model_warm_start)
+    # buckets up to the power of two holding the context: 1536 -> 2048, a quarter and a half
+    c = single_turn_reasoning(base_config(), "largest", max_new_tokens=1024,
+                              max_context_tokens=1536)
+    assert c.train.length_buckets == (512, 1024, 2048) and c.model.remat == "dots"
+    c = single_turn_reasoning(base_config(), "largest", max_new_tokens=8, max_context_tokens=4096)
+    assert c.train.length_buckets == (1024, 2048, 4096)
+    # a tiny model's rows: one bucket up to 128 tokens, else a half and the whole
+    c = tiny_model_warm_start(base_config(), context_tokens=256, sft_steps=7, num_demos=9,
+                              teacher_skill=0.5)
+    assert c.train.length_buckets == (128, 256) and c.sft.max_length == 256
+    assert (c.sft.steps, c.sft.num_demos, c.sft.teacher_skill) == (7, 9, 0.5)
+    assert largest_task(base_config()).train.length_buckets == (64,)
+    # smoke: new tokens and turns only ever shrink; a context gives two buckets and SFT's limit
+    c = largest_task(base_config())
+    c.env.max_turns, c.eval.max_turns, c.schedules.horizon_turns = 6, 5, (3, 6)
+    shrink_for_smoke(c, warm_start_steps=4, context_tokens=512, eval_tasks=3)
+    assert c.env.max_new_tokens == 4 and (c.env.max_turns, c.eval.max_turns) == (2, 2)
+    assert c.schedules.horizon_turns == (2, 2)
+    assert c.train.length_buckets == (256, 512) and c.sft.max_length == 512
+    assert (c.sft.steps, c.sft.batch_size, c.eval.num_tasks) == (4, 16, 3)
+    assert (c.train.steps, c.train.tasks_per_step, c.loop.rounds) == (2, 2, 2)
+    check(c)
+    c = shrink_for_smoke(base_config())
+    assert c.sft.steps == 0 and c.env.max_new_tokens == 8 and c.eval.max_turns == 0

@@ -42,6 +42,8 @@ def test_a_default_must_be_a_choice():
 @pytest.mark.parametrize("name, arg", [
     ("bapo_offpolicy", "bapo,clip"), ("dpo_largest", "ipo,inpo"), ("rloop_largest", "rlop"),
     ("siri_arithmetic", "siri,cosine"), ("tipping_routes", "kl,smoke,smoke"),
+    ("babyai_cpu", "fixed,scaling"), ("babyai_cpu", "seed1,seed2"), ("agentgym", "babyai,sciworld"),
+    ("countdown_grpo", "fast"), ("quickstart", "sft-only"), ("tl_grpo_babyai", "fixd"),
 ])
 def test_configs_refuse_two_of_a_group_or_a_typo(name, arg):
     sys.path.insert(0, REPO)
@@ -51,3 +53,27 @@ def test_configs_refuse_two_of_a_group_or_a_typo(name, arg):
         sys.path.remove(REPO)
     with pytest.raises(ValueError, match=f"variant '{arg}'"):
         module.get_config(arg)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("", ({"horizon": "fixed", "seed": 0}, False)),
+    ("scaling,seed3", ({"horizon": "scaling", "seed": 3}, False)),
+    ("seed12,smoke", ({"horizon": "fixed", "seed": 12}, True)),
+])
+def test_numbered_names(arg, expected):
+    assert parse_variant(arg, {"horizon": ("fixed", "scaling")}, numbered={"seed": 0}) == expected
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("seed1,seed2", r"'seed2' is a second seed \(after 1\)"),
+    ("seedx", r"'seedx' is not a choice.*seed: seed<N>"),
+])
+def test_numbered_names_refused(arg, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variant(arg, {"horizon": ("fixed", "scaling")}, numbered={"seed": 0})
+
+
+def test_a_config_without_groups_takes_only_smoke():
+    assert parse_variant("smoke", {}) == ({}, True)
+    with pytest.raises(ValueError, match=r"'fast' is not a choice; this config takes '' .* 'smoke'"):
+        parse_variant("fast", {})
