@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -232,69 +231,7 @@ def test_free_running_resume_loses_and_repeats_no_task(tmp_path):
         "was trained again after the resume"
     if not dropped_after:  # replayed first, in the order they were read
         assert trained_after[:len(pending_k)] == pending_k
-    if _pending(at_end):  # chunk numbers still those of the stream steps (see the next test)
+    # chunk numbers still those of the stream steps (the producer's own test of this is in
+    # tests/offpolicy/test_producer.py: free-running resume keeps chunk numbers)
+    if _pending(at_end):
         assert at_end["producer"]["next_chunk"] == at_end["producer"]["stream"]["step"]
-
-
-# ---------------------------------------------------------------- the producer alone
-
-
-def wait_until(p, condition, what, timeout_s=120.0):
-    """The producer's condition wait, bounded: a test that would hang fails naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    with p._cond:
-        while not condition():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            p._cond.wait(timeout=0.5)
-
-
-def test_free_running_resume_keeps_chunk_numbers_in_step_with_the_stream():
-    """Chunk c holds the tasks of stream step c (those step c trains on, when nothing is
-    dropped); its number seeds its sampling and sets its horizon (schedules.horizon_turns).
-    A resume replays the pending tasks as one chunk numbered as the newest chunk they come
-    from, so the chunks after it keep the numbers of an uninterrupted run. Here the
-    checkpoint of step 3 is taken with chunk 4 played and chunk 5 not started: numbering the
-    replay chunk 5 would leave every later chunk one ahead of its tasks for the rest of the
-    run (one more per such resume)."""
-    from test_producer import Engine, G, PER_STEP, make_play, producer
-
-    def publish_loaded(p, version):
-        """Publishes `version` and waits for the engine to hold it, so that every chunk is
-        played within the staleness bound and none is dropped: a dropped chunk makes the
-        learner read the next one and shifts the chunks this test follows."""
-        p.publish({"w": version}, version)
-        wait_until(p, lambda: p._published >= version, f"version {version} loaded")
-
-    k, step = 1, 3
-    engine = Engine()
-    p = producer(engine, make_play(engine), k, deterministic=False)
-    p.start()
-    try:
-        for s in range(1, step + 1):
-            _, metrics = p.next_batch(s)
-            assert metrics["rollout/dropped_stale"] == 0
-            if s < step:
-                publish_loaded(p, s)
-        wait_until(p, lambda: step + 1 in p._ready, f"chunk {step + 1} played")
-        state = p.state(step)
-    finally:
-        p.close()
-    assert [position for position, _ in state["pending"]] == list(
-        range(step * PER_STEP, (step + 1) * PER_STEP))
-
-    engine = Engine()
-    engine.version = step
-    q = producer(engine, make_play(engine), k, deterministic=False)
-    q.load_state(state, step)
-    q.start()
-    chunks = {}
-    try:
-        for s in range(step + 1, step + 5):
-            trajectories, metrics = q.next_batch(s)
-            assert metrics["rollout/dropped_stale"] == 0
-            chunks.update({t.group_id: t.info["chunk"] for t in trajectories[::G]})
-            publish_loaded(q, s)
-    finally:
-        q.close()
-    assert sorted(chunks) == list(range(step * PER_STEP, (step + 4) * PER_STEP))
-    assert {position: position // PER_STEP + 1 for position in chunks} == chunks
