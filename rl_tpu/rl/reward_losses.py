@@ -252,7 +252,7 @@ def calibration(chosen_rewards, rejected_rewards, num_bins: int = 10,
 # one; the pairs the model is confident about are kept and added to the labelled pairs for the
 # next round of Bradley-Terry training. Under the Bradley-Terry model sigmoid(r_a - r_b) is the
 # probability that a beats b, so the probability of the pseudo-label being right is
-#   confidence = sigmoid(|r_a - r_b|)  in [1/2, 1).
+#   confidence = sigmoid(|r_a - r_b|)  in [1/2, 1].
 # select_pseudo_labels is the selection step only: host-side numpy, deterministic (no
 # sampling; ties in confidence are broken by pool order).
 

@@ -214,6 +214,13 @@ def test_ece_empty_bin_and_weights():
     close(cal.ece, (0.3775407 + 2 * 0.0833144) / 3)
 
 
+def test_confidence_on_an_edge_goes_to_the_upper_bin():
+    # d = ln 3: sigmoid = 1 / (1 + 1/3) = 0.75 exactly, the edge between the 2 bins
+    cal = calibration(np.array([np.log(3.0)]), np.zeros(1), num_bins=2)
+    close(cal.counts, [0, 1])
+    close(cal.ece, 0.25)  # |1 - 0.75|
+
+
 def test_ece_ties_are_half_right_at_half_confidence():
     # d = 0: p = 1/2, confidence 1/2, credit 1/2 -> perfectly calibrated
     cal = calibration(np.ones(2), np.ones(2), num_bins=2)
