@@ -51,7 +51,8 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # ---------------------------------------------------------------------------------------------
 
 
-def _type_name(value: Any) -> str:
+def json_type_name(value: Any) -> str:
+    """A JSON value's type as an error message names it: null, str, int, list, dict..."""
     return "null" if value is None else type(value).__name__
 
 
@@ -63,7 +64,7 @@ def _parse_line(where: str, line: str) -> dict:
         raise ValueError(f"{where} is not valid JSON ({e}); each line must be one JSON object "
                          'like {"prompt": "...", "answer": "..."}') from None
     if not isinstance(row, dict):
-        raise ValueError(f"{where} is a JSON {_type_name(row)}, not an object; each line must be "
+        raise ValueError(f"{where} is a JSON {json_type_name(row)}, not an object; each line must be "
                          'one object like {"prompt": "...", "answer": "..."}')
     for field in ("prompt", "answer"):
         if field not in row:
@@ -72,7 +73,7 @@ def _parse_line(where: str, line: str) -> dict:
         value = row[field]
         if not isinstance(value, str):
             hint = f'; write it as a string: "{value}"' if isinstance(value, (int, float)) else ""
-            raise ValueError(f"{where}: {field!r} must be a string, got {_type_name(value)} "
+            raise ValueError(f"{where}: {field!r} must be a string, got {json_type_name(value)} "
                              f"{value!r}{hint}")
         if not value.strip():
             raise ValueError(f"{where}: {field!r} is empty; every task needs a prompt and the "
@@ -84,7 +85,7 @@ def _parse_line(where: str, line: str) -> dict:
     if task_id is not None:
         if isinstance(task_id, bool) or not isinstance(task_id, (str, int)):
             raise ValueError(f"{where}: 'id' must be a string or an integer, got "
-                             f"{_type_name(task_id)} {task_id!r}")
+                             f"{json_type_name(task_id)} {task_id!r}")
         task_id = str(task_id)
         if not task_id:
             raise ValueError(f"{where}: 'id' is empty; leave it out to get '<split>_<index>'")

@@ -33,7 +33,7 @@ import numbers
 from pathlib import Path
 from typing import Any, Sequence
 
-from rl_tpu.data.jsonl import SPLITS, _type_name
+from rl_tpu.data.jsonl import SPLITS, json_type_name
 
 Message = dict  # {"role": str, "content": str}
 _OWN_FIELDS = ("prompt", "chosen", "rejected", "margin", "split")
@@ -80,7 +80,7 @@ def _messages(where: str, field: str, value: Any, *, reply: bool) -> list[Messag
         return [{"role": "assistant" if reply else "user", "content": value}]
     if not isinstance(value, list):
         raise ValueError(f"{where}: {field!r} must be a string or a list of chat messages "
-                         f"{{\"role\", \"content\"}}, got {_type_name(value)} {value!r:.80}")
+                         f"{{\"role\", \"content\"}}, got {json_type_name(value)} {value!r:.80}")
     if not value:
         raise ValueError(f"{where}: {field!r} is an empty message list")
     out = []
@@ -88,10 +88,10 @@ def _messages(where: str, field: str, value: Any, *, reply: bool) -> list[Messag
         at = f"{where}: {field}[{i}]"
         if not isinstance(message, dict):
             raise ValueError(f"{at} must be an object {{\"role\": ..., \"content\": ...}}, got "
-                             f"{_type_name(message)} {message!r:.80}")
+                             f"{json_type_name(message)} {message!r:.80}")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                got = "nothing" if key not in message else _type_name(message[key])
+                got = "nothing" if key not in message else json_type_name(message[key])
                 raise ValueError(f"{at} needs a string {key!r}, got {got}")
         if not message["role"]:
             raise ValueError(f"{at} has an empty 'role'")
@@ -112,7 +112,7 @@ def parse_preference_line(where: str, line: str, *,
         raise ValueError(f"{where} is not valid JSON ({e}); each line must be one JSON object "
                          f"like {_EXAMPLE}") from None
     if not isinstance(row, dict):
-        raise ValueError(f"{where} is a JSON {_type_name(row)}, not an object; each line must "
+        raise ValueError(f"{where} is a JSON {json_type_name(row)}, not an object; each line must "
                          f"be one object like {_EXAMPLE}")
     for field in ("prompt", "chosen", "rejected"):
         if field not in row:
@@ -131,7 +131,7 @@ def parse_preference_line(where: str, line: str, *,
     if margin is not None:
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise ValueError(f"{where}: 'margin' must be a number (or null), got "
-                             f"{_type_name(margin)} {margin!r}")
+                             f"{json_type_name(margin)} {margin!r}")
         if not math.isfinite(margin):
             raise ValueError(f"{where}: 'margin' must be finite, got {margin}")
         margin = float(margin)
