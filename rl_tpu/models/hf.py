@@ -33,6 +33,18 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# The same trunks under a bias-free `score` head [num_labels, D], no lm_head: reward models.
+HF_SEQUENCE_CLASSIFIERS = {a.replace("CausalLM", "SequenceClassification"): arch
+                           for a, arch in HF_ARCHITECTURES.items()}
+CAUSAL_LM, SEQUENCE_CLASSIFICATION = "causal_lm", "sequence_classification"
+_HEADS = {  # head -> (HF classes, class suffix, what it is, what to do when the other is asked)
+    CAUSAL_LM: (HF_ARCHITECTURES, "ForCausalLM", "a causal LM (a policy)",
+                "load it with rl_tpu.models.hf.load (a reward model can start from its trunk: "
+                "reward_model.reward_params_from), or give a *ForSequenceClassification dir"),
+    SEQUENCE_CLASSIFICATION: (HF_SEQUENCE_CLASSIFIERS, "ForSequenceClassification",
+                              "a sequence classifier (a reward model)", "load it with "
+                              "rl_tpu.models.reward_model.load, or give a *ForCausalLM dir"),
+}
 
 
 class CheckpointError(ValueError):
@@ -98,14 +110,19 @@ def _dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(math.prod(size[letter] for letter in part) for part in spec.split(","))
 
 
-def active_rules(cfg: ModelConfig) -> list[WeightRule]:
-    return [r for r in WEIGHT_TABLE if _CONDITIONS[r.when](cfg)]
+def active_rules(cfg: ModelConfig, head: str = CAUSAL_LM) -> list[WeightRule]:
+    """The table's rules this config uses; a sequence classifier's trunk has no lm_head."""
+    if head not in _HEADS:
+        raise ValueError(f"head={head!r}; choose one of {sorted(_HEADS)}")
+    return [r for r in WEIGHT_TABLE if _CONDITIONS[r.when](cfg)
+            and not (head == SEQUENCE_CLASSIFICATION and r.path.startswith("lm_head/"))]
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[WeightRule, Optional[int]]]:
-    """HF tensor name -> (rule, layer index or None) for every tensor the checkpoint must hold."""
+def expected_tensors(cfg: ModelConfig, head: str = CAUSAL_LM
+                     ) -> dict[str, tuple[WeightRule, Optional[int]]]:
+    """HF tensor name -> (rule, layer index or None) for every table tensor a dir must hold."""
     out = {}
-    for rule in active_rules(cfg):
+    for rule in active_rules(cfg, head):
         for i in (range(cfg.num_layers) if rule.per_layer else (None,)):
             out[rule.hf.format(i=i)] = (rule, i)
     return out
@@ -175,7 +192,8 @@ def dtype_name(dtype, what: str = "dtype") -> str:
 def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides) -> ModelConfig:
     """ModelConfig from an HF config dict (old `rope_theta/rope_scaling` or new `rope_parameters`)."""
     archs = hf.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    classes = {**HF_ARCHITECTURES, **HF_SEQUENCE_CLASSIFIERS}
+    arch = next((classes[a] for a in archs if a in classes), None)
     if arch is None and hf.get("model_type") in ARCHITECTURES:  # our arch names are HF's types
         arch = hf["model_type"]
     if arch is None:
@@ -216,9 +234,11 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides)
         raise CheckpointError(f"{source}: {err}") from err
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
+                 **hf_fields) -> dict[str, Any]:
     """config.json for transformers (built by its own config class, so the format matches the
-    installed version) plus the pre-v5 rope keys, so older readers (e.g. SGLang's) agree."""
+    installed version) plus the pre-v5 rope keys, so older readers (e.g. SGLang's) agree.
+    `hf_fields`: more config-class arguments (a classifier's id2label, pad_token_id)."""
     from transformers import AutoConfig
 
     rope = {"rope_type": cfg.rope_scaling.rope_type, "rope_theta": cfg.rope_theta}
@@ -236,9 +256,9 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
         bos_token_id=cfg.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
-    )
+        **hf_fields)
     out = hf_cfg.to_dict()
-    out["architectures"] = [a for a, name in HF_ARCHITECTURES.items() if name == cfg.arch]
+    out["architectures"] = [a for a, name in _HEADS[head][0].items() if name == cfg.arch]
     out["torch_dtype"] = out["dtype"] = torch_dtype
     out.setdefault("rope_theta", cfg.rope_theta)
     if cfg.rope_scaling.rope_type != "default":
@@ -332,7 +352,8 @@ class SafetensorsDir:
 # ----------------------------------------------------------------------------- load / save
 
 
-def read_config(path: str, **overrides) -> ModelConfig:
+def read_hf_config(path: str) -> dict[str, Any]:
+    """A model dir's config.json as a dict; CheckpointError naming the file if unreadable."""
     file = os.path.join(path, "config.json")
     try:
         with open(file) as f:
@@ -344,6 +365,19 @@ def read_config(path: str, **overrides) -> ModelConfig:
                               "file") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{file}: holds a {type(hf).__name__}, not an HF config object")
+    return hf
+
+
+def read_config(path: str, head: str = CAUSAL_LM, **overrides) -> ModelConfig:
+    """ModelConfig of a model dir; one whose `architectures` name the other `head` than asked
+    for (a causal LM by default) is a CheckpointError saying which loader reads it."""
+    hf, file = read_hf_config(path), os.path.join(path, "config.json")
+    found = next((h for a in hf.get("architectures") or [] for h, (_, suffix, _, _)
+                  in _HEADS.items() if str(a).endswith(suffix)), head)
+    if found != head:
+        raise CheckpointError(f"{file}: architectures {hf['architectures']} is "
+                              f"{_HEADS[found][2]}, not {_HEADS[head][2]} as asked; "
+                              f"{_HEADS[found][3]}")
     try:
         return config_from_hf(hf, source=file, **overrides)
     except KeyError as err:  # a key every supported architecture's config.json has
@@ -363,28 +397,32 @@ def check_model_dir(path: str) -> ModelConfig:
         raise CheckpointError(f"{path}: no such model directory" if not os.path.exists(path)
                               else f"{path}: not a directory (an HF model dir is one)")
     cfg = read_config(path)
-    _check_tensors(SafetensorsDir(path), cfg, path)
+    check_tensors(SafetensorsDir(path), cfg, path)
     return cfg
 
 
-def _check_tensors(files: SafetensorsDir, cfg: ModelConfig, path: str):
-    expected = expected_tensors(cfg)
-    missing = sorted(set(expected) - set(files.entries))
-    extra = sorted(n for n in set(files.entries) - set(expected)
-                   if not _IGNORED.match(n) and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+def check_tensors(files: SafetensorsDir, cfg: ModelConfig, path: str, head: str = CAUSAL_LM,
+                  head_shapes: Optional[dict[str, tuple[int, ...]]] = None):
+    """CheckpointError unless `files` hold exactly, each in its shape, the table's tensors for
+    `cfg` and `head` and `head_shapes` (name -> shape: a head outside the table)."""
+    expected, head_shapes = expected_tensors(cfg, head), dict(head_shapes or {})
+    wanted = set(expected) | set(head_shapes)
+    missing = sorted(wanted - set(files.entries))
+    tied_head = head == CAUSAL_LM and cfg.tie_word_embeddings  # a tied lm_head saved anyway
+    extra = sorted(n for n in set(files.entries) - wanted
+                   if not _IGNORED.match(n) and not (n == "lm_head.weight" and tied_head))
     problems = []
     if missing:
         problems.append(f"missing tensors {_few(missing)}")
     if extra:
         problems.append(f"unexpected tensors {_few(extra)} (not a {cfg.arch} checkpoint?)")
-    for name in sorted(set(expected) & set(files.entries)):
-        rule, _ = expected[name]
-        want, got = _dims(rule.hf_dims, cfg), files.shape(name)
+    shapes = {**{n: _dims(r.hf_dims, cfg) for n, (r, _) in expected.items()}, **head_shapes}
+    for name in sorted(wanted & set(files.entries)):
+        want, got = tuple(shapes[name]), files.shape(name)
         if want != got:
             problems.append(f"tensor {name!r} has shape {list(got)}, config.json implies {list(want)}")
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
-    return expected
 
 
 def _few(names, limit=6):
@@ -392,10 +430,10 @@ def _few(names, limit=6):
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _locate(cfg: ModelConfig):
+def _locate(cfg: ModelConfig, head: str = CAUSAL_LM):
     """Our param path (tuple) -> (rule, layer) where layer is an int, None, or 'stacked'."""
     out = {}
-    for rule in active_rules(cfg):
+    for rule in active_rules(cfg, head):
         parts = tuple(rule.path.split("/"))
         if not rule.per_layer:
             out[parts] = (rule, None)
@@ -426,14 +464,21 @@ def load(path: str, mesh=None, dtype="float32", rules=parallel.DEFAULT_RULES,
                                                  "hf.load(param_dtype)")
     cfg = read_config(path, dtype=dtype, **config_overrides)
     files = SafetensorsDir(path)
-    expected = _check_tensors(files, cfg, path)
+    check_tensors(files, cfg, path)
     if mesh is None:
         mesh = parallel.make_mesh({}, devices=jax.devices()[:1])
     model = Transformer(cfg)
     abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
     shardings = parallel.param_shardings(abstract, names, mesh, rules)
-    located = _locate(cfg)
-    hf_name = {(r, i): n for n, (r, i) in expected.items()}
+    return cfg, read_params(files, cfg, abstract, shardings)
+
+
+def read_params(files: SafetensorsDir, cfg: ModelConfig, abstract, shardings,
+                head: str = CAUSAL_LM):
+    """`abstract` (a Transformer's params, or a classifier's trunk) read from checked `files`,
+    each param in its sharding by a callback that reads only its device's slice."""
+    located = _locate(cfg, head)
+    hf_name = {(r, i): n for n, (r, i) in expected_tensors(cfg, head).items()}
     np_dtype = np.dtype(cfg.params_dtype)
 
     def make(key_path, leaf, sharding):
@@ -457,12 +502,12 @@ def load(path: str, mesh=None, dtype="float32", rules=parallel.DEFAULT_RULES,
 
         return jax.make_array_from_callback(leaf.shape, sharding, read_slice)
 
-    params = jax.tree_util.tree_map_with_path(make, abstract, shardings)
-    return cfg, params
+    return jax.tree_util.tree_map_with_path(make, abstract, shardings)
 
 
 def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[str] = None,
-         max_shard_bytes: int = 4 << 30):
+         max_shard_bytes: int = 4 << 30, head: str = CAUSAL_LM, head_tensors=None,
+         hf_fields=None):
     """Writes an HF model dir (config.json, safetensors shards [+ index], tokenizer files).
 
     Sharded and multi-host params are gathered one param at a time and written one shard at a
@@ -470,11 +515,12 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     collective); process 0 writes. The directory is written beside the target and renamed into
     place, so a crash never leaves a half-written checkpoint where a loader (or an SGLang
     server) would read it. Params with NaN or inf are refused (ValueError naming the param),
-    and nothing is written.
+    and nothing is written. head=SEQUENCE_CLASSIFICATION (reward_model.save): `params` are the
+    trunk, `head_tensors` HF name -> tensor in HF layout, `hf_fields` more config fields.
     """
     dtype = dtype_name(cfg.param_dtype if dtype is None else dtype, "hf.save(dtype)")
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    located = _locate(cfg)
+    located, head_tensors = _locate(cfg, head), dict(head_tensors or {})
     flat = {tuple(k.key for k in kp): v
             for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     missing = sorted("/".join(k) for k in set(located) - set(flat))
@@ -484,8 +530,8 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     # Plan shards from the config alone, so each shard is gathered, written and dropped in turn.
     itemsize = np.dtype(np_dtype).itemsize
     shards, size = [[]], 0
-    for key, (rule, _) in located.items():
-        nbytes = flat[key].size * itemsize
+    for key in list(located) + list(head_tensors):  # param paths (tuples), then HF names
+        nbytes = (head_tensors[key] if isinstance(key, str) else flat[key]).size * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -500,17 +546,23 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     for k, keys in enumerate(shards, start=1):
         tensors = {}
         for key in keys:
-            rule, layer = located[key]
-            value = parallel.gather_to_host(flat[key]).astype(np_dtype)
+            named = isinstance(key, str)
+            value = parallel.gather_to_host(head_tensors[key] if named else flat[key])
+            value = value.astype(np_dtype)
             bad = value.size - int(np.count_nonzero(np.isfinite(value)))
             if bad:  # a diverged run, or values past dtype's range: never exported
                 if writer:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise ValueError(
-                    f"hf.save({path}): param {'/'.join(key)} holds {bad} NaN or inf value(s) "
+                    f"hf.save({path}): {'tensor ' + key if named else 'param ' + '/'.join(key)}"
+                    f" holds {bad} NaN or inf value(s) "
                     f"(as {dtype}); non-finite weights are never exported. A run that "
                     "diverged: train again (a new --workdir) with a lower learning rate or with "
                     "gradient clipping")
+            if named:
+                tensors[key] = value
+                continue
+            rule, layer = located[key]
             for i in range(cfg.num_layers) if layer == "stacked" else (layer,):
                 tensors[rule.hf.format(i=i)] = ours_to_hf(
                     value[i] if layer == "stacked" else value, rule, cfg)
@@ -526,7 +578,7 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config_to_hf(cfg, dtype), f, indent=2)
+        json.dump(config_to_hf(cfg, dtype, head, **(hf_fields or {})), f, indent=2)
     if tokenizer is not None:
         _save_tokenizer(getattr(tokenizer, "hf", tokenizer), tmp)
     if os.path.exists(path):
