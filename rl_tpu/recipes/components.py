@@ -159,11 +159,20 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
             hf.check_model_dir(path)
         except hf.CheckpointError as e:
             raise hf.CheckpointError(f"{key}={path!r}: {e}") from None
+    if config.reward.model_path:
+        from rl_tpu.models import reward_model
+        try:
+            reward_model.check_reward_dir(config.reward.model_path)
+        except hf.CheckpointError as e:
+            raise hf.CheckpointError(f"reward.model_path={config.reward.model_path!r}: {e}"
+                                     ) from None
     # each data path the run will read (an SFT file with no SFT steps is not read)
     for key, kind, what, read in (
             ("sft.data_path", "file", "a JSONL of chats",
              config.sft.steps > 0 or config.recipe == "sft"),
             ("dpo.data_path", "file", "a JSONL of preference pairs", config.recipe == "dpo"),
+            ("reward_model.data_path", "file", "a JSONL of preference pairs",
+             config.recipe == "reward_model"),
             ("env.dataset_dir", "directory", "a dataset made by launch.make_dataset", True)):
         block, _, leaf = key.partition(".")
         given = config[block][leaf]

@@ -42,11 +42,12 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     # The driver `python -m launch.train` runs: rl_tpu/recipes/<recipe>.py's run(config, W).
-    c.recipe = "rl"  # rl | sft | expert_iteration | rloop | dpo | selfplay
+    c.recipe = "rl"  # rl | sft | expert_iteration | rloop | dpo | selfplay | reward_model
     c.model = model_block()
     c.mesh = mesh_block()
     c.rollout = rollout_block()
     c.env = env_block()
+    c.reward = reward_block()
     c.algo = algo_config(algo)
     c.optim = optim_block()
     c.train = train_block()
@@ -58,6 +59,7 @@ def base_config(algo: str = "grpo") -> ml_collections.ConfigDict:
     c.loop = loop_block()
     c.dpo = dpo_block()
     c.selfplay = selfplay_block()
+    c.reward_model = reward_model_block()
     c.lock()
     return c
 
@@ -159,6 +161,18 @@ def env_block() -> ml_collections.ConfigDict:
     b.remote_retries = 3  # extra tries on a connection error, backoff doubling each time
     b.remote_backoff_s = 0.5  # wait before the first retry
     b.reward_reduce = "sum"
+    return b
+
+
+def reward_block() -> ml_collections.ConfigDict:
+    """A learned reward beside the env's (rl_tpu/rewards/, docs/rewards.md): a trajectory's
+    reward = rule_weight * the env's + model_weight * model_transform(the model's score)."""
+    b = ml_collections.ConfigDict()
+    b.model_path = ""  # an HF *ForSequenceClassification dir ("" = the env's reward alone)
+    b.model_weight = 1.0
+    b.rule_weight = 0.0  # the env's own reward, when a model scores too
+    b.model_transform = "none"  # none (the raw score) | sigmoid (in (0, 1))
+    b.tokens_per_batch = 16384  # the scorer's rows x padded length a batch
     return b
 
 
@@ -312,6 +326,27 @@ def selfplay_block() -> ml_collections.ConfigDict:
     b = ml_collections.ConfigDict()
     b.solver_samples = 4
     b.target_success = 0.5
+    return b
+
+
+def reward_model_block() -> ml_collections.ConfigDict:
+    """Reward-model training (rl_tpu/recipes/reward_model.py, docs/rewards.md): Bradley-Terry
+    on preference pairs from a JSONL or from the env's ranking of the initial policy's
+    loop.samples_per_task replies a task, then SSRM rounds on a pool of unlabelled pairs."""
+    b = ml_collections.ConfigDict()
+    b.data_path = ""  # JSONL of {"prompt", "chosen", "rejected"[, "margin", "split"]}
+    b.eval_fraction = 0.1  # held-out share of a JSONL whose lines name no split
+    b.prompts = 512  # "" data path: training tasks whose replies make the labelled pairs
+    b.eval_prompts = 128  # ...and eval-split tasks whose replies make the held-out pairs
+    b.steps = 200  # BT steps a round...
+    b.epochs = 0.0  # ...or (> 0) this many passes over the round's pairs
+    b.batch_size = 32  # pairs a step
+    b.lr = 1e-5
+    b.centring = 0.0  # coefficient of (r_chosen + r_rejected)^2: rewards stay near zero mean
+    b.calibration_bins = 10
+    b.ssrm_rounds = 0  # semi-supervised rounds after the first
+    b.ssrm_pool = 512  # tasks whose replies make a round's unlabelled pairs
+    b.ssrm_threshold = 0.9  # keep a pseudo-label when sigmoid(|r_a - r_b|) >= this
     return b
 
 

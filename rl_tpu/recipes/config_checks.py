@@ -151,7 +151,7 @@ def _check_remote_env(env: ml_collections.ConfigDict) -> None:
                          f"{env.remote_backoff_s} must be >= 0")
 
 
-RECIPES = ("rl", "sft", "expert_iteration", "rloop", "dpo", "selfplay")
+RECIPES = ("rl", "sft", "expert_iteration", "rloop", "dpo", "selfplay", "reward_model")
 
 
 def _check_loop(config: ml_collections.ConfigDict) -> None:
@@ -180,6 +180,40 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
     if config.recipe == "dpo" and not dpo.data_path and loop.samples_per_task < 2:
         raise ValueError("online DPO pairs the best and worst of a prompt's replies: set "
                          "loop.samples_per_task >= 2")
+
+
+def _check_reward(config: ml_collections.ConfigDict) -> None:
+    from rl_tpu.rewards.mix import TRANSFORMS
+    r = config.reward
+    if r.model_transform not in TRANSFORMS:
+        raise ValueError(f"reward.model_transform={r.model_transform!r}; choose one of "
+                         f"{TRANSFORMS}")
+    if r.tokens_per_batch < 16:
+        raise ValueError(f"reward.tokens_per_batch={r.tokens_per_batch} must be >= 16")
+    if r.model_path and config.recipe != "rl":
+        raise ValueError(f"reward.model_path is read by the RL recipe (recipe='rl'), not by "
+                         f"recipe={config.recipe!r}; leave it empty")
+
+
+def _check_reward_model(config: ml_collections.ConfigDict) -> None:
+    rm = config.reward_model
+    for key in ("prompts", "eval_prompts", "steps", "batch_size", "calibration_bins",
+                "ssrm_pool"):
+        if rm[key] < 1:
+            raise ValueError(f"reward_model.{key}={rm[key]} must be >= 1")
+    if rm.epochs < 0 or rm.ssrm_rounds < 0 or rm.centring < 0 or not rm.lr > 0:
+        raise ValueError(f"reward_model.epochs={rm.epochs}, ssrm_rounds={rm.ssrm_rounds} and "
+                         f"centring={rm.centring} must be >= 0, lr={rm.lr} > 0")
+    if not 0 < rm.eval_fraction < 1:
+        raise ValueError(f"reward_model.eval_fraction={rm.eval_fraction} must be in (0, 1): "
+                         "the share of a JSONL's pairs held out to measure the model")
+    if not 0.5 <= rm.ssrm_threshold <= 1:
+        raise ValueError(f"reward_model.ssrm_threshold={rm.ssrm_threshold} must be in [0.5, 1] "
+                         "(a confidence sigmoid(|r_a - r_b|) is never below 0.5)")
+    if (config.recipe == "reward_model" and not rm.data_path
+            and config.loop.samples_per_task < 2):
+        raise ValueError("reward_model pairs from the env compare a task's replies: set "
+                         "loop.samples_per_task >= 2 (or give reward_model.data_path)")
 
 
 def _check_selfplay_without_partial_rollouts(config: ml_collections.ConfigDict) -> None:
@@ -215,6 +249,8 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
     _check_loop(config)
+    _check_reward_model(config)
+    _check_reward(config)
     if config.algo.name not in ALGORITHMS:
         raise ValueError(f"algo.name={config.algo.name!r}; choose one of {ALGORITHMS}")
     _check_algo_block(config.algo)

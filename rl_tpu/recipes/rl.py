@@ -54,6 +54,7 @@ from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft, shapes
 from rl_tpu.recipes.config import check
+from rl_tpu.rewards.mix import RewardMix, source_metrics
 from rl_tpu.offpolicy.producer import (AsyncProducer, PartialRollouts, SyncProducer,
                                      metrics_over_hosts)
 from rl_tpu.train import rollout_batch
@@ -226,6 +227,11 @@ class Trainer:
             self.eval_engine = components.make_engine(
                 config, self.model_cfg, self.learner.policy.params, self.tokenizer, workdir,
                 version=str(self.start), devices=here)
+        # A learned reward beside the env's (reward.model_path): scored where the rollouts
+        # are played, on this host's sampler devices (rl_tpu/rewards/mix.py)
+        sampler_here = sampler_devices or [d for d in learner_devices
+                                           if d.process_index == jax.process_index()]
+        self.reward_mix = RewardMix.from_config(config, sampler_here)
         self.producer = self._make_producer()
         if self.asynchronous and self.eval_engine is self.engine and \
                 config.rollout.deterministic:
@@ -489,6 +495,7 @@ class Trainer:
         known = dict(tasks) | {ep.group_id: ep.task for ep in resume}
         for traj in ended:
             traj.info["task"] = (traj.group_id, known[traj.group_id])
+        self._score(ended)
         algorithms.shape_overlong(ended, self.config.algo, args["max_new_tokens_per_turn"])
         return ended, paused
 
@@ -504,8 +511,15 @@ class Trainer:
             if traj.group_id != tasks[i // g][0]:
                 raise RuntimeError("the agent loop returned trajectories out of task order")
             traj.info["task"] = tasks[i // g]  # for a resumed producer to play it again
+        self._score(trajectories)
         algorithms.shape_overlong(trajectories, config.algo, args["max_new_tokens_per_turn"])
         return trajectories
+
+    def _score(self, trajectories: list[Trajectory]) -> None:
+        """The learned reward's part of each played trajectory's reward (reward.model_path),
+        before any shaping, so DAPO's overlong penalty applies to the mix as to a rule."""
+        if self.reward_mix is not None:
+            self.reward_mix.apply(trajectories)
 
     def _rollout_metrics(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
         """Of the trajectories trained on (after DAPO's selection), over every host."""
@@ -516,6 +530,7 @@ class Trainer:
         for rate in ("violation_rate", "format_valid_rate"):
             if rate in stats:
                 out[f"rollout/{rate}"] = stats[rate]
+        out |= source_metrics(trajectories, enabled=self.reward_mix is not None)
         return out | {
             "rollout/weight_version": float(oldest_version_over_hosts(trajectories)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],

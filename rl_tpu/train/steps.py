@@ -1,4 +1,5 @@
-"""Jitted pure update steps: policy, value, SFT and preference, with gradient accumulation.
+"""Jitted pure update steps: policy, value, SFT, preference and reward model, with gradient
+accumulation.
 
 Every step is `step(state, batch) -> (state, metrics)`. A `make_*_step` factory closes over the
 static configuration (model, loss config, micro-batches) and `compile_step` jits it once with
@@ -309,6 +310,49 @@ def make_preference_step(model: Transformer, loss_name: str = "dpo",
                          "rejected_loss_mask", *extra_keys], "preference_step")
         rows = lambda b: jnp.asarray(b["chosen_tokens"].shape[0], jnp.float32)  # noqa: E731
         value, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches, rows)
+        return _output(apply_update(state, value, grads, metrics, model.mesh), cfg)
+
+    return step
+
+
+def _pair_rewards(model, params, micro):
+    """Chosen and rejected rows through the reward model as one [2B, T] batch: each row's
+    first-label score at its last token (rows are right-padded: segment_ids > 0 on the text)."""
+    both = {k: jnp.concatenate([micro[f"chosen_{k}"], micro[f"rejected_{k}"]])
+            for k in ("tokens", "positions", "segment_ids")}
+    rewards = sequence_rewards(model, params, both)
+    return jnp.split(rewards, 2)
+
+
+def sequence_rewards(model, params, batch):
+    """[B] a reward model's first-label score at each row's last token (right padding)."""
+    from rl_tpu.models.reward_model import sequence_scores
+    scores = model.apply({"params": params}, batch["tokens"], batch.get("positions"),
+                         batch.get("segment_ids"))
+    lengths = jnp.sum(batch["segment_ids"] > 0, axis=1)
+    return sequence_scores(scores, lengths=lengths)[:, 0]
+
+
+def make_reward_model_step(model, centring: float = 0.0, cfg: StepConfig = StepConfig()):
+    """Bradley-Terry on pairs (rl_tpu.rl.reward_losses). batch: chosen_{tokens,positions,
+    segment_ids}, rejected_{...} [B, T]; margin [B] (0 = none) and weight [B] (0 = a padding
+    pair). Micro-batches are weighted by their pairs' weight, so M of them give the gradient
+    of the one big batch."""
+    from rl_tpu.rl.reward_losses import bradley_terry_loss
+
+    def loss_fn(params, micro):
+        chosen, rejected = _pair_rewards(model, params, micro)
+        value, metrics = bradley_terry_loss(chosen, rejected, margin=micro["margin"],
+                                            weights=micro["weight"], centring=centring)
+        pairs = Metric.of(metrics.pop("pairs"), "sum")  # a count: added over micro-batches
+        return value, {**metrics, "pairs": pairs, "loss": value}
+
+    def step(state: TrainState, batch):
+        _require(batch, ["chosen_tokens", "chosen_segment_ids", "rejected_tokens",
+                         "rejected_segment_ids", "margin", "weight"], "reward_model_step")
+        weight = lambda b: jnp.sum(b["weight"].astype(jnp.float32))  # noqa: E731
+        value, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
+                                           weight)
         return _output(apply_update(state, value, grads, metrics, model.mesh), cfg)
 
     return step
