@@ -60,6 +60,7 @@ class RewardScorer:
             per_token = model.apply({"params": params}, tokens, positions, segments)
             return reward_model.sequence_scores(per_token, lengths=lengths)
 
+        self._batch_sharding = batch_sharding
         self._scores = jax.jit(scores, in_shardings=(None, batch_sharding, batch_sharding),
                                out_shardings=batch_sharding)
 
@@ -114,6 +115,9 @@ class RewardScorer:
             for i, index in enumerate(chosen):
                 tokens[i, :lengths[index]] = sequences[index]
                 row_lengths[i] = lengths[index]
+            # placed first: jit takes no numpy input for a sharded argument once there are
+            # several processes (the mesh is this host's alone: its devices take it whole)
+            tokens, row_lengths = jax.device_put((tokens, row_lengths), self._batch_sharding)
             scores = self._scores(self.params, tokens, row_lengths)
             out[chosen] = np.asarray(jax.device_get(scores))[:len(chosen)]
             start = end
