@@ -13,6 +13,8 @@ configs/rlhf_largest.py trains a policy against.
   bt     1024 tasks' pairs, 400 BT steps
   ssrm   semi-supervised: 128 tasks' pairs, then 3 rounds that each pseudo-label a pool of 512
          tasks' unlabelled pairs and keep those at confidence >= 0.9
+  proxy  a weak model from 24 tasks' pairs, 100 steps: the proxy that
+         configs/overoptimisation_largest.py over-optimises
 `smoke` runs the pipeline in seconds. The figures are in docs/rewards.md.
 """
 
@@ -21,7 +23,7 @@ from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": ("bt", "ssrm")})
+    chosen, smoke = parse_variant(arg, {"variant": ("bt", "ssrm", "proxy")})
     c = largest_task(base_config("grpo"))
     c.recipe = "reward_model"
     c.eval.num_tasks = 200
@@ -38,6 +40,9 @@ def get_config(arg: str = ""):
         rm.ssrm_rounds = 3
         rm.ssrm_pool = 512
         rm.ssrm_threshold = 0.9
+    if chosen["variant"] == "proxy":
+        rm.prompts = 24
+        rm.steps = 100
     if smoke:
         shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
         rm.prompts = rm.eval_prompts = rm.ssrm_pool = 8

@@ -1,7 +1,7 @@
 """Training: `python -m launch.train --config configs/X.py[:variant] --workdir W`.
 
-Runs the config's recipe (`config.recipe`: rl, sft, expert_iteration, rloop, dpo, selfplay; each
-`rl_tpu/recipes/<recipe>.py`'s `run(config, workdir)`).
+Runs the config's recipe (`config.recipe`: rl, sft, expert_iteration, rloop, dpo, selfplay,
+reward_model; each `rl_tpu/recipes/<recipe>.py`'s `run(config, workdir)`).
 
 Overrides: any config leaf, e.g. `--config.algo.clip_high=0.28 --config.train.steps=10`; an
 unknown key or a value of the wrong type stops the run before anything compiles, naming the

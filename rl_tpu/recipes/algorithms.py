@@ -74,6 +74,9 @@ def shared_algo_block() -> ml_collections.ConfigDict:
     c.entropy_coef = 0.0
     c.kl_coef = 0.0  # KL(pi || ref) as a loss term; > 0 keeps a frozen reference policy
     c.kl_estimator = "k3"
+    # Keep the reference and log train/kl (KL(pi || ref), kl_estimator) even at kl_coef 0: the
+    # x axis of reward over-optimisation curves (docs/rewards.md), for one more forward a step
+    c.log_kl = False
     c.reward_kl_coef = 0.0  # KL folded into the reward (estimators with reward_kl: REINFORCE++)
     c.behaviour_is = "none"  # none | truncate | mask: engine/trainer mismatch correction
     c.behaviour_is_cap = 2.0
@@ -284,8 +287,8 @@ def uses_critic(algo: ml_collections.ConfigDict) -> bool:
 
 
 def uses_reference(algo: ml_collections.ConfigDict) -> bool:
-    return bool(algo.kl_coef) or bool(algo.reward_kl_coef
-                                      and estimator_use(algo.advantage).reward_kl)
+    return bool(algo.kl_coef) or algo.log_kl or bool(
+        algo.reward_kl_coef and estimator_use(algo.advantage).reward_kl)
 
 
 def shape_overlong(trajectories: Sequence[Trajectory], algo, max_new_tokens: int) -> None:

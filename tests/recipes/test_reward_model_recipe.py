@@ -58,13 +58,19 @@ def test_env_pairs_ssrm_round_export_rerun_and_rl_against_the_model(tmp_path):
 
     rl_dir = tmp_path / "rl"
     out = _train("configs/rlhf_largest.py:rm,smoke", rl_dir,
-                 f"--config.reward.model_path={final}", "--config.reward.rule_weight=0.5")
+                 f"--config.reward.model_path={final}", "--config.reward.rule_weight=0.5",
+                 "--config.algo.log_kl=true")
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [r for r in read_metrics(str(rl_dir)) if "rollout/reward" in r]
     assert len(steps) == 2
     for r in steps:  # the reward trained on is the declared mix of the two sources
         assert r["rollout/reward"] == pytest.approx(
             r["rollout/reward_model"] + 0.5 * r["rollout/reward_rule"], abs=1e-5)
+        assert r["train/kl"] >= 0  # logged at kl_coef 0 (algo.log_kl)
+    curves = subprocess.run([sys.executable, "-m", "launch.overoptimisation",
+                             f"--runs=smoke={rl_dir}", "--windows=2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert curves.returncode == 0 and "| smoke | 1 |" in curves.stdout, curves.stderr[-2000:]
 
 
 @pytest.mark.slow
