@@ -40,7 +40,6 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel
-from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.recipes import components, sft
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
@@ -248,17 +247,9 @@ def optimise(chain: PolicyChain, r: int, params, pairs: Sequence[Pair],
     step_fn = steps.compile_step(steps.make_preference_step(
         chain.model, d.loss, steps.StepConfig(logprob_chunk=config.train.logprob_chunk),
         **loss_kwargs(d)), state, chain.mesh)
-    last: dict[str, float] = {}
-    with Checkpointer(os.path.join(chain.round_dir(r), "dpo", "checkpoints"),
-                      keep=config.checkpoint.keep,
-                      async_save=config.checkpoint.async_save) as ckpt:
-        start, state = sft.restore(ckpt, state, data)
-        save = sft.checkpoint_every(ckpt, data, config.checkpoint.every, num_steps)
-        for step in range(start + 1, num_steps + 1):
-            state, m = step_fn(state, parallel.host_to_global(next(data), chain.mesh))
-            last = {f"dpo/{k}": float(v) for k, v in jax.device_get(m).items()}
-            save(step, state)
-        ckpt.wait()
+    state, last = sft.checkpointed_steps(config, os.path.join(chain.round_dir(r), "dpo",
+                                                              "checkpoints"),
+                                         state, data, step_fn, chain.mesh, num_steps, "dpo")
     return state.params, last | {"dpo/steps": float(num_steps)}
 
 

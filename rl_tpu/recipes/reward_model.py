@@ -45,7 +45,6 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel
-from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.data.pairs import read_preference_pairs
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.models import reward_model
@@ -211,17 +210,9 @@ def optimise(chain: PolicyChain, r: int, model, params, pairs: Sequence) -> tupl
                        host=(jax.process_index(), jax.process_count()))
     step_fn = steps.compile_step(steps.make_reward_model_step(model, rm.centring), state,
                                  chain.mesh)
-    last: dict[str, float] = {}
-    with Checkpointer(os.path.join(chain.round_dir(r), "rm", "checkpoints"),
-                      keep=config.checkpoint.keep,
-                      async_save=config.checkpoint.async_save) as ckpt:
-        start, state = sft.restore(ckpt, state, data)
-        save = sft.checkpoint_every(ckpt, data, config.checkpoint.every, num_steps)
-        for step in range(start + 1, num_steps + 1):
-            state, m = step_fn(state, parallel.host_to_global(next(data), chain.mesh))
-            last = {f"rm/{k}": float(v) for k, v in jax.device_get(m).items()}
-            save(step, state)
-        ckpt.wait()
+    state, last = sft.checkpointed_steps(config, os.path.join(chain.round_dir(r), "rm",
+                                                              "checkpoints"),
+                                         state, data, step_fn, chain.mesh, num_steps, "rm")
     return state.params, last | {"rm/steps": float(num_steps), "rm/train_pairs": float(len(pairs))}
 
 

@@ -275,6 +275,28 @@ def checkpoint_every(ckpt, data: ExampleBatches, every: int, last: int,
     return save
 
 
+def checkpointed_steps(config: ml_collections.ConfigDict, checkpoint_dir: str,
+                       state: TrainState, data: ExampleBatches, step_fn, mesh, num_steps: int,
+                       prefix: str) -> tuple[TrainState, dict[str, float]]:
+    """Steps 1..num_steps of a compiled `step_fn` on `data`, checkpointed in `checkpoint_dir`
+    every checkpoint.every steps with the data position and resumed from it (a killed run
+    started again repeats the uninterrupted one); (the state, the last step's metrics as
+    {prefix/name: value}). DPO's and the reward model's optimisers run on it."""
+    from rl_tpu.checkpoint import Checkpointer
+
+    last: dict[str, float] = {}
+    with Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
+                      async_save=config.checkpoint.async_save) as ckpt:
+        start, state = restore(ckpt, state, data)
+        save = checkpoint_every(ckpt, data, config.checkpoint.every, num_steps)
+        for step in range(start + 1, num_steps + 1):
+            state, m = step_fn(state, parallel.host_to_global(next(data), mesh))
+            last = {f"{prefix}/{k}": float(v) for k, v in jax.device_get(m).items()}
+            save(step, state)
+        ckpt.wait()
+    return state, last
+
+
 def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
               examples: Sequence[Example], *, steps: int, lr: float, batch_size: int,
               checkpoint_dir: Optional[str] = None, on_metrics=None):

@@ -14,19 +14,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from rl_tpu import parallel
 from rl_tpu.models import hf, reward_model as rm, tiny
 from rl_tpu.models.transformer import Transformer
+from test_transformer import FAMILIES
 
 TOL = 1e-4
 V = 96
 PAD = 0
-# Between them: llama3 rope scaling, QKV bias with a config that says tied (a classifier has
-# no lm_head to tie, so nothing may be read or written for it), q/k norm with head_dim apart.
-FAMILIES = {
-    "llama": dict(tie_word_embeddings=False, rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=16)),
-    "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(tie_word_embeddings=False, head_dim=16),
-}
+# The decoder parity tests' families: between them llama3 rope scaling, QKV bias with a config
+# that says tied (a classifier has no lm_head to tie, so nothing may be read or written for
+# it), q/k norm with head_dim apart.
 CASES = [(arch, labels) for arch in sorted(FAMILIES) for labels in (1, 3)]
 
 
