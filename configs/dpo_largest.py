@@ -11,7 +11,10 @@ pairs the best reply of a task against its worst when their rewards differ, and 
 passes over the pairs in DPO steps of 32 pairs at lr 2e-4 (beta 0.1) against a reference
 refreshed to the round's starting policy. Variants: `ipo` (beta 0.1: a margin target of 5
 nats), `inpo` (eta = 1 / beta = 10, tau 0.05 toward P_0), `offline` (60 steps on
-dpo.data_path's pairs, reference P_0); `smoke` shrinks any of them. Greedy success on 500 held-out tasks after each round is
+dpo.data_path's pairs, reference P_0); `rm` (with any online one) ranks the replies by a
+reward model (reward.model_path, default configs/reward_model_largest.py's) instead of the
+env's exact reward, the online iterative RLHF recipe (docs/rewards.md); `smoke` shrinks any of
+them. Greedy success on 500 held-out tasks after each round is
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
 """
 
@@ -22,7 +25,7 @@ VARIANTS = ("dpo", "ipo", "inpo", "offline")
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS, "reward": ("rule", "rm")})
     variant = chosen["variant"]
     c = largest_task(base_config("grpo"))
     c.recipe = "dpo"
@@ -40,6 +43,8 @@ def get_config(arg: str = ""):
     elif variant == "offline":
         c.loop.rounds = 1
         c.dpo.epochs = 0.0
+    if chosen["reward"] == "rm":  # pairs ranked by reward_model_largest's model, not the env
+        c.reward.model_path = "/tmp/rm_largest/reward_model_hf"
     if smoke:
         shrink_for_smoke(c, warm_start_steps=30, eval_tasks=8)
         c.dpo.steps = 3

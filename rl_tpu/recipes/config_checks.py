@@ -190,9 +190,12 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
                          f"{TRANSFORMS}")
     if r.tokens_per_batch < 16:
         raise ValueError(f"reward.tokens_per_batch={r.tokens_per_batch} must be >= 16")
-    if r.model_path and config.recipe != "rl":
-        raise ValueError(f"reward.model_path is read by the RL recipe (recipe='rl'), not by "
-                         f"recipe={config.recipe!r}; leave it empty")
+    if r.model_path and not (config.recipe == "rl" or (config.recipe == "dpo"
+                                                        and not config.dpo.data_path)):
+        raise ValueError(f"reward.model_path is read by the RL recipe and by online DPO (it "
+                         f"ranks the sampled replies), not by recipe={config.recipe!r}"
+                         f"{' with offline pairs (dpo.data_path)' if config.recipe == 'dpo' else ''}"
+                         "; leave it empty")
 
 
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:

@@ -9,8 +9,9 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
   pairs      offline: every line of dpo.data_path, {"prompt": text or a list of chat
              messages, "chosen": reply, "rejected": reply}. Online: loop.samples_per_task
              replies to each of loop.tasks_per_round new training tasks sampled from P_r, scored
-             by the env's reward; a task whose best and worst replies differ in reward gives
-             one pair (best, worst). Episodes that ended in env_error or abort are never
+             by the env's reward (or, with reward.model_path, by a reward model's: docs/
+             rewards.md); a task whose best and worst replies differ in reward gives one pair
+             (best, worst). Episodes that ended in env_error or abort are never
              chosen or rejected (loop/unscored_excluded counts them). Online pairs are the
              sampled trajectories themselves (multi-turn episodes too: every action carries
              loss), written to W/round_r/pairs.process<i>.json (each host samples its share of the round's
@@ -43,6 +44,7 @@ from rl_tpu import parallel
 from rl_tpu.recipes import components, sft
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
+from rl_tpu.rewards.mix import RewardMix
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.rollout_batch import UNSCORED_FINISHES
@@ -55,11 +57,13 @@ Pair = tuple[Example, Example]  # (chosen, rejected)
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """loop.rounds rounds of pairs -> reference -> preference steps; returns the last eval."""
     chain = PolicyChain(config, workdir)
+    # online pairs ranked by a learned reward instead of (or beside) the env's: reward.*
+    mix = RewardMix.from_config(config, jax.local_devices())
     try:
         params = chain.load(chain.rounds_done)
         initial = chain.load(0) if config.dpo.loss == "inpo" else None
         for r in range(chain.rounds_done, config.loop.rounds):
-            pairs, record = round_pairs(chain, r, params)                          # pairs
+            pairs, record = round_pairs(chain, r, params, mix)                     # pairs
             if not pairs:
                 chain.finish_round(r, params, record)  # nothing to prefer: P_{r+1} = P_r
                 continue
@@ -74,8 +78,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- pairs
 
 
-def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
-    """Round r's preference pairs and their metrics (offline: the JSONL's)."""
+def round_pairs(chain: PolicyChain, r: int, params, mix=None) -> tuple[list[Pair], dict]:
+    """Round r's preference pairs and their metrics (offline: the JSONL's). With a RewardMix
+    (reward.model_path), the sampled replies are ranked by its reward, as online iterative
+    RLHF ranks them by a reward model; loop/sample_success stays the env's verdict."""
     config = chain.config
     if config.dpo.data_path:
         pairs = preference_pairs(config.dpo.data_path, chain.tokenizer)
@@ -89,6 +95,8 @@ def round_pairs(chain: PolicyChain, r: int, params) -> tuple[list[Pair], dict]:
         trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
                               loop.samples_per_task, components.step_seed(config.seed, r, 30),
                               first_position=offset)
+        if mix is not None:
+            mix.apply(trajectories)
         pairs, unscored = online_pairs(trajectories)
         mine = {"pairs": pairs, "sampled": len(trajectories), "unscored": unscored,
                 "successes": sum(bool(t.success) for t in trajectories),

@@ -67,6 +67,12 @@ def test_env_pairs_ssrm_round_export_rerun_and_rl_against_the_model(tmp_path):
         assert r["rollout/reward"] == pytest.approx(
             r["rollout/reward_model"] + 0.5 * r["rollout/reward_rule"], abs=1e-5)
         assert r["train/kl"] >= 0  # logged at kl_coef 0 (algo.log_kl)
+    dpo_dir = tmp_path / "dpo"  # online iterative DPO, its pairs ranked by the model
+    out = _train("configs/dpo_largest.py:rm,smoke", dpo_dir, f"--config.reward.model_path={final}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = [r for r in read_metrics(str(dpo_dir)) if "loop/pairs" in r]
+    assert len(rounds) == 2 and all(r["loop/pairs"] > 0 for r in rounds)
+
     curves = subprocess.run([sys.executable, "-m", "launch.overoptimisation",
                              f"--runs=smoke={rl_dir}", "--windows=2"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
