@@ -82,21 +82,25 @@ def table(curves: Sequence[Curve]) -> list[str]:
 
 
 def plot(curves: Sequence[Curve], out: str, title: Optional[str] = None) -> None:
-    """Gold (solid) and proxy (dashed) against KL, one colour a run, saved to `out`."""
+    """Two panels sharing the KL axis, proxy (left) and gold (right), one colour a run, each
+    line following the run's windows in step order; saved to `out`. Apart, because the two
+    rewards are on their own scales (a model's logits, an env's success)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for i, c in enumerate(curves):
-        colour = f"C{i}"
-        ax.plot(c.kl, c.gold, "-o", color=colour, markersize=3, label=f"{c.name}: gold")
-        ax.plot(c.kl, c.proxy, "--", color=colour, label=f"{c.name}: proxy")
-    ax.set_xlabel("KL(pi || pi_0) per token")
-    ax.set_ylabel("reward (window mean)")
-    ax.set_title(title or "reward over-optimisation: proxy (dashed) vs gold (solid)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+        left.plot(c.kl, c.proxy, "-o", color=f"C{i}", markersize=3, label=c.name)
+        right.plot(c.kl, c.gold, "-o", color=f"C{i}", markersize=3, label=c.name)
+        right.plot(c.kl[c.gold_peak], c.gold[c.gold_peak], "*", color=f"C{i}", markersize=12)
+    for ax, what in ((left, "proxy reward (what the policy is paid)"),
+                     (right, "gold reward (the env's verdict; * = peak)")):
+        ax.set_xlabel("KL(pi || pi_0) per token")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "reward over-optimisation")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
