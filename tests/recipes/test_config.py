@@ -234,3 +234,29 @@ def test_presets_and_the_smoke_shrinker_by_hand():
     check(c)
     c = shrink_for_smoke(base_config())
     assert c.sft.steps == 0 and c.env.max_new_tokens == 8 and c.eval.max_turns == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"reward_model.eval_fraction": 1.0}, r"reward_model.eval_fraction=1.0 must be in \(0, 1\)"),
+    ({"reward_model.ssrm_threshold": 0.4}, r"ssrm_threshold=0.4 must be in \[0.5, 1\]"),
+    ({"reward_model.batch_size": 0}, r"reward_model.batch_size=0 must be >= 1"),
+    ({"reward_model.lr": 0.0}, r"lr=0.0 > 0"),
+    ({"recipe": "reward_model", "loop.samples_per_task": 1}, r"loop.samples_per_task >= 2"),
+    ({"reward.model_transform": "tanh"}, r"reward.model_transform='tanh'"),
+    ({"reward.model_path": "/rm", "recipe": "sft"}, r"not by recipe='sft'"),
+    ({"reward.model_path": "/rm", "recipe": "dpo", "dpo.data_path": "p.jsonl"},
+     r"offline pairs \(dpo.data_path\)"),
+])
+def test_reward_blocks_refuse_what_cannot_run(overrides, message):
+    c = base_config()
+    for key, value in overrides.items():
+        block, _, leaf = key.partition(".")
+        if leaf:
+            c[block][leaf] = value
+        else:
+            c[key] = value
+    with pytest.raises(ValueError, match=message):
+        check(c)
+    ok = base_config()
+    ok.reward.model_path, ok.recipe = "/rm", "dpo"  # online DPO ranks by the model
+    check(ok)
