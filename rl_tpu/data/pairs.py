@@ -33,7 +33,7 @@ import numbers
 from pathlib import Path
 from typing import Any, Sequence
 
-from rl_tpu.data.jsonl import SPLITS, json_type_name
+from rl_tpu.data.jsonl import SPLITS, json_type_name, split_rows
 
 Message = dict  # {"role": str, "content": str}
 _OWN_FIELDS = ("prompt", "chosen", "rejected", "margin", "split")
@@ -172,6 +172,20 @@ def write_preference_pairs(path: str, pairs: Sequence[PreferencePair]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for pair in pairs:
             f.write(json.dumps(pair.to_row(), ensure_ascii=False) + "\n")
+
+
+def split_pairs_file(path: str, out_path: str, eval_fraction: float = 0.0,
+                     seed: int = 0) -> dict[str, int]:
+    """Checks every line of a preference JSONL and writes it to `out_path` in canonical form
+    (messages as lists), each pair's "split" filled in: its own, else eval for a seeded
+    round(eval_fraction * n) of the pairs that name none (`jsonl.split_rows`, as tasks are
+    split). Returns the pairs per split. `launch.make_dataset --pairs` runs it."""
+    pairs = read_preference_pairs(path)
+    rows = split_rows([{"split": p.split, "pair": p} for p in pairs], eval_fraction, seed)
+    out = [dataclasses.replace(row["pair"], split=split) for split in SPLITS
+           for row in rows[split]]
+    write_preference_pairs(out_path, out)
+    return {split: len(rows[split]) for split in SPLITS}
 
 
 def _unscored(score) -> bool:

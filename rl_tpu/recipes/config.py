@@ -335,7 +335,7 @@ def reward_model_block() -> ml_collections.ConfigDict:
     loop.samples_per_task replies a task, then SSRM rounds on a pool of unlabelled pairs."""
     b = ml_collections.ConfigDict()
     b.data_path = ""  # JSONL of {"prompt", "chosen", "rejected"[, "margin", "split"]}
-    b.eval_fraction = 0.1  # held-out share of a JSONL whose lines name no split
+    b.eval_fraction = 0.1  # held-out share of a JSONL's lines that name no split
     b.prompts = 512  # "" data path: training tasks whose replies make the labelled pairs
     b.eval_prompts = 128  # ...and eval-split tasks whose replies make the held-out pairs
     b.steps = 200  # BT steps a round...

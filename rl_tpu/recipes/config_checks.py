@@ -207,9 +207,10 @@ def _check_reward_model(config: ml_collections.ConfigDict) -> None:
     if rm.epochs < 0 or rm.ssrm_rounds < 0 or rm.centring < 0 or not rm.lr > 0:
         raise ValueError(f"reward_model.epochs={rm.epochs}, ssrm_rounds={rm.ssrm_rounds} and "
                          f"centring={rm.centring} must be >= 0, lr={rm.lr} > 0")
-    if not 0 < rm.eval_fraction < 1:
-        raise ValueError(f"reward_model.eval_fraction={rm.eval_fraction} must be in (0, 1): "
-                         "the share of a JSONL's pairs held out to measure the model")
+    if not 0 <= rm.eval_fraction < 1:
+        raise ValueError(f"reward_model.eval_fraction={rm.eval_fraction} must be in [0, 1): "
+                         "the share of a JSONL's pairs without a split held out to measure "
+                         "the model")
     if not 0.5 <= rm.ssrm_threshold <= 1:
         raise ValueError(f"reward_model.ssrm_threshold={rm.ssrm_threshold} must be in [0.5, 1] "
                          "(a confidence sigmoid(|r_a - r_b|) is never below 0.5)")

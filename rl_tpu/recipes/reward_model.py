@@ -3,8 +3,8 @@
     python -m launch.train --config configs/reward_model_largest.py --workdir /tmp/rm
 
 Pairs. With reward_model.data_path, a JSONL of {"prompt", "chosen", "rejected"[, "margin",
-"split"]} (rl_tpu/data/pairs.py): lines whose "split" is "eval" are held out, and without any,
-reward_model.eval_fraction of the lines (a seeded shuffle). Without it, the env's own scorer
+"split"]} (rl_tpu/data/pairs.py): lines whose "split" is "eval" are held out, and
+reward_model.eval_fraction of the lines that name no split (a seeded shuffle). Without it, the env's own scorer
 ranks replies of P_0 (the initial policy after its SFT warm start, sft.steps): it samples
 loop.samples_per_task replies to each of reward_model.prompts training tasks and pairs the
 best against the worst of each task whose replies differ in reward (dpo.online_pairs: episodes
@@ -45,6 +45,7 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel
+from rl_tpu.data.jsonl import split_rows
 from rl_tpu.data.pairs import read_preference_pairs
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.models import reward_model
@@ -118,11 +119,10 @@ def _jsonl_pairs(chain: PolicyChain, path: str) -> tuple[list[Pair], list[Pair]]
     encoded = [(tuple(sft.chat_example(conversation, chain.tokenizer, p.where)
                       for conversation in (p.chosen_conversation, p.rejected_conversation)),
                 p.margin or 0.0) for p in pairs]
-    if any(p.split is not None for p in pairs):
-        held = [i for i, p in enumerate(pairs) if p.split == "eval"]
-    else:
-        order = np.random.RandomState(chain.config.seed).permutation(len(pairs))
-        held = sorted(order[:int(round(rm.eval_fraction * len(pairs)))].tolist())
+    # a line's own "split", else eval for a seeded share of the rest (as launch.make_dataset)
+    by_split = split_rows([{"split": p.split, "index": i} for i, p in enumerate(pairs)],
+                          rm.eval_fraction, chain.config.seed)
+    held = [row["index"] for row in by_split["eval"]]
     held_set = set(held)
     train = [_with_margin(*encoded[i]) for i in range(len(pairs)) if i not in held_set]
     if not train or not held:

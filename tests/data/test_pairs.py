@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -221,3 +222,28 @@ def test_ssrm_bad_input(kwargs, match):
     args = {"score_a": SCORE_A, "score_b": SCORE_B, **kwargs}
     with pytest.raises(ValueError, match=match):
         select_pseudo_labels(args.pop("score_a"), args.pop("score_b"), **args)
+
+
+def test_make_dataset_checks_pairs_and_fills_in_their_splits(tmp_path):
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(5)]
+    lines[3]["split"] = "eval"
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = subprocess.run([sys.executable, "-m", "launch.make_dataset", f"--jsonl={src}",
+                          "--pairs", f"--out={tmp_path / 'out'}", "--eval_fraction=0.5"],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # line 3's own split, plus round(0.5 * 4) = 2 of the other four
+    assert "train: 2 pairs" in run.stdout and "eval: 3 pairs" in run.stdout
+    written = read_preference_pairs(str(tmp_path / "out" / "user_tasks.jsonl"))
+    assert sorted(p.split for p in written) == ["eval"] * 3 + ["train"] * 2
+    assert any(p.split == "eval" and p.prompt[0]["content"] == "q3" for p in written)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q", "chosen": "a"}\n')
+    run = subprocess.run([sys.executable, "-m", "launch.make_dataset", f"--jsonl={bad}",
+                          "--pairs", f"--out={tmp_path / 'out2'}"], cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "bad.jsonl:1" in run.stderr

@@ -237,7 +237,7 @@ def test_presets_and_the_smoke_shrinker_by_hand():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"reward_model.eval_fraction": 1.0}, r"reward_model.eval_fraction=1.0 must be in \(0, 1\)"),
+    ({"reward_model.eval_fraction": 1.0}, r"reward_model.eval_fraction=1.0 must be in \[0, 1\)"),
     ({"reward_model.ssrm_threshold": 0.4}, r"ssrm_threshold=0.4 must be in \[0.5, 1\]"),
     ({"reward_model.batch_size": 0}, r"reward_model.batch_size=0 must be >= 1"),
     ({"reward_model.lr": 0.0}, r"lr=0.0 > 0"),

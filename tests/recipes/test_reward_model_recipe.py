@@ -91,7 +91,8 @@ def test_pairs_from_a_jsonl_with_a_held_out_split(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = _train("configs/reward_model_largest.py:smoke", tmp_path / "run",
-                 f"--config.reward_model.data_path={data}", "--config.sft.steps=0")
+                 f"--config.reward_model.data_path={data}", "--config.sft.steps=0",
+                 "--config.reward_model.eval_fraction=0")  # only the lines marked eval
     assert out.returncode == 0, out.stderr[-3000:]
     (only,) = _rounds(tmp_path / "run")
     assert only["rm/eval_pairs"] == 3 and only["rm/train_pairs"] == 9
