@@ -145,8 +145,9 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
     `model.path`; none for the tiny model) loads (`hf.check_model_dir`: config.json and every
     safetensors header, no tensor data), the data files it names are there (`sft.data_path`,
     `dpo.data_path`, `env.dataset_dir`), and each env server of `env.remote_url` is up and
-    serves `env.name` (`probe_env_server`). Raises hf.CheckpointError, FileNotFoundError or
-    ValueError, naming the key or file and what to do."""
+    serves `env.name` (`probe_env_server`), and each reward server of `reward.urls` answers
+    /health and serves a reward model (`remote.probe`). Raises hf.CheckpointError,
+    FileNotFoundError or ValueError, naming the key or file and what to do."""
     path = model_path or config.model.path
     key = "--model_path" if model_path else "model.path"
     if path and not os.path.isdir(path):
@@ -166,6 +167,10 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
         except hf.CheckpointError as e:
             raise hf.CheckpointError(f"reward.model_path={config.reward.model_path!r}: {e}"
                                      ) from None
+    if config.reward.urls:  # each reward server up, serving a reward model
+        from rl_tpu.rewards import remote
+        for url in remote.parse_urls(config.reward.urls):
+            remote.probe(url, PROBE_TIMEOUT_S)
     # each data path the run will read (an SFT file with no SFT steps is not read)
     for key, kind, what, read in (
             ("sft.data_path", "file", "a JSONL of chats",

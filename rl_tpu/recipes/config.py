@@ -169,6 +169,8 @@ def reward_block() -> ml_collections.ConfigDict:
     reward = rule_weight * the env's + model_weight * model_transform(the model's score)."""
     b = ml_collections.ConfigDict()
     b.model_path = ""  # an HF *ForSequenceClassification dir ("" = the env's reward alone)
+    # or reward servers (launch.serve_reward) scoring for it: "http://host:port[,...]"
+    b.urls = ""
     b.model_weight = 1.0
     b.rule_weight = 0.0  # the env's own reward, when a model scores too
     b.model_transform = "none"  # none (the raw score) | sigmoid (in (0, 1))

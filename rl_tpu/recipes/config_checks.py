@@ -190,12 +190,19 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
                          f"{TRANSFORMS}")
     if r.tokens_per_batch < 16:
         raise ValueError(f"reward.tokens_per_batch={r.tokens_per_batch} must be >= 16")
-    if r.model_path and not (config.recipe == "rl" or (config.recipe == "dpo"
-                                                        and not config.dpo.data_path)):
-        raise ValueError(f"reward.model_path is read by the RL recipe and by online DPO (it "
-                         f"ranks the sampled replies), not by recipe={config.recipe!r}"
-                         f"{' with offline pairs (dpo.data_path)' if config.recipe == 'dpo' else ''}"
-                         "; leave it empty")
+    offline = " with offline pairs (dpo.data_path)" if config.recipe == "dpo" else ""
+    for key in ("model_path", "urls"):
+        if r[key] and not (config.recipe == "rl" or (config.recipe == "dpo"
+                                                     and not config.dpo.data_path)):
+            raise ValueError(f"reward.{key} is read by the RL recipe and by online DPO (it "
+                             f"ranks the sampled replies), not by recipe={config.recipe!r}"
+                             f"{offline}; leave it empty")
+    if r.model_path and r.urls:
+        raise ValueError(f"reward.model_path={r.model_path!r} and reward.urls={r.urls!r}: the "
+                         "reward model runs here or on its servers, not both; leave one empty")
+    if r.urls:
+        from rl_tpu.rewards.remote import parse_urls
+        parse_urls(r.urls)  # each http(s)://host:port, none twice; names reward.urls
 
 
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:

@@ -42,13 +42,19 @@ class RewardMix:
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, devices) -> Optional["RewardMix"]:
-        """The config's mix (None without reward.model_path), its reward model on `devices`
-        (this host's sampler devices: it scores on the producer thread, as the sampler plays)."""
+        """The config's mix (None without reward.model_path or reward.urls), its reward model
+        on `devices` (this host's sampler devices: it scores on the producer thread, as the
+        sampler plays), or on the reward servers of reward.urls (rl_tpu/rewards/remote.py)."""
         r = config.reward
-        if not r.model_path:
+        if r.urls:
+            from rl_tpu.rewards.remote import RemoteRewardScorer
+            scorer = RemoteRewardScorer(r.urls)
+            log.info("reward model: %d label(s) served at %s", scorer.num_labels, r.urls)
+        elif r.model_path:
+            scorer = RewardScorer.from_dir(r.model_path, devices, dtype=config.model.dtype,
+                                           tokens_per_batch=r.tokens_per_batch)
+        else:
             return None
-        scorer = RewardScorer.from_dir(r.model_path, devices, dtype=config.model.dtype,
-                                       tokens_per_batch=r.tokens_per_batch)
         return cls(scorer, r.rule_weight, r.model_weight, r.model_transform)
 
     def model_rewards(self, trajectories: Sequence[Trajectory]) -> np.ndarray:

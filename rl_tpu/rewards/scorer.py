@@ -7,8 +7,9 @@ sampler does. The reward recipe scores its held-out pairs with the same class.
 
 Batches are cut from the sequences sorted by length: each batch pads to a power-of-two length
 (at least MIN_LENGTH) and holds as many rows as `tokens_per_batch` allows at that length
-(a power of two, at most `max_rows`, at least one a device), so the shapes compiled are one a
-length bucket whatever the mix of lengths.
+(a power of two, at most `max_rows`, at least one a device); a batch of fewer rows pads to
+the next power of two of its rows, so the shapes compiled are a few a length bucket whatever
+the mix of lengths.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ class RewardScorer:
         rows = 1 << (rows.bit_length() - 1)  # down to a power of two
         return max(rows, self.devices) if rows % self.devices else rows
 
+    def padded_rows(self, rows: int, length: int) -> int:
+        """Rows a batch of `rows` sequences at `length` is padded to: the next power of two
+        (a multiple of the devices), at most `rows_for(length)`. A few rows (a reward
+        server's lone request, a bucket's last rows) then cost their own tokens, not a full
+        batch's (up to max_rows x as many), for one program a row count."""
+        padded = max(_next_power_of_two(rows), self.devices)
+        padded = -(-padded // self.devices) * self.devices
+        return min(padded, self.rows_for(length))
+
     def score(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:
         """[N, C] scores of `sequences` (lists of token ids, none empty), in their order."""
         lengths = np.asarray([len(s) for s in sequences], np.int32)
@@ -109,7 +119,7 @@ class RewardScorer:
                     break
                 rows = fitting
             chosen = order[start:end]
-            size = self.rows_for(length)
+            size = self.padded_rows(len(chosen), length)
             tokens = np.zeros((size, length), np.int32)
             row_lengths = np.ones((size,), np.int32)  # pad rows: one token, discarded
             for i, index in enumerate(chosen):
