@@ -38,6 +38,7 @@ RESUME_MAY_CHANGE = (
     # trainer's weights at the start of the resumed run. The engine itself may not change.
     "rollout.urls",
     "rollout.router_url",  # generation through a router or not: the same samples either way
+    "reward.urls",  # reward servers of the same model (reward.model_path may not change)
     # Likewise where env servers live and how their calls are retried: an episode's task and
     # every reply are the same whichever server plays it.
     "env.remote_url",
