@@ -21,6 +21,7 @@ ENV_MODULES: dict[str, str] = {
     "selfplay_arithmetic": "selfplay",
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",
+    "judge_pairwise": "judge",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",
