@@ -22,6 +22,7 @@ ENV_MODULES: dict[str, str] = {
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",
     "judge_pairwise": "judge",
+    "judge_pointwise": "judge",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",

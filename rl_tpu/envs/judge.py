@@ -1,6 +1,6 @@
-"""`judge_pairwise`: train an LLM judge by RL. Each task is a question with two replies of
-known preference; the env shows them as A and B in a seeded random order, and the agent's reply
-is a verdict in rl_tpu/rewards/judge.py's format:
+"""`judge_pairwise` and `judge_pointwise`: train an LLM judge by RL. A `judge_pairwise` task
+is a question with two replies of known preference; the env shows them as A and B in a seeded
+random order, and the agent's reply is a verdict in rl_tpu/rewards/judge.py's format:
 
     env = make("judge_pairwise")             # pairs generated from the `largest` task
     env.reset(task) -> "Question:\\nWhich number is largest? 3 7 2 5 1\\n\\nReply A:\\n5\\n\\n
@@ -41,6 +41,14 @@ skill + (1 - skill) / 2 (the preferred reply is A half the time): 0.75 at skill 
 that imitates it says "[[A]]" about three times in four, and its greedy verdict on a task whose
 preferred reply is B is near a coin flip; the exact reward teaches the rule it only half
 follows.
+
+`judge_pointwise` is the same with one reply and the verdict [[YES]] or [[NO]] (is it
+correct?), generated only (a preference pair says which reply is better, not that the better
+one is correct): task i draws a `largest` pair as above and shows its answer or its smaller
+number with probability 1/2 each. Reward 1.0 for the right verdict; the info keys as above,
+`expected` (True: the reply is correct) in place of `preferred`. Its teacher is right with
+probability `skill`, otherwise it says [[YES]] (leniency: a judge that accepts what it is
+shown), so it is also right skill + (1 - skill) / 2 of the time.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ def holdout_split(pairs: list[PreferencePair], eval_fraction: float,
             to_eval = pair.split == "eval"
         else:
             text = f"{holdout_seed}/{judge.render(pair.prompt)}".encode()
-            to_eval = int.from_bytes(hashlib.sha256(text).digest()[:8], "big") / 2**64 < eval_fraction
+            hashed = int.from_bytes(hashlib.sha256(text).digest()[:8], "big") / 2**64
+            to_eval = hashed < eval_fraction
         out["eval" if to_eval else "train"].append(pair)
     return out
 
@@ -151,19 +160,85 @@ class PairwiseJudgeEnv(Env):
 
     def step(self, action: str) -> StepResult:
         if self._task is None:
-            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
-                              {"invalid_action": True, "violation": False,
-                               "format_valid": False, "episode_over": True})
+            return _over()
         preferred, self._task = self._task.data["preferred"], None
-        verdict = judge.parse_pairwise(action)
-        info = {"preferred": preferred, "verdict": verdict.value, "format_valid": verdict.ok}
-        if not verdict.ok:
-            info.update(success=False, violation=False, invalid_action=True,
-                        parse_error=verdict.error)
-            return StepResult(f"No verdict: {verdict.error}. Reply [[A]] or [[B]]; the "
-                              f"preferred reply was {preferred}.", 0.0, True, info)
-        right = verdict.value == preferred
-        info.update(success=right, violation=not right)
-        if right:
-            return StepResult(f"Correct: {preferred} is the better reply.", 1.0, True, info)
-        return StepResult(f"Not correct: {preferred} is the better reply.", 0.0, True, info)
+        return _scored(judge.parse_pairwise(action), preferred, "Reply [[A]] or [[B]]",
+                       f"{preferred} is the better reply", preferred=preferred)
+
+
+def _over() -> StepResult:
+    return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
+                      {"invalid_action": True, "violation": False, "format_valid": False,
+                       "episode_over": True})
+
+
+def _scored(verdict: judge.Verdict, right_value, ask: str, truth: str, **info) -> StepResult:
+    """The one step of a judge episode: 1.0 for the expected verdict, 0.0 for another or none,
+    with the info keys of the module docstring."""
+    info.update(verdict=verdict.value, format_valid=verdict.ok)
+    if not verdict.ok:
+        info.update(success=False, violation=False, invalid_action=True,
+                    parse_error=verdict.error)
+        return StepResult(f"No verdict: {verdict.error}. {ask}; {truth}.", 0.0, True, info)
+    right = verdict.value == right_value
+    info.update(success=right, violation=not right)
+    return StepResult(f"{'Correct' if right else 'Not correct'}: {truth}.", float(right), True,
+                      info)
+
+
+def pointwise_teacher_reply(task: Task, rng: random.Random, skill: float) -> str:
+    """The imperfect pointwise teacher: the right verdict with probability `skill`, else
+    "[[YES]]" (leniency: it accepts a wrong reply; module docstring)."""
+    right = "[[YES]]" if task.data["correct"] else "[[NO]]"
+    return right if rng.random() < skill else "[[YES]]"
+
+
+@register("judge_pointwise")
+class PointwiseJudgeEnv(Env):
+    """Judge whether one reply is correct; generated from `largest` (module docstring)."""
+
+    name = "judge_pointwise"
+    system_prompt = judge.POINTWISE_SYSTEM
+    replayable = True
+
+    def __init__(self, num_items: int = 5, max_value: int = 9, train_seed: int = 1_000_000,
+                 eval_seed: int = 0, train_size: int = 1_000_000, eval_size: int = 1000):
+        if num_items < 2:
+            raise ValueError(f"num_items={num_items}: a list needs at least 2 numbers")
+        if max_value < 1:
+            raise ValueError(f"max_value={max_value} must be >= 1 (two different numbers)")
+        self.num_items, self.max_value = num_items, max_value
+        self._tasks = SeededTasks("judge_pointwise", self._draw, train_seed, eval_seed,
+                                  train_size, eval_size)
+        self._task: Optional[Task] = None
+
+    def _draw(self, rng: random.Random, split: str, index: int) -> dict:
+        del split, index  # both splits draw alike, from their own seeds
+        pair = largest_pair(rng, self.num_items, self.max_value)
+        correct = rng.random() < 0.5
+        return {"numbers": pair["numbers"], "question": pair["question"],
+                "reply": pair["chosen"] if correct else pair["rejected"], "correct": correct}
+
+    def tasks(self) -> SeededTasks:
+        return self._tasks
+
+    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
+        """The imperfect teacher's reply (module docstring), for SFT demonstrations."""
+        return pointwise_teacher_reply(task, rng, skill)
+
+    def reset(self, task: Task) -> str:
+        data = task.data or {}
+        if not isinstance(data.get("correct"), bool) or not all(
+                isinstance(data.get(k), str) for k in ("question", "reply")):
+            raise ValueError(f"task {task.task_id!r} needs 'question', 'reply' and 'correct' "
+                             "(a bool); take tasks from env.tasks().get(split, index)")
+        self._task = task
+        return judge.pointwise_user(data["question"], data["reply"])
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None:
+            return _over()
+        correct, self._task = self._task.data["correct"], None
+        return _scored(judge.parse_pointwise(action), correct, "Reply [[YES]] or [[NO]]",
+                       f"the reply is {'correct' if correct else 'not correct'}",
+                       expected=correct)

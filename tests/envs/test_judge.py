@@ -14,8 +14,9 @@ from garbage import garbage_actions, one_of, step_through
 from rl_tpu.agent.trajectory import EpisodeStats, Trajectory
 from rl_tpu.envs import base
 from rl_tpu.envs.base import Task
-from rl_tpu.envs.judge import PairwiseJudgeEnv, largest_pair, teacher_reply
-from rl_tpu.recipes.config import env_kwargs, set_env, base_config
+from rl_tpu.envs.judge import (PairwiseJudgeEnv, PointwiseJudgeEnv, largest_pair,
+                             pointwise_teacher_reply, teacher_reply)
+from rl_tpu.recipes.config import base_config, env_kwargs, set_env
 
 
 def pair_task(preferred="B", a="5", b="7", question="Which number is largest? 3 7 5"):
@@ -49,7 +50,8 @@ def test_a_list_of_equal_numbers_is_redrawn():
     # max_value 1 with 2 items: [0, 0] and [1, 1] (half the draws) have no wrong answer
     for seed in range(50):
         data = largest_pair(random.Random(seed), 2, 1)
-        assert sorted(data["numbers"]) == [0, 1] and (data["chosen"], data["rejected"]) == ("1", "0")
+        assert sorted(data["numbers"]) == [0, 1]
+        assert (data["chosen"], data["rejected"]) == ("1", "0")
 
 
 def test_tasks_are_deterministic_by_index_and_the_splits_disjoint():
@@ -133,8 +135,8 @@ def test_garbage_replies_are_observations_never_exceptions():
     own = [one_of("[[A]]", "[[B]]", "[[a]][[b]]", "[[A]", "[[ C ]]", "A", "B", "[[TIE]]")]
     results = step_through(env, garbage_actions(random.Random(0), 300, own), tasks)
     assert all(r.done for r in results)
-    assert any(r.reward == 1.0 for r in results) and any(r.info["invalid_action"] is True
-                                                          for r in results if "invalid_action" in r.info)
+    assert any(r.reward == 1.0 for r in results)
+    assert any(r.info.get("invalid_action") is True for r in results)
 
 
 def test_reset_refuses_a_task_without_the_pair():
@@ -161,7 +163,8 @@ def test_jsonl_pairs_follow_their_split_fields(tmp_path):
     assert [(d["question"], d["chosen"], d["rejected"]) for d in train] == [
         ("2 + 2?", "4", "5"), ("1 + 1?", "2", "3")]
     held = env.tasks().get("eval", 0)
-    assert (held.data["question"], held.data["chosen"], held.data["rejected"]) == ("3 + 3?", "6", "7")
+    shown = (held.data["question"], held.data["chosen"], held.data["rejected"])
+    assert shown == ("3 + 3?", "6", "7")
     assert held.data["where"].endswith("p.jsonl:2")
     env.reset(held)
     verdict = f"[[{held.data['preferred']}]]"
@@ -228,3 +231,58 @@ def test_env_kwargs_are_readable_by_the_config():
         c.env.kwargs.num_items = "three"
     env = base.make("judge_pairwise", num_items=3)
     assert len(env.tasks().get("train", 0).data["numbers"]) == 3
+
+
+# -- judge_pointwise -------------------------------------------------------------------------
+
+def test_a_pointwise_task_shows_the_answer_or_a_smaller_number_half_the_time_each():
+    env = PointwiseJudgeEnv()
+    tasks = [env.tasks().get("train", i) for i in range(400)]
+    for t in tasks:
+        numbers = t.data["numbers"]
+        assert (t.data["reply"] == str(max(numbers))) == t.data["correct"]
+        assert int(t.data["reply"]) in numbers
+    # 200 correct replies expected, standard deviation 10; 4 of them either side
+    assert 160 <= sum(t.data["correct"] for t in tasks) <= 240
+    assert [t.data for t in tasks[:20]] == [PointwiseJudgeEnv().tasks().get("train", i).data
+                                           for i in range(20)]
+    first = tasks[0]
+    assert env.reset(first) == (f"Question:\n{first.data['question']}\n\nReply:\n"
+                                f"{first.data['reply']}\n\nIs the reply correct? Answer "
+                                "[[YES]] or [[NO]].")
+    assert env.system_prompt.endswith("Give your verdict as [[YES]] or [[NO]].")
+
+
+@pytest.mark.parametrize("correct,reply,reward,violation,valid", [
+    (True, "[[YES]]", 1.0, False, True),
+    (True, "[[no]]", 0.0, True, True),
+    (False, "[[NO]]", 1.0, False, True),
+    (False, "[[YES]]", 0.0, True, True),
+    (False, "no", 0.0, False, False),
+    (False, "[[YES]] [[NO]]", 0.0, False, False),
+])
+def test_a_pointwise_verdict_is_paid_one_when_right(correct, reply, reward, violation, valid):
+    env = PointwiseJudgeEnv()
+    env.reset(Task("p", {"question": "Which number is largest? 3 7", "reply": "7" if correct
+                         else "3", "correct": correct}))
+    result = env.step(reply)
+    assert result.reward == reward and result.done
+    assert result.info["success"] is (reward == 1.0) and result.info["violation"] is violation
+    assert result.info["format_valid"] is valid and result.info["expected"] is correct
+    assert result.info.get("invalid_action", False) is (not valid)
+    assert env.step("[[YES]]").info["episode_over"]
+
+
+@pytest.mark.parametrize("skill", [0.0, 0.5, 1.0])
+def test_the_pointwise_teachers_mistakes_are_leniency(skill):
+    env = PointwiseJudgeEnv()
+    rng = random.Random(5)
+    tasks = [env.tasks().get("train", i) for i in range(400)]
+    replies = [pointwise_teacher_reply(t, rng, skill) for t in tasks]
+    right = [r == ("[[YES]]" if t.data["correct"] else "[[NO]]") for r, t in zip(replies, tasks)]
+    assert all(r == "[[YES]]" for r, ok in zip(replies, right) if not ok)
+    share_correct = sum(t.data["correct"] for t in tasks) / 400
+    expected = skill + (1 - skill) * share_correct
+    assert abs(sum(right) / 400 - expected) <= 4 * math.sqrt(skill * (1 - skill) / 400)
+    assert base.kwargs_of("judge_pointwise").keys() == {
+        "num_items", "max_value", "train_seed", "eval_seed", "train_size", "eval_size"}
