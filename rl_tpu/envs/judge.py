@@ -38,9 +38,10 @@ The teacher (`teacher_reply`, for the SFT warm start) is right with probability 
 otherwise it answers "[[A]]", whichever reply is preferred: position bias, the systematic
 mistake LLM judges are known for (Zheng et al. 2023). Its accuracy is therefore
 skill + (1 - skill) / 2 (the preferred reply is A half the time): 0.75 at skill 0.5. A model
-that imitates it says "[[A]]" about three times in four, and its greedy verdict on a task whose
-preferred reply is B is near a coin flip; the exact reward teaches the rule it only half
-follows.
+that imitates it samples "[[A]]" about three times in four, and greedy decoding can turn that
+into "[[A]]" always (configs/judge_largest.py's warm start: greedy accuracy equal to the share
+of pairs whose preferred reply is A); sampling still picks B often enough for the exact reward
+to teach the rule the teacher only half follows.
 
 `judge_pointwise` is the same with one reply and the verdict [[YES]] or [[NO]] (is it
 correct?), generated only (a preference pair says which reply is better, not that the better
