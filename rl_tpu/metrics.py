@@ -85,6 +85,16 @@ def read_metrics(path_or_workdir) -> list[dict]:
     return [record for _, record in _read_lines(path)[0]]
 
 
+def last_eval(workdir: str, step: int) -> dict[str, float]:
+    """The eval/ metrics of the latest eval at or before `step` in W/metrics.jsonl ({} for a
+    fresh run), so a resumed run, even one resumed at its end, reports its last eval."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if step == 0 or not os.path.exists(path):
+        return {}
+    evals = [r for r in read_metrics(path) if "eval/success" in r and r["step"] <= step]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Write via a temp file in the same directory and os.replace: readers (and a crash) see
     the old file or the new one, never a mix."""

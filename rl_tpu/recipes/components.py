@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from rl_tpu import parallel
+from rl_tpu import parallel, schedules
 from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
@@ -440,6 +440,21 @@ def wait_for_shared_weights(engine: RolloutEngine, version) -> None:
     of this host's own (the embedded sampler)."""
     if getattr(engine, "shared_across_hosts", False):
         parallel.sync_hosts(f"weights_{version}_loaded")
+
+
+def horizon_at(config: ml_collections.ConfigDict, step: int) -> int:
+    """The turn limit H at 0-based RL step `step` (ScalingInter-RL's stages, else
+    env.max_turns)."""
+    return schedules.horizon(step, tuple(config.schedules.horizon_turns),
+                             config.schedules.horizon_every, config.env.max_turns)
+
+
+def budget_at(config: ml_collections.ConfigDict, step: int) -> int:
+    """The per-turn generation budget L at 0-based RL step `step` (SIRI; env.max_new_tokens
+    when schedules.budget is off)."""
+    s = config.schedules
+    return schedules.generation_budget(step, s.budget, s.budget_min, config.env.max_new_tokens,
+                                       s.budget_period, s.budget_start, s.budget_stairs)
 
 
 def eval_horizon(config: ml_collections.ConfigDict) -> int:

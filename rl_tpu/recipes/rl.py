@@ -44,7 +44,7 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import metrics as metrics_lib
-from rl_tpu import parallel, schedules
+from rl_tpu import parallel
 from rl_tpu.agent import play_partial
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
@@ -243,7 +243,7 @@ class Trainer:
             self.replay.load_state(host_state.get("replay", []))
 
         self._engine_counts: dict[str, int] = {}  # the sampler's counters at the last log
-        self.last_eval = _last_eval(workdir, self.start)  # a resumed run's, from its log
+        self.last_eval = metrics_lib.last_eval(workdir, self.start)  # a resumed run's, from its log
         if self.start == 0:
             self.last_eval = self.evaluate(0) | start_metrics
             self.writer.write(0, self.last_eval)
@@ -325,7 +325,7 @@ class Trainer:
             # was sampled with: a [B] array in the batch, so one compiled update serves every
             # budget, and a stale row keeps the budget of the chunk that sampled it.
             arrays["length_normalizer"] = rollout_batch.sampled_budgets(
-                trajectories, len(host["tokens"]), _budget(self.config, step - 1))
+                trajectories, len(host["tokens"]), components.budget_at(self.config, step - 1))
         return parallel.host_to_global(arrays, self.mesh)
 
     def score(self, batch: dict) -> dict:
@@ -477,8 +477,9 @@ class Trainer:
         later a free-running producer's rows are trained on."""
         config, env_cfg = self.config, self.config.env
         return dict(
-            tokenizer=self.tokenizer, max_turns=_horizon(config, chunk - 1),
-            group_ids=[p for p, _ in tasks], max_new_tokens_per_turn=_budget(config, chunk - 1),
+            tokenizer=self.tokenizer, max_turns=components.horizon_at(config, chunk - 1),
+            group_ids=[p for p, _ in tasks],
+            max_new_tokens_per_turn=components.budget_at(config, chunk - 1),
             max_context_tokens=env_cfg.max_context_tokens,
             sampling=components.sampling_params(
                 config, components.step_seed(config.seed, chunk, 10 + round_index)),
@@ -539,10 +540,10 @@ class Trainer:
             "rollout/context_limit_frac": stats["context_limits"] / n,
             # the schedules at this step (what chunk `step` is sampled with), and the budget
             # the rows trained on were sampled with (earlier chunks' in free-running mode)
-            "train/horizon": _horizon(self.config, step - 1),
-            "train/max_new_tokens": _budget(self.config, step - 1),
+            "train/horizon": components.horizon_at(self.config, step - 1),
+            "train/max_new_tokens": components.budget_at(self.config, step - 1),
             "rollout/max_new_tokens": float(np.mean(rollout_batch.sampled_budgets(
-                trajectories, len(trajectories), _budget(self.config, step - 1))))}
+                trajectories, len(trajectories), components.budget_at(self.config, step - 1))))}
 
     def _prefill_metrics(self) -> dict[str, float]:
         """The embedded sampler's prompt tokens since the last call (eval's included): those
@@ -583,30 +584,6 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- shapes
-
-
-def _horizon(config, step: int) -> int:
-    return schedules.horizon(step, tuple(config.schedules.horizon_turns),
-                             config.schedules.horizon_every, config.env.max_turns)
-
-
-def _budget(config, step: int) -> int:
-    """The per-turn generation budget L at 0-based step `step` (SIRI; env.max_new_tokens
-    when schedules.budget is off)."""
-    s = config.schedules
-    return schedules.generation_budget(step, s.budget, s.budget_min, config.env.max_new_tokens,
-                                       s.budget_period, s.budget_start, s.budget_stairs)
-
-
-def _last_eval(workdir: str, step: int) -> dict[str, float]:
-    """The eval/ metrics of the latest eval at or before `step` in W/metrics.jsonl ({} for a
-    fresh run), so a resumed run, even one resumed at its end, reports its last eval."""
-    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
-    if step == 0 or not os.path.exists(path):
-        return {}
-    evals = [r for r in metrics_lib.read_metrics(path)
-             if "eval/success" in r and r["step"] <= step]
-    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
 
 
 def _agreed_length(trajectories, buckets) -> int:
