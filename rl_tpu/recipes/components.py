@@ -160,6 +160,12 @@ def check_inputs(config: ml_collections.ConfigDict, model_path: Optional[str] = 
             hf.check_model_dir(path)
         except hf.CheckpointError as e:
             raise hf.CheckpointError(f"{key}={path!r}: {e}") from None
+    if config.reward.judge_model_path:
+        try:
+            hf.check_model_dir(config.reward.judge_model_path)
+        except hf.CheckpointError as e:
+            raise hf.CheckpointError(f"reward.judge_model_path="
+                                     f"{config.reward.judge_model_path!r}: {e}") from None
     if config.reward.model_path:
         from rl_tpu.models import reward_model
         try:

@@ -165,8 +165,9 @@ def env_block() -> ml_collections.ConfigDict:
 
 
 def reward_block() -> ml_collections.ConfigDict:
-    """A learned reward beside the env's (rl_tpu/rewards/, docs/rewards.md): a trajectory's
-    reward = rule_weight * the env's + model_weight * model_transform(the model's score)."""
+    """Learned rewards beside the env's (rl_tpu/rewards/, docs/rewards.md): a trajectory's
+    reward = rule_weight * the env's + model_weight * model_transform(the model's score)
+    + judge_weight * the judge's verdict."""
     b = ml_collections.ConfigDict()
     b.model_path = ""  # an HF *ForSequenceClassification dir ("" = the env's reward alone)
     # or reward servers (launch.serve_reward) scoring for it: "http://host:port[,...]"
@@ -175,6 +176,13 @@ def reward_block() -> ml_collections.ConfigDict:
     b.rule_weight = 0.0  # the env's own reward, when a model scores too
     b.model_transform = "none"  # none (the raw score) | sigmoid (in (0, 1))
     b.tokens_per_batch = 16384  # the scorer's rows x padded length a batch
+    # A judge's verdict (rl_tpu/rewards/judge_reward.py): "pointwise" puts the task and the
+    # final reply to a judge, whose [[YES]] / [[NO]] pays 1 / 0 (a reply with no verdict is
+    # kept out of the loss); the judge is an HF causal LM or ("" path) the policy itself
+    b.judge = ""  # "" (none) | pointwise
+    b.judge_weight = 1.0
+    b.judge_model_path = ""
+    b.judge_max_new_tokens = 32
     return b
 
 

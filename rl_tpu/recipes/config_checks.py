@@ -203,6 +203,18 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
     if r.urls:
         from rl_tpu.rewards.remote import parse_urls
         parse_urls(r.urls)  # each http(s)://host:port, none twice; names reward.urls
+    from rl_tpu.rewards.judge_reward import JUDGE_MODES
+    if r.judge not in JUDGE_MODES:
+        raise ValueError(f"reward.judge={r.judge!r}; choose one of {JUDGE_MODES} (\"\" = none)")
+    if r.judge and config.recipe != "rl":
+        raise ValueError(f"reward.judge is read by the RL recipe, not by recipe="
+                         f"{config.recipe!r}; leave it empty")
+    if r.judge_model_path and not r.judge:
+        raise ValueError(f"reward.judge_model_path={r.judge_model_path!r} names a judge, but "
+                         "reward.judge is empty: set reward.judge='pointwise'")
+    if r.judge_max_new_tokens < 4:
+        raise ValueError(f"reward.judge_max_new_tokens={r.judge_max_new_tokens} must be >= 4: "
+                         "room for a verdict like [[YES]]")
 
 
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:

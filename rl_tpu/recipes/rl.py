@@ -227,11 +227,12 @@ class Trainer:
             self.eval_engine = components.make_engine(
                 config, self.model_cfg, self.learner.policy.params, self.tokenizer, workdir,
                 version=str(self.start), devices=here)
-        # A learned reward beside the env's (reward.model_path): scored where the rollouts
-        # are played, on this host's sampler devices (rl_tpu/rewards/mix.py)
+        # Learned rewards beside the env's (reward.*: a reward model, a judge): scored where
+        # the rollouts are played, on this host's sampler devices (rl_tpu/rewards/mix.py)
         sampler_here = sampler_devices or [d for d in learner_devices
                                            if d.process_index == jax.process_index()]
-        self.reward_mix = RewardMix.from_config(config, sampler_here)
+        self.reward_mix = RewardMix.from_config(config, sampler_here, self.engine,
+                                                self.tokenizer)
         self.producer = self._make_producer()
         if self.asynchronous and self.eval_engine is self.engine and \
                 config.rollout.deterministic:
@@ -531,7 +532,7 @@ class Trainer:
         for rate in ("violation_rate", "format_valid_rate"):
             if rate in stats:
                 out[f"rollout/{rate}"] = stats[rate]
-        out |= source_metrics(trajectories, enabled=self.reward_mix is not None)
+        out |= source_metrics(trajectories, self.reward_mix.sources if self.reward_mix else ())
         return out | {
             "rollout/weight_version": float(oldest_version_over_hosts(trajectories)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],

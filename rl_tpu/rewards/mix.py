@@ -1,12 +1,15 @@
 """A trajectory's reward from several sources, combined by declared weights.
 
     reward = reward.rule_weight * (the env's own reward) + reward.model_weight * f(model score)
+             + reward.judge_weight * (a judge's verdict: 1 or 0)
 
 The env's reward (its scorer, math-verify, an exact answer: the "rule") is what the episode
 loop already put on the trajectory; the reward model's score is that of the trajectory's
 token ids at its last token (rl_tpu/rewards/scorer.py), where f is `reward.model_transform`:
 "none" (the raw score) or "sigmoid" (a probability-like score in (0, 1), on the scale of a
-success reward). Each trajectory keeps its sources in `info["reward_sources"]`, and
+success reward); the judge's verdict is rl_tpu/rewards/judge_reward.py's (a reply it gives no
+verdict on is kept out of the loss). Each trajectory keeps its sources in
+`info["reward_sources"]`, and
 `source_metrics` logs their means over every host beside rollout/reward, so a run against a
 learned reward shows what the model paid and what the env would have (rollout/success stays
 the env's own verdict: the gold signal against a proxy).
@@ -15,6 +18,7 @@ the env's own verdict: the gold signal against a proxy).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Sequence
 
 import ml_collections
@@ -23,29 +27,46 @@ import numpy as np
 from rl_tpu.agent.evaluation import global_sums
 from rl_tpu.agent.trajectory import Trajectory
 from rl_tpu.rewards.scorer import RewardScorer
+from rl_tpu.train.rollout_batch import NO_LOSS
 
 log = logging.getLogger(__name__)
 
 TRANSFORMS = ("none", "sigmoid")
-SOURCES = ("rule", "model")
+SOURCES = ("rule", "model", "judge")
 
 
 class RewardMix:
-    """apply(trajectories): each one's reward becomes the weighted sum of its sources."""
+    """apply(trajectories): each one's reward becomes the weighted sum of its sources: the
+    env's (always), a reward model's (`scorer`, optional) and a judge's verdict (`judge`,
+    optional: rl_tpu/rewards/judge_reward.py)."""
 
-    def __init__(self, scorer: RewardScorer, rule_weight: float, model_weight: float,
-                 transform: str = "none"):
+    def __init__(self, scorer: Optional[RewardScorer], rule_weight: float, model_weight: float,
+                 transform: str = "none", judge=None, judge_weight: float = 1.0):
         if transform not in TRANSFORMS:
             raise ValueError(f"reward.model_transform={transform!r}; choose one of {TRANSFORMS}")
-        self.scorer, self.transform = scorer, transform
+        if scorer is None and judge is None:
+            raise ValueError("a reward mix needs a reward model or a judge beside the env")
+        self.scorer, self.transform, self.judge = scorer, transform, judge
         self.rule_weight, self.model_weight = float(rule_weight), float(model_weight)
+        self.judge_weight = float(judge_weight)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources this mix pays from (the same on every host: the config's)."""
+        return tuple(s for s, on in zip(SOURCES, (True, self.scorer is not None,
+                                                  self.judge is not None)) if on)
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, devices) -> Optional["RewardMix"]:
-        """The config's mix (None without reward.model_path or reward.urls), its reward model
-        on `devices` (this host's sampler devices: it scores on the producer thread, as the
-        sampler plays), or on the reward servers of reward.urls (rl_tpu/rewards/remote.py)."""
+    def from_config(cls, config: ml_collections.ConfigDict, devices, policy_engine=None,
+                    policy_tokenizer=None) -> Optional["RewardMix"]:
+        """The config's mix (None without reward.model_path, reward.urls or reward.judge): its
+        reward model on `devices` (this host's sampler devices: it scores on the producer
+        thread, as the sampler plays) or on the reward servers of reward.urls
+        (rl_tpu/rewards/remote.py); its judge a frozen model on `devices` or the policy
+        (`policy_engine`, `policy_tokenizer`)."""
+        from rl_tpu.rewards import judge_reward
         r = config.reward
+        scorer = None
         if r.urls:
             from rl_tpu.rewards.remote import RemoteRewardScorer
             scorer = RemoteRewardScorer(r.urls)
@@ -53,9 +74,11 @@ class RewardMix:
         elif r.model_path:
             scorer = RewardScorer.from_dir(r.model_path, devices, dtype=config.model.dtype,
                                            tokens_per_batch=r.tokens_per_batch)
-        else:
+        judge = judge_reward.from_config(config, devices, policy_engine, policy_tokenizer)
+        if scorer is None and judge is None:
             return None
-        return cls(scorer, r.rule_weight, r.model_weight, r.model_transform)
+        return cls(scorer, r.rule_weight, r.model_weight, r.model_transform, judge,
+                   r.judge_weight)
 
     def model_rewards(self, trajectories: Sequence[Trajectory]) -> np.ndarray:
         """[N] f(score) of each trajectory's ids."""
@@ -67,23 +90,49 @@ class RewardMix:
     def apply(self, trajectories: Sequence[Trajectory]) -> None:
         if not trajectories:
             return
-        model = self.model_rewards(trajectories)
-        for traj, score in zip(trajectories, model):
+        model = self.model_rewards(trajectories) if self.scorer is not None else None
+        verdicts = self.judge.judge(trajectories) if self.judge is not None else None
+        for i, traj in enumerate(trajectories):
             rule = float(traj.reward)
-            traj.info["reward_sources"] = {"rule": rule, "model": float(score)}
-            traj.reward = self.rule_weight * rule + self.model_weight * float(score)
+            sources, reward = {"rule": rule}, self.rule_weight * rule
+            if model is not None:
+                sources["model"] = float(model[i])
+                reward += self.model_weight * float(model[i])
+            if verdicts is not None:
+                verdict = verdicts[i]
+                if verdict.value is None:  # no verdict: out of the loss, never a silent 0
+                    traj.info[NO_LOSS] = True
+                    traj.info["judge_error"] = verdict.error
+                    sources["judge"] = float("nan")
+                else:
+                    sources["judge"] = float(verdict.value)
+                    reward += self.judge_weight * float(verdict.value)
+            traj.info["reward_sources"] = sources
+            traj.reward = reward
 
 
-def source_metrics(trajectories: Sequence[Trajectory], enabled: bool) -> dict[str, float]:
-    """rollout/reward_rule and rollout/reward_model: each source's mean over every host's
-    trajectories (a collective: every host calls it alike, `enabled` from the config)."""
-    if not enabled:
+def source_metrics(trajectories: Sequence[Trajectory],
+                   sources: Sequence[str] = ()) -> dict[str, float]:
+    """rollout/reward_<source>: each source's mean over every host's trajectories that have it
+    (a judge's unparsed verdicts left out), and rollout/judge_unparsed, the share of judged
+    trajectories without a verdict. A collective: every host calls it with the same `sources`
+    (the mix's, from the config; () = no mix, nothing to do)."""
+    if not sources:
         return {}
-    sums = np.zeros(1 + len(SOURCES), np.float64)
+    sums = np.zeros((len(sources), 2), np.float64)  # [source, (count, sum)]
+    unparsed = 0.0
     for traj in trajectories:
-        sources = traj.info.get("reward_sources")
-        if sources is not None:
-            sums += [1.0] + [sources[s] for s in SOURCES]
-    sums = global_sums(sums)
-    n = max(sums[0], 1.0)
-    return {f"rollout/reward_{s}": float(sums[1 + i] / n) for i, s in enumerate(SOURCES)}
+        got = traj.info.get("reward_sources", {})
+        for j, source in enumerate(sources):
+            value = got.get(source)
+            if value is not None and math.isfinite(value):
+                sums[j] += (1.0, value)
+            elif value is not None:
+                unparsed += 1
+    totals = global_sums(np.append(sums.ravel(), [unparsed, float(len(trajectories))]))
+    sums, unparsed, n = totals[:-2].reshape(len(sources), 2), totals[-2], totals[-1]
+    out = {f"rollout/reward_{s}": float(sums[j, 1] / max(sums[j, 0], 1.0))
+           for j, s in enumerate(sources)}
+    if "judge" in sources:
+        out["rollout/judge_unparsed"] = float(unparsed / max(n, 1.0))
+    return out

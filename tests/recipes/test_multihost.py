@@ -134,6 +134,22 @@ def test_rl_against_a_reward_model_trains_like_one_process(tmp_path):
     assert len(steps) == 2
 
 
+@pytest.mark.multihost
+def test_rl_with_a_frozen_judge_trains_like_one_process(tmp_path):
+    """Each host asks its own copy of the judge (a tiny random model: its replies are no
+    verdicts, so every row leaves the loss and is counted) on its own devices."""
+    import subprocess
+    import sys
+    judge = tmp_path / "judge"
+    made = subprocess.run([sys.executable, "-m", "launch.make_tiny_model", f"--out={judge}",
+                           "--num_layers=1"], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    _run_like_one(tmp_path, "quickstart.py:smoke", "--config.reward.judge=pointwise",
+                  f"--config.reward.judge_model_path={judge}", final_hf=False)
+    steps = [r for r in read_metrics(str(tmp_path / "many")) if "rollout/judge_unparsed" in r]
+    assert len(steps) == 2 and all(r["rollout/judge_unparsed"] == 1.0 for r in steps)
+
+
 def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatch):
     """A free-running producer on each host (hosts run at their own pace) with replay: each
     host evicts its own groups by their versions, and every host replays as many as the

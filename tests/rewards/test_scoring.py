@@ -131,11 +131,11 @@ def test_mix_weighs_the_env_and_the_model_as_declared():
         assert traj.reward == pytest.approx(0.25 * rule + 2.0 * sig, abs=1e-5)
         assert traj.info["reward_sources"]["rule"] == rule
         assert traj.info["reward_sources"]["model"] == pytest.approx(sig, abs=1e-6)
-    metrics = source_metrics(trajs, enabled=True)
+    metrics = source_metrics(trajs, ("rule", "model"))
     assert metrics["rollout/reward_rule"] == pytest.approx(2 / 3)
     sig_mean = float(np.mean(1 / (1 + np.exp(-scores))))
     assert metrics["rollout/reward_model"] == pytest.approx(sig_mean, abs=1e-6)
-    assert source_metrics(trajs, enabled=False) == {}
+    assert source_metrics(trajs, ()) == {}
     with pytest.raises(ValueError, match="model_transform='tanh'"):
         RewardMix(scorer, 0.0, 1.0, transform="tanh")
 
