@@ -176,10 +176,11 @@ def reward_block() -> ml_collections.ConfigDict:
     b.rule_weight = 0.0  # the env's own reward, when a model scores too
     b.model_transform = "none"  # none (the raw score) | sigmoid (in (0, 1))
     b.tokens_per_batch = 16384  # the scorer's rows x padded length a batch
-    # A judge's verdict (rl_tpu/rewards/judge_reward.py): "pointwise" puts the task and the
-    # final reply to a judge, whose [[YES]] / [[NO]] pays 1 / 0 (a reply with no verdict is
-    # kept out of the loss); the judge is an HF causal LM or ("" path) the policy itself
-    b.judge = ""  # "" (none) | pointwise
+    # A judge's verdicts (rl_tpu/rewards/judge_reward.py): "pointwise" puts the task and the
+    # final reply to a judge, whose [[YES]] / [[NO]] pays 1 / 0; "pairwise" compares a task's
+    # samples around a ring and pays each its win rate (no verdict: kept out of the loss);
+    # the judge is an HF causal LM or ("" path) the policy itself
+    b.judge = ""  # "" (none) | pointwise | pairwise
     b.judge_weight = 1.0
     b.judge_model_path = ""
     b.judge_max_new_tokens = 32

@@ -212,6 +212,9 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
     if r.judge_model_path and not r.judge:
         raise ValueError(f"reward.judge_model_path={r.judge_model_path!r} names a judge, but "
                          "reward.judge is empty: set reward.judge='pointwise'")
+    if r.judge == "pairwise" and config.train.samples_per_task < 2:
+        raise ValueError("reward.judge='pairwise' compares the samples of a task: set "
+                         "train.samples_per_task >= 2")
     if r.judge_max_new_tokens < 4:
         raise ValueError(f"reward.judge_max_new_tokens={r.judge_max_new_tokens} must be >= 4: "
                          "room for a verdict like [[YES]]")

@@ -91,22 +91,22 @@ class RewardMix:
         if not trajectories:
             return
         model = self.model_rewards(trajectories) if self.scorer is not None else None
-        verdicts = self.judge.judge(trajectories) if self.judge is not None else None
+        judged = self.judge.rewards(trajectories) if self.judge is not None else None
         for i, traj in enumerate(trajectories):
             rule = float(traj.reward)
             sources, reward = {"rule": rule}, self.rule_weight * rule
             if model is not None:
                 sources["model"] = float(model[i])
                 reward += self.model_weight * float(model[i])
-            if verdicts is not None:
-                verdict = verdicts[i]
-                if verdict.value is None:  # no verdict: out of the loss, never a silent 0
+            if judged is not None:
+                value, error = judged[0][i], judged[1][i]
+                if value is None:  # no verdict: out of the loss, never a silent 0
                     traj.info[NO_LOSS] = True
-                    traj.info["judge_error"] = verdict.error
+                    traj.info["judge_error"] = error
                     sources["judge"] = float("nan")
                 else:
-                    sources["judge"] = float(verdict.value)
-                    reward += self.judge_weight * float(verdict.value)
+                    sources["judge"] = value
+                    reward += self.judge_weight * value
             traj.info["reward_sources"] = sources
             traj.reward = reward
 

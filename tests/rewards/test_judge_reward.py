@@ -15,8 +15,8 @@ from rl_tpu.agent.trajectory import Trajectory
 from rl_tpu.metrics import read_metrics
 from rl_tpu.models import tiny
 from rl_tpu.models.tokenizer import load_tokenizer
-from rl_tpu.rewards.judge import pointwise_messages
-from rl_tpu.rewards.judge_reward import JudgeReward, question_and_reply
+from rl_tpu.rewards.judge import pairwise_messages, pointwise_messages
+from rl_tpu.rewards.judge_reward import JudgeReward, question_and_reply, ring_pairs, win_rates
 from rl_tpu.rewards.mix import RewardMix, source_metrics
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.train.rollout_batch import NO_LOSS
@@ -35,11 +35,11 @@ def test_the_judge_sees_the_task_and_the_final_reply():
         question_and_reply(MESSAGES[:2])
 
 
-def trajectory(messages, reward):
+def trajectory(messages, reward, group=0):
     return Trajectory(tokens=np.asarray([5, 6, 7], np.int32), loss_mask=np.ones(3, bool),
                       behaviour_logprobs=np.zeros(3, np.float32), turn_ids=np.zeros(3, np.int32),
                       rewards=[reward], reward=reward, success=reward > 0, num_turns=1,
-                      weight_versions=[0], task_id="t", group_id=0, finish="stop",
+                      weight_versions=[0], task_id="t", group_id=group, finish="stop",
                       messages=messages, info={})
 
 
@@ -79,6 +79,27 @@ def test_no_verdict_keeps_the_row_out_of_the_loss_and_is_counted(random_judge):
                        "rollout/judge_unparsed": 1.0}
     with pytest.raises(ValueError, match="a reward model or a judge"):
         RewardMix(None, 1.0, 1.0)
+
+
+def test_pairwise_compares_each_group_around_a_ring_and_pays_win_rates():
+    groups = [0, 0, 0, 7, 7, 9]  # a group of three, of two, of one
+    trajs = [trajectory(MESSAGES, 0.0, g) for g in groups]
+    pairs = ring_pairs(trajs)
+    assert pairs == [(0, 1), (1, 2), (2, 0), (3, 4)]
+    # 0 beats 1, 1 vs 2 has no verdict, 0 beats 2; 4 beats 3
+    rates = win_rates(6, pairs, [0, None, 0, 4])
+    assert rates == [1.0, 0.0, 0.0, 0.0, 1.0, None]  # 5 was compared with no one
+
+
+def test_pairwise_prompt_and_no_verdicts(random_judge):
+    judge, tokenizer = random_judge
+    pairwise = JudgeReward(judge.engine, tokenizer, max_new_tokens=8, mode="pairwise")
+    a, b = trajectory(MESSAGES, 1.0), trajectory(MESSAGES[:3], 0.0)
+    assert pairwise.prompt_ids(a, b) == tokenizer.apply_chat_template(
+        pairwise_messages("Which number is largest? 3 7 2", "7", "3"),
+        add_generation_prompt=True)
+    rewards, errors = pairwise.rewards([a, b])
+    assert rewards == [None, None] and all(e.startswith("no verdict") for e in errors)
 
 
 @pytest.mark.slow
