@@ -30,6 +30,11 @@ from rl_tpu.models import hf
 from rl_tpu.models.transformer import ModelConfig, Transformer
 
 SCORE = "score.weight"  # transformers' head tensor, [C, D]
+# SGLang's Qwen2 / Qwen3 classification heads are nn.Linear with a bias (transformers' have
+# none); a checkpoint without one leaves SGLang's at its random init, shifting every score by a
+# constant. `save` writes a zero one for those families, which transformers ignores.
+SCORE_BIAS = "score.bias"
+SGLANG_BIASED = ("qwen2", "qwen3")
 
 
 class RewardModel(nn.Module):
@@ -203,8 +208,17 @@ def _read_checked(path: str, **config_overrides):
     cfg = hf.read_config(path, head=hf.SEQUENCE_CLASSIFICATION, **config_overrides)
     head = RewardHead.from_hf(hf.read_hf_config(path), os.path.join(path, "config.json"))
     files = hf.SafetensorsDir(path)
-    hf.check_tensors(files, cfg, path, hf.SEQUENCE_CLASSIFICATION,
-                     {SCORE: (head.num_labels, cfg.hidden_size)})
+    shapes = {SCORE: (head.num_labels, cfg.hidden_size)}
+    if SCORE_BIAS in files.entries:  # SGLang's head has one: accepted when it is zero
+        shapes[SCORE_BIAS] = (head.num_labels,)
+    hf.check_tensors(files, cfg, path, hf.SEQUENCE_CLASSIFICATION, shapes)
+    if SCORE_BIAS in files.entries:
+        bias = np.asarray(files.read(SCORE_BIAS), np.float32)
+        if np.any(bias != 0):
+            raise hf.CheckpointError(
+                f"{path}: {SCORE_BIAS} is {bias.tolist()[:4]}..., but a sequence classifier's "
+                "score head has no bias (transformers' has none; rl_tpu writes a zero one for "
+                "SGLang only): a checkpoint with a trained bias is not one rl_tpu can score")
     return cfg, head, files
 
 
@@ -234,7 +248,9 @@ def save(path: str, cfg: ModelConfig, params, head: RewardHead, tokenizer=None,
          dtype: Optional[str] = None, max_shard_bytes: int = 4 << 30):
     """Writes a dir that transformers' AutoModelForSequenceClassification loads (and `load`
     reads back): the trunk as `hf.save` writes it, without an lm_head, plus `score.weight`
-    [C, D] and the head's config fields. As `hf.save`, every process must call it."""
+    [C, D], the head's config fields, and for Qwen2 / Qwen3 a zero `score.bias` [C] so that
+    SGLang (`--is-embedding`), whose head has a bias, scores it as transformers does
+    (transformers ignores the tensor). As `hf.save`, every process must call it."""
     kernel = params["score"]["kernel"]
     if tuple(kernel.shape) != (cfg.hidden_size, head.num_labels):
         raise ValueError(f"score kernel {tuple(kernel.shape)} is not [D, C] = "
@@ -242,6 +258,8 @@ def save(path: str, cfg: ModelConfig, params, head: RewardHead, tokenizer=None,
     # Gathered here, by every process (collective), before process 0 alone writes; C order,
     # as safetensors writes a transposed (Fortran-order) array's memory as if it were C.
     score = np.ascontiguousarray(parallel.gather_to_host(kernel).T)
+    tensors = {SCORE: score}
+    if cfg.arch in SGLANG_BIASED:
+        tensors[SCORE_BIAS] = np.zeros((head.num_labels,), score.dtype)
     hf.save(path, cfg, params["trunk"], tokenizer, dtype, max_shard_bytes,
-            head=hf.SEQUENCE_CLASSIFICATION, head_tensors={SCORE: score},
-            hf_fields=head.hf_fields())
+            head=hf.SEQUENCE_CLASSIFICATION, head_tensors=tensors, hf_fields=head.hf_fields())

@@ -229,3 +229,22 @@ def test_head_and_score_mismatches_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"tensor score\.weight holds 1 NaN or inf value"):
         rm.save(str(tmp_path / "nan"), cfg, params, rm.RewardHead(1, PAD))
     assert not os.path.exists(tmp_path / "nan")
+
+
+def test_a_zero_score_bias_for_sglang_is_written_and_a_trained_one_refused(tmp_path):
+    """SGLang's Qwen2/Qwen3 classification heads carry a bias transformers' lack: the export
+    writes it as zeros (so SGLang adds nothing), and a checkpoint whose bias is not zero is
+    refused rather than scored without it."""
+    from safetensors.numpy import load_file, save_file
+    cfg = tiny.tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
+                           num_layers=1, head_dim=8)
+    params = rm.reward_params_from(tiny.random_params(cfg, seed=0), cfg, 2, stddev=0.1)
+    out = str(tmp_path / "rm")
+    rm.save(out, cfg, params, rm.RewardHead(2))
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    np.testing.assert_array_equal(tensors[rm.SCORE_BIAS], [0.0, 0.0])
+    rm.load(out)  # a zero bias is accepted
+    tensors[rm.SCORE_BIAS] = np.asarray([0.5, 0.0], np.float32)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf.CheckpointError, match="score.bias is \\[0.5, 0.0\\]"):
+        rm.load(out)

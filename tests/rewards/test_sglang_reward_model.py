@@ -9,12 +9,12 @@ always probs [1.0] and carries no reward.
 What SGLang does with the score head: its Qwen2ForSequenceClassification
 (sglang/srt/models/qwen2_classification.py, line 46; Qwen3's alike) builds
 `nn.Linear(hidden_size, num_labels)`, a bias included, where transformers' head has none;
-a checkpoint without `score.bias` (as transformers and rl_tpu write them) leaves that bias at
-torch's random init, uniform in +-1/sqrt(hidden_size), drawn from the server's seed (random
-unless --random-seed), and qwen2.py's `_legacy_load_weights` says nothing of it. So the
-exported dir as is scores off by one constant a server start; with a zero `score.bias` added
-to its safetensors (SGLang only: rl_tpu's and transformers' loaders do not expect it), the
-scores are rl_tpu's.
+a checkpoint without `score.bias` (as transformers writes them) leaves that bias at torch's
+random init, uniform in +-1/sqrt(hidden_size), drawn from the server's seed (random unless
+--random-seed), and qwen2.py's `_legacy_load_weights` says nothing of it. So rl_tpu's `save`
+writes a zero `score.bias` for these families (transformers ignores it, rl_tpu's `load`
+accepts it when zero): the exported dir as it is scores as rl_tpu does, and a dir without the
+tensor scores off by one constant a server start.
 """
 
 import math
@@ -70,14 +70,12 @@ def exported(tmp_path_factory):
     return dict(path=path, seqs=seqs, local=local)
 
 
-def with_zero_score_bias(src: str, dst: str) -> str:
-    """A copy of the exported dir whose safetensors also hold score.bias = 0 [C]: what
-    SGLang's biased head loads so that it computes transformers' bias-free one."""
+def without_score_bias(src: str, dst: str) -> str:
+    """A copy of the exported dir without its zero score.bias: a transformers-written dir."""
     from safetensors.numpy import load_file, save_file
     shutil.copytree(src, dst)
     tensors = load_file(os.path.join(dst, "model.safetensors"))
-    assert "score.bias" not in tensors
-    tensors["score.bias"] = np.zeros(tensors[rm.SCORE].shape[0], tensors[rm.SCORE].dtype)
+    assert not tensors.pop(rm.SCORE_BIAS).any()  # rl_tpu's export: zero
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -89,12 +87,10 @@ def classify(url, seqs):
     return np.asarray([item["embedding"] for item in reply.json()], np.float64)
 
 
-def test_sglang_scores_equal_rl_tpus_with_a_zero_score_bias(exported, tmp_path):
-    if not os.path.exists(os.path.join(exported["path"], "model.safetensors")):
-        pytest.fail("rl_tpu's save wrote no single model.safetensors; adapt the copy above")
-    served = with_zero_score_bias(exported["path"], str(tmp_path / "with_bias"))
+def test_sglang_scores_the_exported_dir_as_rl_tpu_does(exported):
     seqs, local = exported["seqs"], exported["local"]
-    with start_sglang_server(served, "--is-embedding", "--random-seed", str(SEED)) as server:
+    with start_sglang_server(exported["path"], "--is-embedding",
+                             "--random-seed", str(SEED)) as server:
         native = classify(server.url, seqs)
         np.testing.assert_allclose(native, local, rtol=0, atol=SCORE_ATOL)
         # the OpenAI-style embeddings route answers the same raw score
@@ -112,10 +108,12 @@ def test_sglang_scores_equal_rl_tpus_with_a_zero_score_bias(exported, tmp_path):
         assert "scores" not in item and "embedding" not in item
 
 
-def test_sglang_adds_its_unloaded_random_bias_to_the_exported_dir(exported):
+def test_sglang_adds_its_unloaded_random_bias_to_a_dir_without_one(exported, tmp_path):
+    if not os.path.exists(os.path.join(exported["path"], "model.safetensors")):
+        pytest.fail("rl_tpu's save wrote no single model.safetensors; adapt the copy above")
+    served = without_score_bias(exported["path"], str(tmp_path / "no_bias"))
     seqs, local = exported["seqs"], exported["local"]
-    with start_sglang_server(exported["path"], "--is-embedding",
-                             "--random-seed", str(SEED)) as server:
+    with start_sglang_server(served, "--is-embedding", "--random-seed", str(SEED)) as server:
         offset = classify(server.url, seqs) - local
     # one constant for every sequence: a bias on the head, not a different trunk
     assert np.ptp(offset) < 2 * SCORE_ATOL, offset
