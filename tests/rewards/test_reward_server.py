@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-from rl_tpu.agent.trajectory import Trajectory
 from rl_tpu.models import reward_model as rm
 from rl_tpu.models import tiny
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
@@ -23,6 +22,7 @@ from rl_tpu.rewards import remote
 from rl_tpu.rewards.mix import RewardMix
 from rl_tpu.rewards.scorer import RewardScorer
 from rl_tpu.rewards.server import CoalescingScorer, RewardLimits, RewardService, serve
+from test_scoring import trajectory
 
 V = 320
 LIMITS = RewardLimits(max_sequences=8, max_sequence_tokens=64, max_request_tokens=200)
@@ -49,15 +49,6 @@ def server(tmp_path_factory):
     local = RewardScorer.from_dir(str(path), jax.local_devices()[:1])
     yield dict(url=url, path=str(path), local=local, service=service, tok=service.tokenizer)
     http.shutdown()
-
-
-def trajectory(tokens, reward):
-    n = len(tokens)
-    return Trajectory(tokens=np.asarray(tokens, np.int32), loss_mask=np.ones(n, bool),
-                      behaviour_logprobs=np.zeros(n, np.float32),
-                      turn_ids=np.zeros(n, np.int32), rewards=[reward], reward=reward,
-                      success=reward > 0, num_turns=1, weight_versions=[0], task_id="t",
-                      group_id=0, finish="done", messages=[], info={})
 
 
 def post(server, path, body):
