@@ -14,9 +14,9 @@ P_0 is the initial model after its SFT warm start (sft.steps, when > 0). Round r
              (best, worst). Episodes that ended in env_error or abort are never
              chosen or rejected (loop/unscored_excluded counts them). Online pairs are the
              sampled trajectories themselves (multi-turn episodes too: every action carries
-             loss), written to W/round_r/pairs.process<i>.json (each host samples its share of the round's
-             tasks; the hosts' pairs are gathered) so a resumed round trains on exactly what
-             it sampled
+             loss), written to W/round_r/pairs.process<i>.json (each host samples its
+             share of the round's tasks; the hosts' pairs are gathered) so a resumed round
+             trains on exactly what it sampled
   reference  sequence log-probs of both sides under the reference, refreshed every round:
              P_r itself (dpo, ipo); for inpo the initial policy P_0 is the reference and P_r,
              which sampled the pairs, the previous iterate (prev_*), with eta = 1 / dpo.beta

@@ -4,11 +4,11 @@
 
 Pairs. With reward_model.data_path, a JSONL of {"prompt", "chosen", "rejected"[, "margin",
 "split"]} (rl_tpu/data/pairs.py): lines whose "split" is "eval" are held out, and
-reward_model.eval_fraction of the lines that name no split (a seeded shuffle). Without it, the env's own scorer
-ranks replies of P_0 (the initial policy after its SFT warm start, sft.steps): it samples
-loop.samples_per_task replies to each of reward_model.prompts training tasks and pairs the
-best against the worst of each task whose replies differ in reward (dpo.online_pairs: episodes
-of a crashed env are never paired); the held-out pairs come the same way from
+reward_model.eval_fraction of the lines that name no split (a seeded shuffle). Without it,
+the env's own scorer ranks replies of P_0 (the initial policy after its SFT warm start,
+sft.steps): it samples loop.samples_per_task replies to each of reward_model.prompts training
+tasks and pairs the best against the worst of each task whose replies differ in reward
+(dpo.online_pairs: episodes of a crashed env are never paired); the held-out pairs come the same way from
 reward_model.eval_prompts tasks of the eval split. Replies are token-exact with the rollouts
 a reward model later scores in RL (the trajectory's ids).
 
@@ -20,9 +20,10 @@ labels each by the model's own preference, keeps those with confidence sigmoid(|
 >= reward_model.ssrm_threshold, and trains again on labelled + kept; the env's labels of the
 pool are used only to report how many pseudo-labels were right (ssrm/pseudo_label_accuracy).
 
-Held-out metrics each round (round r at step r + 1 of W/metrics.jsonl; step 0 is P_0's eval): rm/eval_accuracy (ties count half),
-rm/eval_bt_loss, rm/eval_margin, rm/eval_ece (expected calibration error of sigmoid(r_c -
-r_r) over reward_model.calibration_bins bins), and the training pairs and last step's loss.
+Held-out metrics each round (round r at step r + 1 of W/metrics.jsonl; step 0 is P_0's
+eval): rm/eval_accuracy (ties count half), rm/eval_bt_loss, rm/eval_margin, rm/eval_ece
+(expected calibration error of sigmoid(r_c - r_r) over reward_model.calibration_bins bins),
+and the training pairs and last step's loss.
 
 Layout, resumable like the loops around the update (policy_chain.py):
     W/start/policy_hf              P_0

@@ -244,7 +244,8 @@ class Trainer:
             self.replay.load_state(host_state.get("replay", []))
 
         self._engine_counts: dict[str, int] = {}  # the sampler's counters at the last log
-        self.last_eval = metrics_lib.last_eval(workdir, self.start)  # a resumed run's, from its log
+        # a resumed run's, from its log
+        self.last_eval = metrics_lib.last_eval(workdir, self.start)
         if self.start == 0:
             self.last_eval = self.evaluate(0) | start_metrics
             self.writer.write(0, self.last_eval)
@@ -518,8 +519,9 @@ class Trainer:
         return trajectories
 
     def _score(self, trajectories: list[Trajectory]) -> None:
-        """The learned reward's part of each played trajectory's reward (reward.model_path),
-        before any shaping, so DAPO's overlong penalty applies to the mix as to a rule."""
+        """The learned rewards' part of each played trajectory's reward (reward.*: a reward
+        model, a judge), before any shaping, so DAPO's overlong penalty applies to the mix as
+        to a rule."""
         if self.reward_mix is not None:
             self.reward_mix.apply(trajectories)
 
