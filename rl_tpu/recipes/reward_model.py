@@ -8,9 +8,9 @@ reward_model.eval_fraction of the lines that name no split (a seeded shuffle). W
 the env's own scorer ranks replies of P_0 (the initial policy after its SFT warm start,
 sft.steps): it samples loop.samples_per_task replies to each of reward_model.prompts training
 tasks and pairs the best against the worst of each task whose replies differ in reward
-(dpo.online_pairs: episodes of a crashed env are never paired); the held-out pairs come the same way from
-reward_model.eval_prompts tasks of the eval split. Replies are token-exact with the rollouts
-a reward model later scores in RL (the trajectory's ids).
+(dpo.online_pairs: episodes of a crashed env are never paired); the held-out pairs come the
+same way from reward_model.eval_prompts tasks of the eval split. Replies are token-exact with
+the rollouts a reward model later scores in RL (the trajectory's ids).
 
 The reward model starts from P_0 (its trunk, a zero score head: every reply scores 0 and the
 BT loss starts at log 2). Round 0 takes reward_model.steps BT steps (or reward_model.epochs
