@@ -304,7 +304,7 @@ def test_rollout_weight_version_ignores_episodes_that_sampled_nothing():
         reward=0.0, success=False, num_turns=0, weight_versions=[], task_id="t1", group_id=1,
         finish="env_error", messages=[], info={"error": "reset: env server unreachable"})
     assert failed_at_reset.oldest_version == -1
-    trainer = SimpleNamespace(config=base_config())
+    trainer = SimpleNamespace(config=base_config(), reward_mix=None)
     metrics = Trainer._rollout_metrics(trainer, sampled + [failed_at_reset], 1)
     assert metrics["rollout/weight_version"] == 3.0
     assert Trainer._rollout_metrics(trainer, [failed_at_reset], 1)[

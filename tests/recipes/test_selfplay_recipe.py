@@ -106,7 +106,7 @@ def test_rollout_metrics_log_violation_and_format_valid_rates():
     from rl_tpu.recipes.rl import Trainer
     a, b, c = _decision_trajectories()
     # _rollout_metrics reads only the config (the horizon and budget schedules)
-    trainer = SimpleNamespace(config=base_config())
+    trainer = SimpleNamespace(config=base_config(), reward_mix=None)
     m = Trainer._rollout_metrics(trainer, [a, b, c], step=1)
     assert m["rollout/violation_rate"] == 2 / 3 and m["rollout/format_valid_rate"] == 3 / 4
 
