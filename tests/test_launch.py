@@ -342,3 +342,24 @@ def test_help_exits_0_and_a_flag_error_keeps_its_status(capsys):
     assert e.value.code == 0 and "--helpfull" in capsys.readouterr().out
     with pytest.raises(flags.Error):
         launch.parse_flags(["prog", "--n=x"], flag_values)
+
+
+def test_the_one_line_stays_last_when_writes_are_left_unawaited(tmp_path):
+    """A failed checkpoint write leaves orbax's async write coroutines unawaited; their
+    RuntimeWarning at interpreter exit must not print after the error line (seen in CI)."""
+    script = tmp_path / "unawaited.py"
+    script.write_text(
+        "import launch\n"
+        "KEEP = []\n"
+        "async def write_fragment():\n"
+        "    pass\n"
+        "def fn(argv):\n"
+        "    KEEP.append(write_fragment())  # alive until exit, as orbax leaves its writes\n"
+        "    raise OSError('No space left on device')\n"
+        "launch.one_line_errors((OSError,), fn, [])\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=repo))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: No space left on device  (RL_TPU_DEBUG=1 shows the traceback)"], result.stderr
