@@ -60,7 +60,8 @@ class ReplayDivergedError(RuntimeError):
 
 def replayable(env: Env) -> bool:
     """Whether `env` declares that reset(task) and the same actions reach the same state
-    (`Env.replayable`; tests/agent/test_branching.py replays every shipped env that declares it)."""
+    (`Env.replayable`; tests/agent/test_branching.py replays every shipped env that declares
+    it)."""
     return bool(getattr(env, "replayable", False))
 
 

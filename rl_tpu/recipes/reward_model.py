@@ -157,7 +157,7 @@ def sampled_pairs(chain: PolicyChain, policy, name: str, offset: int, tasks: Seq
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_json(path, mine)
     hosts = chain.gather_records(mine)
-    return [_with_margin((tuple(p[0][0:2]), tuple(p[1][0:2])), 0.0)
+    return [_with_margin((tuple(p[0]), tuple(p[1])), 0.0)
             for h in hosts for p in h["pairs"]]
 
 

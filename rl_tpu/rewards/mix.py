@@ -9,9 +9,8 @@ token ids at its last token (rl_tpu/rewards/scorer.py), where f is `reward.model
 "none" (the raw score) or "sigmoid" (a probability-like score in (0, 1), on the scale of a
 success reward); the judge's verdict is rl_tpu/rewards/judge_reward.py's (a reply it gives no
 verdict on is kept out of the loss). Each trajectory keeps its sources in
-`info["reward_sources"]`, and
-`source_metrics` logs their means over every host beside rollout/reward, so a run against a
-learned reward shows what the model paid and what the env would have (rollout/success stays
+`info["reward_sources"]`, and `source_metrics` logs their means over every host beside
+rollout/reward, so a run against a learned reward shows what the model paid and what the env would have (rollout/success stays
 the env's own verdict: the gold signal against a proxy).
 """
 

@@ -25,14 +25,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rl_tpu import parallel
 from rl_tpu.models import reward_model
 from rl_tpu.models.transformer import ModelConfig
+from rl_tpu.rollout.prefix_cache import next_power_of_two
 
 log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+def padded_length(n: int) -> int:
+    """The length a batch whose longest sequence has `n` tokens pads to."""
+    return next_power_of_two(int(n), MIN_LENGTH)
 
 
 class RewardScorer:
@@ -88,7 +90,7 @@ class RewardScorer:
         (a multiple of the devices), at most `rows_for(length)`. A few rows (a reward
         server's lone request, a bucket's last rows) then cost their own tokens, not a full
         batch's (up to max_rows x as many), for one program a row count."""
-        padded = max(_next_power_of_two(rows), self.devices)
+        padded = next_power_of_two(rows, self.devices)
         padded = -(-padded // self.devices) * self.devices
         return min(padded, self.rows_for(length))
 
@@ -113,7 +115,7 @@ class RewardScorer:
             rows = self.max_rows
             while True:
                 end = min(start + rows, len(order))
-                length = max(MIN_LENGTH, _next_power_of_two(lengths[order[end - 1]]))
+                length = padded_length(lengths[order[end - 1]])
                 fitting = self.rows_for(length)
                 if fitting >= rows or fitting >= end - start:
                     break

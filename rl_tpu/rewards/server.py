@@ -52,7 +52,7 @@ from starlette.concurrency import run_in_threadpool
 
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rewards.scorer import MIN_LENGTH, RewardScorer
+from rl_tpu.rewards.scorer import MIN_LENGTH, RewardScorer, padded_length
 from rl_tpu.serving import (BadRequest, Server, docs_routes, error_response, guard,
                             install_error_handlers, read_json)
 
@@ -257,7 +257,7 @@ class RewardService:
         longest, length = self.limits.sequence_tokens(self.positions), MIN_LENGTH
         while True:
             length = min(length, longest)
-            bucket = max(MIN_LENGTH, 1 << (length - 1).bit_length())  # as the scorer pads
+            bucket = padded_length(length)  # as the scorer pads
             rows = 1
             while True:
                 shape = (self.scorer.padded_rows(rows, bucket), bucket)
