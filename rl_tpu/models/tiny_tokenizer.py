@@ -45,8 +45,31 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 MIN_VOCAB_SIZE = 300
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    # Tools (function calling, docs/tools.md): with `tools=` the schemas open the conversation
+    # in a system turn (after the caller's own system text, if any), and the model calls one by
+    # writing a JSON object {"name", "arguments"} between <tool_call> tags, the convention of
+    # Qwen2.5's templates, which rl_tpu.tools.calls reads from this text. Without tools the
+    # template is plain ChatML. An assistant message given as structured `tool_calls` (as
+    # OpenAI clients send them back, arguments as a JSON string or an object) renders each in
+    # that form; a None content renders empty.
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% set ns.start = 1 %}{% endif %}"
+    "{{ 'You can call these tools (JSON schemas):\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ 'To call one, reply with <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": {...}}</tool_call>.' }}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set f = call['function'] if 'function' in call else call %}"
+    "{{ '<tool_call>{\\\"name\\\": ' + f['name'] | tojson + ', \\\"arguments\\\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
+    "{{ '}</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
