@@ -1,0 +1,36 @@
+"""A sandbox for model-written code: each Python program runs in a fresh bubblewrap sandbox
+(no network, read-only system dirs, a private tmpfs, its own pid/user/ipc/uts namespaces)
+under limits on wall time, CPU time, memory, processes and output. A pool of warm sandboxes
+keeps the start off each run's path. docs/tools.md has the whole story.
+
+    with make_sandbox() as sandbox:
+        execution = sandbox.run("print(input()[::-1])", stdin="abc\\n")
+        execution.status, execution.stdout   # ("ok", "cba\\n")
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rl_tpu.sandbox.bubblewrap import sandbox_unavailable_reason, require_bubblewrap
+from rl_tpu.sandbox.limits import STATUSES, Execution, Limits, SandboxUnavailable
+from rl_tpu.sandbox.runner import MODES, Sandbox
+
+__all__ = ["Limits", "Execution", "STATUSES", "Sandbox", "make_sandbox", "SandboxUnavailable",
+           "sandbox_unavailable_reason"]
+
+
+def make_sandbox(mode: str = "bubblewrap", limits: Limits = Limits(),
+                 pool_size: int = 2) -> Sandbox:
+    """A Sandbox in `mode`: "bubblewrap" (isolated; raises SandboxUnavailable, naming the fix,
+    where bwrap cannot work) or "unsafe_no_isolation" (a plain child process under rlimits
+    only: the program can read, write and reach whatever this process can)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "bubblewrap":
+        require_bubblewrap()
+    else:
+        logging.getLogger(__name__).warning(
+            "sandbox mode unsafe_no_isolation: programs run as plain child processes with "
+            "rlimits only; they can read and write this machine's files and reach its network")
+    return Sandbox(mode, limits, pool_size)

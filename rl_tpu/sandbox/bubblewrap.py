@@ -1,0 +1,114 @@
+"""The command lines that start a sandbox: bubblewrap's for isolation, a plain interpreter for
+the unsafe mode, and the check of whether bubblewrap works on this machine at all.
+
+What a bubblewrap sandbox sees: /usr read-only (with /bin, /lib, /lib64, /sbin as this host
+lays them out), its own /proc and a minimal /dev, and one private size-limited tmpfs at /tmp
+that is its cwd and $HOME. No /etc, /root, /home or working directory. Every namespace is new
+(user, pid, net, ipc, uts, cgroup): no network but a loopback of its own, no view of the host's
+processes. Capabilities dropped, a new session (no TIOCSTI into the host's terminal), a cleared
+environment, and it dies with the process that started it.
+
+Run as root, the host drops to SANDBOX_UID before bwrap: the kernel never enforces
+RLIMIT_NPROC against uid 0, so a fork bomb would otherwise be limited by nothing."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from typing import Optional
+
+from rl_tpu.sandbox import launcher
+from rl_tpu.sandbox.limits import SandboxUnavailable
+
+# The interpreter inside the sandbox: the system's, from the read-only /usr (the project's own
+# interpreter may live under /root or /home, which the sandbox does not see).
+SANDBOX_PYTHON = "/usr/bin/python3"
+# nobody: a uid that owns no files; when the host runs as root, sandboxes run as this uid.
+SANDBOX_UID = 65534
+SANDBOX_GID = 65534
+LAUNCHER_SOURCE = open(launcher.__file__, encoding="utf-8").read()
+# The sandbox's own processes besides the program: bwrap's pid-1 init. RLIMIT_NPROC counts it.
+SANDBOX_OWN_PROCESSES = 1
+ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+INSTALL_HINT = ("install Debian's `bubblewrap` package (apt-get install bubblewrap) on a kernel "
+                "that allows unprivileged user namespaces, or pass mode=\"unsafe_no_isolation\" "
+                "knowing that the program then runs unisolated, with only rlimits")
+
+
+def drops_root() -> bool:
+    return os.geteuid() == 0
+
+
+def system_dirs() -> list[str]:
+    """bwrap arguments for the read-only system dirs: /usr, and /bin /lib /lib64 /lib32 /sbin
+    as symlinks where this host merged them into /usr, bound read-only where it did not."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def launcher_command(python: str, status_fd: int) -> list[str]:
+    # bwrap passes inherited fds through with their numbers, so the launcher is told its own.
+    return [python, "-I", "-c", LAUNCHER_SOURCE, str(status_fd)]
+
+
+def bubblewrap_command(tmpfs_bytes: int, inner: list[str]) -> list[str]:
+    """bwrap's command line, running `inner` in a fresh sandbox."""
+    command = [shutil.which("bwrap") or "bwrap",
+               "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--clearenv"]
+    for name, value in ENVIRONMENT.items():
+        command += ["--setenv", name, value]
+    command += system_dirs()
+    command += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
+                "--hostname", "sandbox"]
+    return command + inner
+
+
+def unsafe_python() -> str:
+    # The system's interpreter where there is one, so both modes run programs on the same Python.
+    return SANDBOX_PYTHON if os.access(SANDBOX_PYTHON, os.X_OK) else shutil.which("python3")
+
+
+def spawn_options(isolated: bool = True, cwd: str = "/") -> dict:
+    """Popen keywords for a sandbox's process: its own process group (a wall timeout kills the
+    group), a cleared environment, and for bwrap the unprivileged uid when the host is root."""
+    options = dict(start_new_session=True, cwd=cwd, env=dict(ENVIRONMENT, HOME=cwd),
+                   close_fds=True)
+    if isolated and drops_root():
+        options.update(user=SANDBOX_UID, group=SANDBOX_GID, extra_groups=[])
+    return options
+
+
+@functools.lru_cache(maxsize=1)
+def sandbox_unavailable_reason() -> Optional[str]:
+    """None when a bubblewrap sandbox starts here and runs Python; else why not (once a process)."""
+    if shutil.which("bwrap") is None:
+        return "the `bwrap` binary is not on PATH"
+    if not os.access(SANDBOX_PYTHON, os.X_OK):
+        return f"{SANDBOX_PYTHON} (the interpreter run inside the sandbox) does not exist"
+    probe = bubblewrap_command(2**20, [SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"])
+    try:
+        done = subprocess.run(probe, capture_output=True, timeout=60, **spawn_options())
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"starting bwrap failed: {error}"
+    if done.returncode != 0 or done.stdout.strip() != b"42":
+        stderr = done.stderr.decode("utf-8", "replace").strip()
+        return (f"bwrap could not start a sandbox (exit {done.returncode}): {stderr or 'no stderr'}"
+                " (user namespaces disabled? see /proc/sys/user/max_user_namespaces)")
+    return None
+
+
+def require_bubblewrap() -> None:
+    reason = sandbox_unavailable_reason()
+    if reason is not None:
+        raise SandboxUnavailable(f"the bubblewrap sandbox cannot run here: {reason}. Fix: "
+                                 f"{INSTALL_HINT}.")

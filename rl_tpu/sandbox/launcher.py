@@ -1,0 +1,93 @@
+"""The launcher: the first code inside every sandbox, run as `python3 -I -c <this file's text>
+<status fd>`. It is what lets a warm sandbox sit ready: the interpreter is up and blocked reading
+fd 0 until a program arrives, then it sets the program's rlimits and runs the program in this
+same process, so a run pays neither bwrap's nor the interpreter's start.
+
+Protocol, host -> launcher on fd 0: a header of HEADER_BYTES ASCII bytes,
+"<cpu seconds> <address-space bytes> <processes> <program bytes>" padded with spaces, then the
+program's UTF-8 source; whatever follows is the program's own stdin. Launcher -> host on the
+status fd: "ready\n" once up, "started\n" as the program starts, "memory\n" when the program
+ended in a MemoryError (RLIMIT_AS refused an allocation). Exit code and stdout/stderr are the
+program's own.
+
+This file imports nothing from rl_tpu and runs on any Python 3.8+, since inside the sandbox it
+is run by the system's interpreter, not the project's. A program can write to the status fd
+itself; that can only garble its own run's status."""
+
+import os
+import sys
+
+HEADER_BYTES = 128
+
+
+def read_exactly(fd, count):
+    # os.read, not sys.stdin: a buffered reader would swallow the program's own stdin.
+    chunks = []
+    while count:
+        chunk = os.read(fd, count)
+        if not chunk:
+            raise EOFError("the host closed the sandbox's stdin before the program arrived")
+        chunks.append(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
+
+
+def set_limits(cpu_seconds, memory_bytes, processes):
+    import resource
+
+    # RLIMIT_CPU counts the whole process's CPU time, the interpreter's start included, so the
+    # program's budget is added to what this process has used so far. SIGXCPU at the soft
+    # limit (default action: die), SIGKILL a second later for a program that ignores it.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = int(usage.ru_utime + usage.ru_stime)
+    cpu = used + max(1, -(-int(cpu_seconds * 1000) // 1000))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    # Counted per user namespace and uid (Linux 5.14+): this sandbox's processes and threads,
+    # not the host's. Not enforced for a uid 0 outside, which is why the host drops root first.
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def run_program(source, status):
+    import linecache
+    import traceback
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__file__ = "main.py"
+    sys.modules["__main__"] = main
+    sys.argv = ["main.py"]
+    # Tracebacks show the program's lines though no main.py exists on disk.
+    lines = source.splitlines(True)
+    linecache.cache["main.py"] = (len(source), None, lines, "main.py")
+    try:
+        exec(compile(source, "main.py", "exec"), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as error:
+        if isinstance(error, MemoryError):
+            os.write(status, b"memory\n")
+        # Drop this launcher's own frame, so the traceback reads like `python3 main.py`'s.
+        tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+        try:
+            traceback.print_exception(type(error), error, tb)
+        except MemoryError:
+            sys.stderr.write(f"{type(error).__name__}\n")
+        sys.exit(1)
+
+
+def main():
+    status = int(sys.argv[1])
+    os.set_inheritable(status, False)  # the program's own children do not get it
+    os.write(status, b"ready\n")
+    header = read_exactly(0, HEADER_BYTES).decode("ascii").split()
+    cpu_seconds, memory_bytes, processes, size = float(header[0]), *map(int, header[1:])
+    source = read_exactly(0, size).decode("utf-8")
+    set_limits(cpu_seconds, memory_bytes, processes)
+    os.write(status, b"started\n")
+    run_program(source, status)
+
+
+if __name__ == "__main__":
+    main()
