@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import transformers
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]  # role and content strings; tool calls and ids too
 
 # Files one of which a HF model directory must hold for AutoTokenizer to build a tokenizer:
 # a `tokenizers` serialization, or the vocabularies a slow tokenizer can be converted from.
@@ -112,8 +113,14 @@ class ChatTokenizer:
 
     # --- chat templates -------------------------------------------------------------------
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The chat template's text for `messages` (no tokenization)."""
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+               tools: Optional[Sequence[dict]] = None) -> str:
+        """The chat template's text for `messages` (no tokenization).
+
+        `tools`: OpenAI-style function schemas (`{"type": "function", "function": {"name",
+        "description", "parameters"}}`) the template states to the model, as transformers'
+        `apply_chat_template(tools=...)` does; None or empty: no tools.
+        """
         if not self._hf.chat_template:
             raise ValueError(
                 f"the tokenizer from {self._name!r} has no chat template, so chat messages cannot "
@@ -124,19 +131,34 @@ class ChatTokenizer:
             # render means no text.
             return ""
         text = self._hf.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt)
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=[dict(t) for t in tools] if tools else None)
         if not isinstance(text, str):  # Would mean transformers changed its return type.
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
         return text
 
-    def apply_chat_template(self, messages: Sequence[Message],
-                            add_generation_prompt: bool = False) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                            tools: Optional[Sequence[dict]] = None) -> list[int]:
         """Ids of the chat template applied to `messages`: `encode(render(messages))`."""
-        return self.encode(self.render(messages, add_generation_prompt))
+        return self.encode(self.render(messages, add_generation_prompt, tools=tools))
 
     def append_message(self, history_ids: Sequence[int], messages: Sequence[Message],
-                       new_message: Message, add_generation_prompt: bool = True) -> list[int]:
-        """Append one message to a token-exact conversation history.
+                       new_message: Message, add_generation_prompt: bool = True,
+                       tools: Optional[Sequence[dict]] = None) -> list[int]:
+        """Append one message to a token-exact conversation history: `append_messages` with
+        one message."""
+        return self.append_messages(history_ids, messages, [new_message],
+                                    add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def append_messages(self, history_ids: Sequence[int], messages: Sequence[Message],
+                        new_messages: Sequence[Message], add_generation_prompt: bool = True,
+                        tools: Optional[Sequence[dict]] = None) -> list[int]:
+        """Append messages to a token-exact conversation history, all at once.
+
+        Several messages go in one call where the template renders a run of them as one turn:
+        Qwen2.5's wraps consecutive "tool" messages in a single user turn, so the text it
+        writes after the first one changes when a second follows, and appending them one at
+        a time would not be prefix-stable.
 
         Args:
           history_ids: ids of the conversation `messages` so far. Assistant turns hold the
@@ -144,13 +166,16 @@ class ChatTokenizer:
             but not the template's trailing text (e.g. "\\n"), or end mid-answer when the turn
             hit its length budget.
           messages: the conversation so far, as text.
-          new_message: the message to add (typically an environment observation, role "user").
+          new_messages: the messages to add (typically an environment observation, role
+            "user", or the results of the tool calls of the last assistant turn, role "tool").
           add_generation_prompt: also append the assistant header the model continues from.
+          tools: the tool schemas the conversation was rendered with (see `render`); the same
+            for every call of one conversation.
 
         Returns:
           `history_ids + new_ids`; `history_ids` is never altered or re-tokenized. `new_ids` is
           `encode(missing + delta)`, where `delta` is the text the template adds for
-          `new_message` (plus the generation prompt), and `missing` is whatever part of the
+          `new_messages` (plus the generation prompt), and `missing` is whatever part of the
           closing text of a final assistant turn (e.g. "<|im_end|>\\n") the history lacks.
 
         Raises:
@@ -158,8 +183,9 @@ class ChatTokenizer:
             text of earlier ones, as templates that drop past reasoning do), or has no template.
         """
         messages = list(messages)
-        prefix = self.render(messages, add_generation_prompt=False)
-        full = self.render(messages + [new_message], add_generation_prompt=add_generation_prompt)
+        prefix = self.render(messages, add_generation_prompt=False, tools=tools)
+        full = self.render(messages + list(new_messages), add_generation_prompt=add_generation_prompt,
+                           tools=tools)
         if not full.startswith(prefix):
             cut = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), len(full))
             raise ValueError(
@@ -172,20 +198,21 @@ class ChatTokenizer:
 
         missing = ""
         if messages and messages[-1].get("role") == "assistant":
-            closing = self._assistant_closing_text(messages)
+            closing = self._assistant_closing_text(messages, tools)
             missing = closing[self._closing_prefix_present(history_ids, closing):]
         return list(history_ids) + self.encode(missing + delta)
 
     # --- helpers for append_message --------------------------------------------------------
 
-    def _assistant_closing_text(self, messages: Sequence[Message]) -> str:
+    def _assistant_closing_text(self, messages: Sequence[Message],
+                                tools: Optional[Sequence[dict]] = None) -> str:
         """The text the template writes after the content of the final (assistant) message.
 
         Rendered with a sentinel as the content so the end of the content is unambiguous even
         when the real content is empty or reappears in the closing text.
         """
         probe = [*messages[:-1], {**messages[-1], "content": _CONTENT_SENTINEL}]
-        text = self.render(probe, add_generation_prompt=False)
+        text = self.render(probe, add_generation_prompt=False, tools=tools)
         at = text.rfind(_CONTENT_SENTINEL)
         if at < 0:
             raise ValueError(
