@@ -13,7 +13,7 @@ Token accounting, the part the trainer depends on:
   env that defines `conversation_start()`, over the messages it returns followed by the first
   observation as a user message: see `conversation_start`); after that
   the model's sampled ids are appended as they are, and each observation is tokenized once
-  (`ChatTokenizer.append_message`) and appended. Nothing is ever re-tokenized, so the
+  (`ChatTokenizer.append_messages`) and appended. Nothing is ever re-tokenized, so the
   behaviour logprobs stay attached to the very ids they were computed for.
 - `loss_mask` is True on exactly the ids the engine sampled; the prompt, the template text the
   model did not write (e.g. the `<|im_end|>\\n` after a length-cut turn, the "\\n" after the
@@ -21,6 +21,10 @@ Token accounting, the part the trainer depends on:
 - `tokens` ends with the last generated id: the final observation (the env's answer to the last
   action) conditions nothing the policy produced, so it is kept in `messages` for logging but
   not tokenized.
+
+Function calling: an env with `tools` (tool schemas, see `env_tools`) has them rendered into
+every template call of its episodes, and a step may answer with role "tool" messages in place
+of the user message (`observation_messages`); they are appended the same token-exact way.
 
 When `tokens` equals the chat template of the conversation: if every turn's sampled ids are
 the tokenizer's own encoding of their text followed by eos, then
@@ -95,6 +99,7 @@ class Episode:
         self.versions: list[int] = []  # per token: the weight version that sampled it, or -1
         self.turn_ids: list[int] = []
         self.messages: list[dict] = []
+        self.tools: Optional[list[dict]] = None  # the env's tool schemas (function calling)
         self.rewards: list[float] = []
         self.weight_versions: list = []
         self.logprob_convention = "full"
@@ -367,6 +372,37 @@ def conversation_start(env: Env) -> list[dict]:
     return [dict(m) for m in start]
 
 
+def env_tools(env: Env) -> Optional[list[dict]]:
+    """The tool schemas a function-calling env states (`env.tools`: OpenAI-style
+    `{"type": "function", "function": {...}}` dicts, rendered into the prompt by the chat
+    template), or None for an env without tools. Read after `reset`, so they may depend on
+    the task. Raises ValueError for anything but a list of dicts."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"{type(env).__name__}.tools is {tools!r:.200}; it must be a list of "
+                         "tool schemas (dicts), or None for an env without tools")
+    return [dict(t) for t in tools] or None
+
+
+def observation_messages(env_name: str, result: StepResult) -> list[dict]:
+    """The chat messages that carry a step's observation: one user message by default; an env
+    may instead put the messages in `result.info["observation_messages"]` (a function-calling
+    env: one role "tool" message per call's result, which the template wraps its own way).
+    Raises ValueError for anything but a non-empty list of {"role": str, "content": str}."""
+    messages = result.info.get("observation_messages")
+    if messages is None:
+        return [{"role": "user", "content": result.observation}]
+    if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"{env_name}'s step returned info['observation_messages'] = "
+                         f"{messages!r:.200}; it must be a non-empty list of "
+                         "{'role': str, 'content': str} messages")
+    return [dict(m) for m in messages]
+
+
 def start_episodes(episodes, make_env, tokenizer, workers, max_context_tokens):
     """Builds and resets every env in parallel; tokenizes each first prompt."""
 
@@ -375,20 +411,21 @@ def start_episodes(episodes, make_env, tokenizer, workers, max_context_tokens):
             ep.env = make_env()  # set before reset, so a timed-out reset can still be closed
             first = ep.env.reset(ep.task)
             # In the worker too: a remote env may answer over the network.
-            return first, conversation_start(ep.env)
+            return first, conversation_start(ep.env), env_tools(ep.env)
         return call
 
     for ep, outcome in zip(episodes, workers.map([start(ep) for ep in episodes])):
         if ended_on_failure(ep, outcome, "make_env/reset/conversation_start"):
             continue
-        first, start_messages = outcome.value
+        first, start_messages, ep.tools = outcome.value
         if not isinstance(first, str):
             ep.end("env_error", f"reset returned {type(first).__name__}, not the first "
                                 "observation (str)")
             continue
         ep.first_observation = first
         ep.messages = start_messages + [{"role": "user", "content": first}]
-        ep.extend(tokenizer.apply_chat_template(ep.messages, add_generation_prompt=True),
+        ep.extend(tokenizer.apply_chat_template(ep.messages, add_generation_prompt=True,
+                                                tools=ep.tools),
                   generated=False, turn=-1)
         if len(ep.tokens) >= max_context_tokens:
             ep.end("context_limit", f"the first prompt has {len(ep.tokens)} tokens, no room "
@@ -561,14 +598,19 @@ def _add_observation(ep: Episode, outcome: Outcome, turn: int, tokenizer: ChatTo
     ep.step_infos.append(dict(result.info))
     if "success" in result.info:
         ep.success = bool(result.info["success"])
-    observation = {"role": "user", "content": result.observation}
+    try:
+        observation = observation_messages(type(ep.env).__name__, result)
+    except ValueError as e:
+        ep.end("env_error", str(e))
+        return
     if result.done or turn + 1 >= max_turns:
-        ep.messages.append(observation)
+        ep.messages.extend(observation)
         ep.info["final_observation"] = result.observation
         ep.end("done" if result.done else "turn_limit")
         return
-    new = tokenizer.append_message(ep.tokens, ep.messages, observation, add_generation_prompt=True)
-    ep.messages.append(observation)
+    new = tokenizer.append_messages(ep.tokens, ep.messages, observation,
+                                    add_generation_prompt=True, tools=ep.tools)
+    ep.messages.extend(observation)
     if len(new) >= max_context:
         # Appending would leave no room to generate; the observation stays in the transcript.
         ep.info["final_observation"] = result.observation
