@@ -23,6 +23,10 @@ ENV_MODULES: dict[str, str] = {
     "tipping_commons": "tipping",
     "judge_pairwise": "judge",
     "judge_pointwise": "judge",
+    "agent_program": "agent_programs",
+    "code": "code",
+    "code_repair": "code_repair",
+    "tir": "tir",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",

@@ -1,0 +1,55 @@
+"""Code RL on a laptop CPU: a tiny model learns to write small Python functions past its warm
+start, its programs run against hidden tests in the sandbox (rl_tpu/sandbox).
+
+    python -m launch.train --config configs/code_grpo.py --workdir /tmp/code_rl
+    python -m launch.train --config configs/code_grpo.py:sft_only --workdir /tmp/code_sft
+    python -m launch.eval --config configs/code_grpo.py:humaneval --workdir /tmp/code_rl
+
+The `code` env's `functions` tasks (rl_tpu/envs/code_tasks.py): "Write f(x): multiply x by 3,
+then add 7. Example: f(2) == 13." -> `def f(x):\\n    return x * 3 + 7`, 4 hidden tests, reward
+the fraction passed. The eval split holds functions (kind and constants) never seen in
+training. A tiny model (its tokenizer learns the env's text) is warm-started by SFT on a
+teacher that writes the right function 30% of the time and otherwise stops one step short
+(`return x * 3`, `return x`), then GRPO.
+
+Variants:
+  rl         (default) the warm start, then 60 GRPO steps of 16 tasks x 8 samples
+  sft_only   the control: no RL, the same seed, SFT on the teacher for longer instead
+  humaneval  the eval of HumanEval's 164 problems (launch.eval): greedy, the prompt and the
+             reply in a 1024-token context; a tiny model scores 0, what it measures is the
+             pipeline (every problem's program through the sandbox) and its wall time
+`smoke` shrinks any of them to seconds. `sandbox` names the sandbox: bubblewrap (default) or
+unsafe_no_isolation (plain subprocesses, for a machine without user namespaces).
+"""
+
+from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
+from rl_tpu.recipes.variants import parse_variant
+
+
+def get_config(arg: str = ""):
+    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only", "humaneval"),
+                                        "sandbox": ("bubblewrap", "unsafe_no_isolation")})
+    c = base_config("grpo")
+    c.seed = 0
+    set_env(c, "code", tasks="functions", sandbox=chosen["sandbox"], eval_size=300)
+    tiny_model_warm_start(c, context_tokens=128, sft_steps=300, num_demos=4000,
+                          teacher_skill=0.3, corpus_tasks=400)
+    c.env.max_new_tokens = 24
+    c.train.steps = 60
+    c.train.tasks_per_step = 16
+    c.train.samples_per_task = 8
+    c.eval.num_tasks = 300
+    if chosen["variant"] == "sft_only":
+        c.train.steps = 0
+        c.sft.steps = 600
+    if chosen["variant"] == "humaneval":
+        c.env.kwargs.tasks = "humaneval"
+        c.env.max_context_tokens = 1024
+        c.env.max_new_tokens = 128
+        c.eval.num_tasks = 164
+        c.model.tiny_corpus_tasks = 0  # HumanEval has no train split to learn text from
+    if smoke:
+        shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
+        c.env.max_new_tokens = 24 if chosen["variant"] != "humaneval" else 32
+        c.sft.num_demos = 64
+    return c
