@@ -23,6 +23,14 @@ Option `actions="brackets"` (rl_tpu's): a system prompt states the commands `sea
 and `answer[<text>]`; the LAST command in the reply acts (its argument runs to the balancing
 bracket); observations are `Question: ...` and `[k] Title: text` result lists; an answer ENDS
 the episode, right or wrong; malformed commands are `Invalid action: ...` observations.
+Option `actions="tools"` (function calling): search is a tool (`tools`: one JSON schema,
+`search(query)`) that the chat template states to the model; the model calls it in its
+template's call format (`call_format`: "hermes" for Qwen2.5's `<tool_call>` JSON, "llama3_json"
+for Llama 3.1's bare JSON object; `rl_tpu.tools.call_format_of(tokenizer)` tells which), and
+the results come back as role "tool" messages (`info["observation_messages"]`, `[k] Title:
+text` lines) that the agent loop appends through the template. A reply without a call is the
+answer: it ENDS the episode, right or wrong, as in the brackets style; a malformed call, an
+unknown tool or bad arguments are error results in a tool message; the episode goes on.
 Other options: `reward="f1"` (token F1 instead of exact match; success is still exact match),
 `top_k`, `max_steps` (the step that uses them up ends the episode unsuccessfully; AgentGym's
 server has no limit and AgentGym-RL's loop stops after 5 turns to train, 30 to evaluate),
@@ -54,11 +62,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.tools.builtins import search_tool
+from rl_tpu.tools.calls import CALL_FORMATS, parse_tool_calls
+from rl_tpu.tools.registry import ToolRegistry
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "search_corpus.jsonl"
 DEFAULT_QUESTIONS = DATA_DIR / "search_questions.jsonl"
-ACTION_STYLES = ("tags", "brackets")
+ACTION_STYLES = ("tags", "brackets", "tools")
 TRAIN_TURNS, EVAL_TURNS = 5, 30  # AgentGym-RL's turn limits for SearchQA
 
 ACK = "Ok."
@@ -91,6 +102,12 @@ Each turn, think briefly, then end your reply with exactly one action:
   answer[<answer>]  give the final answer (a short phrase: a name, a year, a place); this ends the episode
 Search for the entities the question names. When a passage names another entity you need to know
 more about, search for that one. Example: search[Mount Keldor]  then  answer[1842]"""
+
+TOOLS_PROMPT = """You answer questions by searching a document collection with the search tool.
+Call it with the name of an entity the question mentions; when a passage names another entity you
+need to know more about, search for that one. When you know the answer, reply with the answer alone
+(a short phrase: a name, a year, a place) and no tool call; that reply ends the episode."""
+MAX_CALLS_PER_REPLY = 4
 
 # Words that carry no retrieval signal; dropping them keeps "in what year was X born" from
 # matching every passage that contains "was" and "in".
@@ -259,11 +276,14 @@ class SearchEnv(Env):
     def __init__(self, corpus_path: Optional[str] = None, questions_path: Optional[str] = None,
                  actions: str = "tags", reward: str = "em", top_k: int = 3,
                  max_steps: Optional[int] = None, max_query_chars: int = 300,
-                 max_passage_chars: int = 600):
+                 max_passage_chars: int = 600, call_format: str = "hermes"):
         if actions not in ACTION_STYLES:
             raise ValueError(f"actions must be one of {ACTION_STYLES} ('tags': AgentGym's "
-                             f"<search>/<answer>; 'brackets': search[...]/answer[...]), "
-                             f"got {actions!r}")
+                             f"<search>/<answer>; 'brackets': search[...]/answer[...]; 'tools': "
+                             f"search as a function call), got {actions!r}")
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {CALL_FORMATS} (the policy "
+                             f"tokenizer's: rl_tpu.tools.call_format_of), got {call_format!r}")
         if reward not in ("em", "f1"):
             raise ValueError(f"reward must be 'em' (exact match) or 'f1' (token F1), got {reward!r}")
         if top_k < 1:
@@ -286,6 +306,11 @@ class SearchEnv(Env):
         self.max_query_chars, self.max_passage_chars = max_query_chars, max_passage_chars
         if actions == "brackets":
             self.system_prompt = BRACKETS_PROMPT
+        self.call_format = call_format
+        self._registry: Optional[ToolRegistry] = None
+        if actions == "tools":
+            self.system_prompt = TOOLS_PROMPT
+            self._registry = ToolRegistry([search_tool(self.index, top_k, max_passage_chars)])
         self._golds: Optional[list[str]] = None
         self._steps, self._done = 0, True
 
@@ -297,10 +322,16 @@ class SearchEnv(Env):
         """"searchqa" while the env plays AgentGym's protocol, else "" (the env server reads it)."""
         return "searchqa" if self.actions == "tags" else ""
 
+    @property
+    def tools(self) -> Optional[list[dict]]:
+        """The search tool's schema in the tools style (the agent loop renders it into the
+        prompt); None in the others."""
+        return self._registry.schemas if self._registry is not None else None
+
     def conversation_start(self) -> Optional[list[dict]]:
-        """AgentGym's opening turns (the instruction, then "Ok."); None in the brackets style,
-        whose system prompt states the commands."""
-        if self.actions == "brackets":
+        """AgentGym's opening turns (the instruction, then "Ok."); None in the brackets and
+        tools styles, whose system prompt states the commands."""
+        if self.actions in ("brackets", "tools"):
             return None
         return [{"role": "user", "content": INSTRUCTION}, {"role": "assistant", "content": ACK}]
 
@@ -325,7 +356,7 @@ class SearchEnv(Env):
         self._golds = [str(g) for g in golds] if isinstance(golds, list) else [str(golds)]
         self._steps, self._done = 0, False
         text = str(question["question"])
-        if self.actions == "brackets":
+        if self.actions in ("brackets", "tools"):
             return f"Question: {text}"
         return _PROMPT.format(question=text.strip())
 
@@ -335,7 +366,8 @@ class SearchEnv(Env):
                               {"invalid_action": True})
         self._steps += 1
         reply = action if isinstance(action, str) else str(action)
-        result = self._brackets(reply) if self.actions == "brackets" else self._tags(reply)
+        play = {"brackets": self._brackets, "tools": self._function_calls, "tags": self._tags}
+        result = play[self.actions](reply)
         if not result.done and self.max_steps is not None and self._steps >= self.max_steps:
             result = StepResult(result.observation + f"\nNo steps left ({self.max_steps}); "
                                 "the episode ends without an answer.", 0.0, True,
@@ -385,6 +417,33 @@ class SearchEnv(Env):
             lines.append(f"[{rank}] {title}: {text}" if title else f"[{rank}] {text}")
         return StepResult("\n".join(lines), 0.0, False,
                           {"num_results": len(hits), "passage_ids": [p.get("id") for p, _ in hits]})
+
+    def _function_calls(self, reply: str) -> StepResult:
+        parsed = parse_tool_calls(reply, self.call_format)
+        if not parsed.calls and not parsed.errors:
+            answer = parsed.content
+            if not answer:
+                return invalid_action("the reply is empty; call the search tool, or reply with "
+                                      "the answer")
+            result = self._judge(answer)
+            verdict = "correct" if result.done else "incorrect"
+            result.observation, result.done = f"Your answer {answer!r} is {verdict}.", True
+            return result
+        results = [self._registry.error_result(e) for e in parsed.errors]
+        for n, call in enumerate(parsed.calls, 1):
+            if len(results) >= MAX_CALLS_PER_REPLY:
+                results.append(self._registry.error_result(
+                    f"too many tool calls in one reply (at most {MAX_CALLS_PER_REPLY}); call "
+                    f"{n} was not run", call.name))
+            elif len(str(call.arguments.get("query", ""))) > self.max_query_chars:
+                results.append(self._registry.error_result(
+                    f"the query is longer than {self.max_query_chars} characters", call.name))
+            else:
+                results.append(self._registry.execute(call))
+        messages = [r.as_message() for r in results]
+        return StepResult("\n\n".join(m["content"] for m in messages), 0.0, False, {
+            "observation_messages": messages, "tool_errors": sum(not r.ok for r in results),
+            "queries": [c.arguments.get("query") for c in parsed.calls]})
 
     def _judge(self, answer: str) -> StepResult:
         """Reward (exact match, or token F1) and success (exact match) of an answer; done when
