@@ -2,8 +2,9 @@
 the unsafe mode, and the check of whether bubblewrap works on this machine at all.
 
 What a bubblewrap sandbox sees: /usr read-only (with /bin, /lib, /lib64, /sbin as this host
-lays them out), its own /proc and a minimal /dev, and one private size-limited tmpfs at /tmp
-that is its cwd and $HOME. No /etc, /root, /home or working directory. Every namespace is new
+lays them out), its own /proc and a minimal read-only /dev, and two private size-limited tmpfs:
+/tmp (its cwd and $HOME) and /dev/shm. Nothing else is writable: no /etc, /root, /home or
+working directory at all. Every namespace is new
 (user, pid, net, ipc, uts, cgroup): no network but a loopback of its own, no view of the host's
 processes. Capabilities dropped, a new session (no TIOCSTI into the host's terminal), a cleared
 environment, and it dies with the process that started it.
@@ -59,17 +60,25 @@ def launcher_command(python: str, status_fd: int) -> list[str]:
     return [python, "-I", "-c", LAUNCHER_SOURCE, str(status_fd)]
 
 
-def bubblewrap_command(tmpfs_bytes: int, inner: list[str]) -> list[str]:
-    """bwrap's command line, running `inner` in a fresh sandbox."""
+def bubblewrap_command(tmpfs_bytes: int, inner: list[str],
+                       info_fd: Optional[int] = None) -> list[str]:
+    """bwrap's command line, running `inner` in a fresh sandbox; bwrap writes its init's pid
+    to `info_fd` when one is given."""
     command = [shutil.which("bwrap") or "bwrap",
                "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                "--cap-drop", "ALL", "--clearenv"]
     for name, value in ENVIRONMENT.items():
         command += ["--setenv", name, value]
     command += system_dirs()
+    # bwrap builds / and /dev as tmpfs without a size: both go read-only once set up, so the
+    # only writable places are the two sized tmpfs, /tmp (the cwd) and /dev/shm (POSIX shared
+    # memory and semaphores: multiprocessing's locks need it).
     command += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm",
                 "--size", str(tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
-                "--hostname", "sandbox"]
+                "--remount-ro", "/dev", "--remount-ro", "/", "--hostname", "sandbox"]
+    if info_fd is not None:
+        command += ["--info-fd", str(info_fd)]
     return command + inner
 
 

@@ -38,9 +38,12 @@ def set_limits(cpu_seconds, memory_bytes, processes):
     # RLIMIT_CPU counts the whole process's CPU time, the interpreter's start included, so the
     # program's budget is added to what this process has used so far. SIGXCPU at the soft
     # limit (default action: die), SIGKILL a second later for a program that ignores it.
+    # The limit is whole seconds, so rounding up gives the program at least what it was given
+    # (and less than a second more).
+    import math
+
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    used = int(usage.ru_utime + usage.ru_stime)
-    cpu = used + max(1, -(-int(cpu_seconds * 1000) // 1000))
+    cpu = math.ceil(usage.ru_utime + usage.ru_stime + cpu_seconds)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     # Counted per user namespace and uid (Linux 5.14+): this sandbox's processes and threads,

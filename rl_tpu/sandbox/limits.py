@@ -23,7 +23,8 @@ class Limits:
     processes: processes and threads the sandbox may hold at once (see docs for when this is
         enforced exactly).
     output_bytes: per stream (stdout, stderr); what comes past it is cut and the run killed.
-    tmpfs_bytes: size of the private writable tmpfs that is the program's cwd, /tmp and $HOME.
+    tmpfs_bytes: size of the private writable tmpfs that is the program's cwd, /tmp and $HOME
+        (and, in bubblewrap, of a second one at /dev/shm: at most twice this is writable).
     """
 
     wall_seconds: float = 5.0

@@ -8,8 +8,10 @@ on a thread of its own, so every run still gets a sandbox nothing ran in before.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -34,30 +36,64 @@ log = logging.getLogger(__name__)
 class Started:
     """One launcher, up and waiting on its stdin for a program."""
 
-    def __init__(self, process: subprocess.Popen, status_fd: int, workdir: Optional[str]):
+    def __init__(self, process: subprocess.Popen, status_fd: int, workdir: Optional[str],
+                 init_pidfd: Optional[int]):
         self.process = process
         self.status_fd = status_fd  # read end of the launcher's status pipe
         self.workdir = workdir  # the unsafe mode's temporary cwd, removed after the run
+        # bwrap's init, pid 1 of the sandbox's pid namespace, as a pidfd (no pid-reuse race).
+        self.init_pidfd = init_pidfd
 
     def kill(self):
-        # The process group is bwrap's own (start_new_session); bwrap's death takes its pid
-        # namespace with it (--die-with-parent on its init), so nothing inside outlives this.
+        if self.init_pidfd is not None:
+            # Killing the namespace's init kills everything in it, and the init is not reaped
+            # before all of it is gone; bwrap exits once its init has. So when the wait on bwrap
+            # returns, nothing of the sandbox is left (killing bwrap itself would leave the
+            # teardown to run on after it, through --die-with-parent).
+            try:
+                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                pass  # already gone: bwrap is exiting or has
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, signal.SIGKILL)  # the unsafe mode's process group
         except (ProcessLookupError, PermissionError):
             pass
 
     def release(self):
         self.kill()
-        self.process.wait()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # never seen; bwrap itself then goes the hard way
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self.init_pidfd is not None:
+            # bwrap can exit as soon as its init reports the program's exit, while the init is
+            # still tearing the namespace down; a pidfd turns readable once that is done.
+            poller = select.poll()
+            poller.register(self.init_pidfd, select.POLLIN)
+            poller.poll(30_000)
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             try:
                 stream.close()
             except OSError:
                 pass
         os.close(self.status_fd)
+        if self.init_pidfd is not None:
+            os.close(self.init_pidfd)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def read_init_pidfd(info_fd: int) -> Optional[int]:
+    """bwrap's --info-fd JSON names its init's pid; a pidfd on it, or None if bwrap failed."""
+    data = bytearray()
+    while chunk := os.read(info_fd, 4096):  # bwrap closes it once written
+        data += chunk
+    try:
+        return os.pidfd_open(int(json.loads(data)["child-pid"]))
+    except (ValueError, KeyError, ProcessLookupError):
+        return None
 
 
 def count_user_tasks(uid: int) -> int:
@@ -110,19 +146,23 @@ class Sandbox:
 
     def _start(self, tmpfs_bytes: int) -> Started:
         status_read, status_write = os.pipe()
+        info_read, info_write = os.pipe()
+        passed = (status_write, info_write)
         workdir = None
         try:
             if self.mode == "bubblewrap":
                 command = bubblewrap.bubblewrap_command(
-                    tmpfs_bytes, bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write))
+                    tmpfs_bytes, bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write),
+                    info_fd=info_write)
                 options = bubblewrap.spawn_options()
             else:
                 workdir = tempfile.mkdtemp(prefix="rl_tpu-unsafe-sandbox-")
                 command = bubblewrap.launcher_command(bubblewrap.unsafe_python(), status_write)
                 options = bubblewrap.spawn_options(isolated=False, cwd=workdir)
+                passed = (status_write,)
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, pass_fds=(status_write,),
-                                       bufsize=0, **options)
+                                       stderr=subprocess.PIPE, pass_fds=passed, bufsize=0,
+                                       **options)
         except BaseException:
             os.close(status_read)
             if workdir is not None:
@@ -130,7 +170,12 @@ class Sandbox:
             raise
         finally:
             os.close(status_write)
-        started = Started(process, status_read, workdir)
+            os.close(info_write)
+        try:
+            init_pidfd = read_init_pidfd(info_read) if self.mode == "bubblewrap" else None
+        finally:
+            os.close(info_read)
+        started = Started(process, status_read, workdir, init_pidfd)
         with self._condition:
             self._live.add(started)
         return started
