@@ -23,6 +23,8 @@ are not Qwen's or Llama's ids; the special tokens, the chunking and the template
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import tokenizers
 import transformers
 from tokenizers import pre_tokenizers
@@ -45,8 +47,8 @@ FAMILIES = {
 }
 
 
-def build_family_tokenizer(chat_template: str, family: str, vocab_size: int = 512
-                           ) -> transformers.PreTrainedTokenizerFast:
+def build_family_tokenizer(chat_template: str, family: str, vocab_size: int = 512,
+                           extra_texts: Sequence[str] = ()) -> transformers.PreTrainedTokenizerFast:
     """A tiny tokenizer with `family`'s special tokens and chunking, and `chat_template`.
 
     Args:
@@ -55,6 +57,7 @@ def build_family_tokenizer(chat_template: str, family: str, vocab_size: int = 51
       family: "qwen2" or "llama3" (see the module docstring).
       vocab_size: ids in all, added tokens included (at least the tiny tokenizer's minimum
         plus the family's added tokens).
+      extra_texts: more training text (as `build_tokenizer`'s), for merges a test needs.
 
     Raises:
       ValueError: an unknown family, or an empty template.
@@ -65,7 +68,7 @@ def build_family_tokenizer(chat_template: str, family: str, vocab_size: int = 51
         raise ValueError("chat_template is empty; pass the model's Jinja chat template text")
     spec = FAMILIES[family]
     extra = spec["special"] + spec["added"]
-    base = build_tokenizer(vocab_size - len(extra))
+    base = build_tokenizer(vocab_size - len(extra), extra_texts)
     # A copy of the trained tokenizer, so the cached tiny tokenizer is never altered.
     backend = tokenizers.Tokenizer.from_str(base.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -162,3 +162,29 @@ def test_a_bad_call_is_an_error_observation_and_the_episode_goes_on(family_tok):
     [tool_message] = [m for m in traj.messages if m["role"] == "tool"]
     assert tool_message["content"] == "Error: unknown tool 'weather'; the tools are: calculator"
     assert traj.info["step_infos"][0]["tool_errors"] == 1
+
+
+class Malformed(ProductTask):
+    """Bad function-calling output: `tools` not a list of dicts, or observation messages
+    without a string content."""
+
+    def __init__(self, bad_tools=False):
+        self.tools = "calculator" if bad_tools else None
+
+    def step(self, action):
+        return StepResult("x", 0.0, False, {"observation_messages": [{"role": "tool"}]})
+
+
+@pytest.mark.parametrize("bad_tools, error", [
+    (True, "Malformed.tools is 'calculator'; it must be a list of tool schemas"),
+    (False, "Malformed's step returned info['observation_messages'] = [{'role': 'tool'}]"),
+])
+def test_malformed_tools_or_observation_messages_end_the_episode(bad_tools, error):
+    from rl_tpu.models.tiny_tokenizer import build_tokenizer
+
+    tok = ChatTokenizer(build_tokenizer(300))
+    [traj] = run_episodes(ScriptedEngine(tok, lambda text, turn: "hi"),
+                          lambda: Malformed(bad_tools), [Task("p0")], tokenizer=tok,
+                          max_turns=3, max_new_tokens_per_turn=20, max_context_tokens=2048,
+                          num_threads=0)
+    assert traj.finish == "env_error" and error in traj.info["error"]
