@@ -257,6 +257,10 @@ class Sandbox:
         selector.register(stdin_fd, selectors.EVENT_WRITE)
         for fd in (*outputs, started.status_fd):
             selector.register(fd, selectors.EVENT_READ)
+        # Readable once the launcher (unsafe) or bwrap has exited: what the program left running
+        # is then killed, so an orphan holding stdout open cannot hold the run to its wall limit.
+        exited_fd = os.pidfd_open(process.pid)
+        selector.register(exited_fd, selectors.EVENT_READ)
         begin = time.monotonic()
         deadline = begin + START_TIMEOUT_SECONDS
         program_started = False
@@ -273,6 +277,10 @@ class Sandbox:
                     break
                 for key, _ in selector.select(remaining):
                     fd = key.fd
+                    if fd == exited_fd:
+                        selector.unregister(fd)
+                        started.kill()
+                        continue
                     if fd == stdin_fd:
                         try:
                             written += os.write(fd, payload[written:written + READ_CHUNK])
@@ -306,6 +314,7 @@ class Sandbox:
             returncode = process.wait()
         finally:
             selector.close()
+            os.close(exited_fd)
         seconds = time.monotonic() - begin
         stdout, stderr = (bytes(outputs[s.fileno()]).decode("utf-8", "replace")
                           for s in (process.stdout, process.stderr))
