@@ -121,13 +121,15 @@ def _call_from_json(body: str, arguments_key: str, where: str) -> tuple[ToolCall
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        return None, f"{where} is not valid JSON ({e.msg} at character {e.pos}): {body.strip()[:200]!r}"
+        return None, (f"{where} is not valid JSON ({e.msg} at character {e.pos}): "
+                      f"{body.strip()[:200]!r}")
     return _call_from_object(obj, arguments_key, where)
 
 
 def _call_from_object(obj: Any, arguments_key: str, where: str) -> tuple[ToolCall | None, str]:
     if not isinstance(obj, dict):
-        return None, f"{where} must be a JSON object, got {type(obj).__name__}: {json.dumps(obj)[:200]}"
+        return None, (f"{where} must be a JSON object, got {type(obj).__name__}: "
+                      f"{json.dumps(obj)[:200]}")
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return None, (f'{where} has no "name" (a non-empty string naming the tool): '

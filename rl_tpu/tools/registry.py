@@ -190,7 +190,8 @@ def check_arguments(arguments: dict, schema: dict) -> Optional[str]:
     properties = schema.get("properties", {})
     missing = [n for n in schema.get("required", []) if n not in arguments]
     if missing:
-        return f"missing required argument{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"
+        return (f"missing required argument{'s' * (len(missing) > 1)} "
+                f"{', '.join(map(repr, missing))}")
     if schema.get("additionalProperties", False) is False:
         unknown = [n for n in arguments if n not in properties]
         if unknown:

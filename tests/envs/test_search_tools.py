@@ -45,7 +45,8 @@ def test_schema_prompt_and_other_styles_have_no_tools(env):
     assert env.system_prompt.startswith("You answer questions by searching a document collection "
                                         "with the search tool.")
     assert env.conversation_start() is None
-    assert base.make("search").tools is None and base.make("search", actions="brackets").tools is None
+    assert base.make("search").tools is None
+    assert base.make("search", actions="brackets").tools is None
     with pytest.raises(ValueError, match="call_format must be one of"):
         base.make("search", actions="tools", call_format="xml")
 

@@ -15,17 +15,20 @@ def test_hermes_one_call():
 
 def test_hermes_two_calls_with_text_around():
     text = ('Let me look both up.\n<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n'
-            '</tool_call>\nand\n<tool_call>\n{"name": "search", "arguments": {"query": "b", "k": 2}}'
-            '\n</tool_call> done')
+            '</tool_call>\nand\n<tool_call>\n{"name": "search", "arguments": '
+            '{"query": "b", "k": 2}}\n</tool_call> done')
     parsed = parse_tool_calls(text, "hermes")
-    assert parsed.calls == (ToolCall("search", {"query": "a"}), ToolCall("search", {"query": "b", "k": 2}))
-    # The text outside the blocks, joined and stripped: "Let me look both up.\n" + "\nand\n" + " done".
+    assert parsed.calls == (ToolCall("search", {"query": "a"}),
+                            ToolCall("search", {"query": "b", "k": 2}))
+    # The text outside the blocks, joined and stripped:
+    # "Let me look both up.\n" + "\nand\n" + " done".
     assert parsed.content == "Let me look both up.\n\nand\n done"
     assert parsed.errors == ()
 
 
 def test_hermes_no_call_is_the_answer():
-    assert parse_tool_calls("  The answer is 5. ", "hermes") == ParsedReply("The answer is 5.", (), ())
+    assert parse_tool_calls("  The answer is 5. ", "hermes") == ParsedReply(
+        "The answer is 5.", (), ())
 
 
 def test_hermes_malformed_json_is_an_error_and_other_calls_survive():
@@ -45,10 +48,11 @@ def test_hermes_missing_name():
 
 
 def test_hermes_arguments_not_an_object():
-    parsed = parse_tool_calls('<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>', "hermes")
+    parsed = parse_tool_calls('<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>',
+                              "hermes")
     assert parsed.calls == ()
-    assert parsed.errors == ("tool call 1 to 'calc': \"arguments\" must be a JSON object of argument "
-                             "names to values, got list: [1, 2]",)
+    assert parsed.errors == ("tool call 1 to 'calc': \"arguments\" must be a JSON object of "
+                             "argument names to values, got list: [1, 2]",)
 
 
 def test_hermes_arguments_as_a_json_string_and_missing_arguments():
@@ -87,7 +91,8 @@ def test_llama_python_tag_and_two_calls():
 
 def test_llama_plain_text_and_non_call_json_are_answers():
     assert parse_tool_calls("It is 42.", "llama3_json") == ParsedReply("It is 42.", (), ())
-    assert parse_tool_calls('{"answer": 42}', "llama3_json") == ParsedReply('{"answer": 42}', (), ())
+    assert parse_tool_calls('{"answer": 42}', "llama3_json") == ParsedReply(
+        '{"answer": 42}', (), ())
 
 
 def test_llama_malformed():
@@ -100,7 +105,8 @@ def test_llama_malformed():
                                  "argument names to values, got int: 5",)
     trailing = parse_tool_calls('{"name": "calc", "parameters": {}} and then', "llama3_json")
     assert trailing.calls == (ToolCall("calc", {}),)
-    assert trailing.errors == ("text after tool call 1 is neither another call nor a ';': 'and then'",)
+    assert trailing.errors == (
+        "text after tool call 1 is neither another call nor a ';': 'and then'",)
     tag_no_json = parse_tool_calls("<|python_tag|>print(1)", "llama3_json")
     assert tag_no_json.errors[0].startswith("the text after <|python_tag|> is not a JSON call")
 
@@ -126,7 +132,8 @@ def test_message_call_form():
 
 
 def test_call_format_of_template_text():
-    assert call_format_of("{% if tools %}...<tool_call>\\n{{ tool_call.name }}{% endif %}") == "hermes"
+    hermes = "{% if tools %}...<tool_call>\\n{{ tool_call.name }}{% endif %}"
+    assert call_format_of(hermes) == "hermes"
     assert call_format_of('{% if tools %}{{ \'"parameters": \' }}{% endif %}') == "llama3_json"
     with pytest.raises(ValueError, match="no tool support"):
         call_format_of("{% for m in messages %}{{ m['content'] }}{% endfor %}")

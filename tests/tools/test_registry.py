@@ -144,7 +144,8 @@ def test_calculator_values(expression, value):
 def test_calculator_refusals(expression, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         evaluate_arithmetic(expression)
-    result = ToolRegistry([calculator_tool()]).execute(ToolCall("calculator", {"expression": expression}))
+    result = ToolRegistry([calculator_tool()]).execute(
+        ToolCall("calculator", {"expression": expression}))
     assert not result.ok and message in result.content
 
 

@@ -81,7 +81,8 @@ def test_consecutive_tool_messages_need_append_messages(qwen):
     one, two = {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}
     # The first tool message closes its user turn only when it is the last message: appending
     # one at a time would have to take back text already in the history.
-    after_one = qwen.append_message(history, messages, one, add_generation_prompt=False, tools=TOOLS)
+    after_one = qwen.append_message(history, messages, one, add_generation_prompt=False,
+                                    tools=TOOLS)
     with pytest.raises(ValueError, match="not prefix-stable"):
         qwen.append_message(after_one, messages + [one], two, tools=TOOLS)
     both = qwen.append_messages(history, messages, [one, two], tools=TOOLS)

@@ -22,7 +22,8 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 # The text each template writes to open an assistant turn (the generation prompt's end).
 ASSISTANT_HEADER = {"qwen2": "<|im_start|>assistant\n",
                     "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n"}
-QWEN_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>'
+QWEN_CALL = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n'
+             '</tool_call>')
 LLAMA_CALL = '{"name": "calculator", "parameters": {"expression": "17 * 23"}}'
 
 
@@ -130,7 +131,8 @@ def test_qwen_two_calls_in_one_reply_come_back_in_one_user_turn(family_tok):
     if family != "qwen2":
         pytest.skip("Llama 3.1's template renders one call per assistant message")
     two = (QWEN_CALL + "\n"
-           + '<tool_call>\n{"name": "calculator", "arguments": {"expression": "391 + 9"}}\n</tool_call>')
+           + '<tool_call>\n{"name": "calculator", "arguments": {"expression": "391 + 9"}}\n'
+           '</tool_call>')
     traj, _, registry = play(tok, family, [two, "391, and 400 with 9 more."])
     assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["391", "400"]
     structured = [
@@ -155,8 +157,8 @@ def test_qwen_two_calls_in_one_reply_come_back_in_one_user_turn(family_tok):
 
 def test_a_bad_call_is_an_error_observation_and_the_episode_goes_on(family_tok):
     family, _, tok = family_tok
-    unknown = ('<tool_call>\n{"name": "weather", "arguments": {}}\n</tool_call>' if family == "qwen2"
-               else '{"name": "weather", "parameters": {}}')
+    unknown = {"qwen2": '<tool_call>\n{"name": "weather", "arguments": {}}\n</tool_call>',
+               "llama3": '{"name": "weather", "parameters": {}}'}[family]
     traj, _, _ = play(tok, family, [unknown, "391"])
     assert traj.finish == "done" and traj.reward == 1.0
     [tool_message] = [m for m in traj.messages if m["role"] == "tool"]
