@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import shutil
 import subprocess
 from typing import Optional
@@ -29,7 +30,7 @@ SANDBOX_PYTHON = "/usr/bin/python3"
 # nobody: a uid that owns no files; when the host runs as root, sandboxes run as this uid.
 SANDBOX_UID = 65534
 SANDBOX_GID = 65534
-LAUNCHER_SOURCE = open(launcher.__file__, encoding="utf-8").read()
+LAUNCHER_SOURCE = pathlib.Path(launcher.__file__).read_text(encoding="utf-8")
 # The sandbox's own processes besides the program: bwrap's pid-1 init. RLIMIT_NPROC counts it.
 SANDBOX_OWN_PROCESSES = 1
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",

@@ -200,16 +200,15 @@ class Sandbox:
                 self._ready.append(started)
 
     def _take(self, tmpfs_bytes: int) -> Started:
-        if tmpfs_bytes == self.limits.tmpfs_bytes:
-            with self._condition:
-                if self._closed:
-                    raise RuntimeError("this sandbox is closed")
-                while self._ready:
-                    started = self._ready.popleft()
-                    self._condition.notify_all()  # the pool thread refills
-                    if started.process.poll() is None:
-                        return started
-                    self._discard(started)  # died while waiting; a cold start says why
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("this sandbox is closed")
+            while self._ready and tmpfs_bytes == self.limits.tmpfs_bytes:
+                started = self._ready.popleft()
+                self._condition.notify_all()  # the pool thread refills
+                if started.process.poll() is None:
+                    return started
+                self._discard(started)  # died while waiting; a cold start says why
         return self._start(tmpfs_bytes)
 
     def _discard(self, started: Started):
@@ -244,10 +243,11 @@ class Sandbox:
         return count_user_tasks(os.getuid()) + limits.processes
 
     def _execute(self, started: Started, code: str, stdin: str, limits: Limits) -> Execution:
-        source = code.encode("utf-8")
+        # "replace": a lone surrogate in model output becomes "?" instead of failing the call.
+        source = code.encode("utf-8", "replace")
         header = (f"{limits.cpu_seconds} {limits.memory_bytes} "
                   f"{self._processes_allowed(limits)} {len(source)}").ljust(HEADER_BYTES)
-        payload = memoryview(header.encode("ascii") + source + stdin.encode("utf-8"))
+        payload = memoryview(header.encode("ascii") + source + stdin.encode("utf-8", "replace"))
         process = started.process
         outputs = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
         status_lines = bytearray()

@@ -123,3 +123,12 @@ def test_bad_arguments_to_run_are_refused(sandbox):
         sandbox.run("print(1)", stdin=b"")
     with pytest.raises(TypeError, match="limits"):
         sandbox.run("print(1)", limits={"wall_seconds": 1})
+
+
+def test_text_no_program_could_be_is_an_error_or_replaced_not_a_crash(sandbox):
+    execution = sandbox.run("print('nul\x00byte')\n")
+    assert (execution.status, execution.exit_code) == ("error", 1)
+    assert "null bytes" in execution.stderr
+    # A lone surrogate (possible in decoded model output) cannot be UTF-8: it arrives as "?".
+    execution = sandbox.run("print('a\ud800b')\nprint(input())\n", stdin="c\udfffd\n")
+    assert (execution.status, execution.stdout) == ("ok", "a?b\nc?d\n")
