@@ -4,10 +4,12 @@ the unsafe mode, and the check of whether bubblewrap works on this machine at al
 What a bubblewrap sandbox sees: /usr read-only (with /bin, /lib, /lib64, /sbin as this host
 lays them out), its own /proc and a minimal read-only /dev, and two private size-limited tmpfs:
 /tmp (its cwd and $HOME) and /dev/shm. Nothing else is writable: no /etc, /root, /home or
-working directory at all. Every namespace is new
-(user, pid, net, ipc, uts, cgroup): no network but a loopback of its own, no view of the host's
-processes. Capabilities dropped, a new session (no TIOCSTI into the host's terminal), a cleared
-environment, and it dies with the process that started it.
+working directory at all. Every namespace is new (user, pid, net, ipc, uts, cgroup): no
+network but a loopback of its own, no view of the host's processes, and no further user
+namespaces of its own making. Capabilities dropped, a new session (no TIOCSTI into the host's
+terminal), a cleared environment, no fds but stdin, stdout, stderr and the launcher's status
+pipe, and it dies with the process that started it. No seccomp filter: the program reaches the
+kernel's syscalls an unprivileged process does.
 
 Run as root, the host drops to SANDBOX_UID before bwrap: the kernel never enforces
 RLIMIT_NPROC against uid 0, so a fork bomb would otherwise be limited by nothing."""
@@ -67,6 +69,9 @@ def bubblewrap_command(tmpfs_bytes: int, inner: list[str],
     to `info_fd` when one is given."""
     command = [shutil.which("bwrap") or "bwrap",
                "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+               # No user namespaces inside: in one of its own a program is root enough to mount
+               # a tmpfs of no size limit, and reaches far more of the kernel.
+               "--disable-userns", "--assert-userns-disabled",
                "--cap-drop", "ALL", "--clearenv"]
     for name, value in ENVIRONMENT.items():
         command += ["--setenv", name, value]

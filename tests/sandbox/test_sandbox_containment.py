@@ -165,3 +165,15 @@ def test_filling_the_tmpfs_fails_at_its_size(sandbox):
     # ENOSPC (28) after at most the tmpfs's 4 MiB (the last buffered MiB may not fit).
     assert execution.status == "ok" and errno_number == "28" and int(megabytes) <= 4
     serves_correctly(sandbox)
+
+
+def test_no_user_namespace_inside_and_no_stray_fds(sandbox):
+    # A user namespace of its own would make the program root enough to mount a tmpfs of no
+    # size. unshare(CLONE_NEWUSER = 0x10000000) fails with ENOSPC (28): the sandbox's limit of
+    # user namespaces is 0. Open fds: 0, 1, 2, the launcher's status pipe, and listdir's own.
+    probe = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+             "print(sorted(map(int, os.listdir('/proc/self/fd')))[:3], len(os.listdir('/proc/self/fd')))\n")
+    execution = sandbox.run(probe, limits=HOSTILE)
+    assert execution.stdout == "-1 28\n[0, 1, 2] 5\n"
+    serves_correctly(sandbox)
