@@ -79,13 +79,15 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
              tokenizer: ChatTokenizer, max_turns: int, max_new_tokens: int,
              max_context_tokens: int, pass_k: int = 0,
              sampling: Optional[SamplingParams] = None, seed: int = 0,
-             step_timeout_s: Optional[float] = 60.0, reward_reduce="sum") -> dict[str, float]:
-    """Greedy success (and pass@k with `sampling`) of `engine` on this host's `tasks`."""
+             step_timeout_s: Optional[float] = 60.0, reward_reduce="sum",
+             play: Callable[..., list[Trajectory]] = run_episodes) -> dict[str, float]:
+    """Greedy success (and pass@k with `sampling`) of `engine` on this host's `tasks`, played
+    by `play` (`run_episodes`'s arguments; an agent program's player, say)."""
     common = dict(tokenizer=tokenizer, max_turns=max_turns,
                   max_new_tokens_per_turn=max_new_tokens, max_context_tokens=max_context_tokens,
                   step_timeout_s=step_timeout_s, reward_reduce=reward_reduce)
-    greedy = run_episodes(engine, make_env, list(tasks),
-                          sampling=SamplingParams(temperature=0.0, seed=seed), **common)
+    greedy = play(engine, make_env, list(tasks),
+                  sampling=SamplingParams(temperature=0.0, seed=seed), **common)
     stats = episode_stats(greedy)
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
                                  "violation_rate", "format_valid_rate") if k in stats}
@@ -94,8 +96,8 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
     if pass_k > 0:
         if sampling is None:
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")
-        samples = run_episodes(engine, make_env, list(tasks), samples_per_task=pass_k,
-                               sampling=dataclasses.replace(sampling, seed=seed), **common)
+        samples = play(engine, make_env, list(tasks), samples_per_task=pass_k,
+                       sampling=dataclasses.replace(sampling, seed=seed), **common)
         solved = np.array([any(t.success for t in samples[i * pass_k:(i + 1) * pass_k])
                            for i in range(len(tasks))], np.float64)
         total = global_sums(np.array([solved.sum(), len(tasks)], np.float64))

@@ -476,9 +476,12 @@ def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, ma
                     tasks, tokenizer: ChatTokenizer, seed: int) -> dict[str, float]:
     """The config's eval suite on `tasks` (greedy success, pass@k, turns, tokens): the one
     place rl, sft and evaluate build the eval's arguments."""
+    from rl_tpu.agent import run_episodes
     from rl_tpu.agent.evaluation import evaluate
+    from rl_tpu.agent.program import player_for
     env = config.env
     return evaluate(engine, make_env, tasks, tokenizer=tokenizer,
+                    play=player_for(config, run_episodes),
                     max_turns=eval_horizon(config),
                     max_new_tokens=config.eval.max_new_tokens or env.max_new_tokens,
                     max_context_tokens=env.max_context_tokens, pass_k=config.eval.pass_k,

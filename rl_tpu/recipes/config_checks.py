@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from rl_tpu import schedules
-from rl_tpu.agent import branching
+from rl_tpu.agent import branching, program
 from rl_tpu.envs import base as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
@@ -272,6 +272,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if bad:
         raise ValueError(f"{', '.join(bad)}: config values must be finite numbers; give "
                          f"{'that key' if len(bad) == 1 else 'those keys'} a finite value")
+    program.check_config(config)  # env agent_program: what a program's episodes cannot do
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
     _check_loop(config)

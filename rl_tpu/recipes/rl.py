@@ -46,6 +46,7 @@ import numpy as np
 from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
 from rl_tpu.agent import play_partial
+from rl_tpu.agent.program import player_for
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
@@ -506,7 +507,8 @@ class Trainer:
         """G episodes of each (position, task), sampled for step `chunk`: task-major, each
         group id the task's global stream position (the same whichever host plays it)."""
         config = self.config
-        play = algorithms.episode_player(config.algo, config.seed)  # TL-GRPO: branching
+        # TL-GRPO: branching; env agent_program: the user's program (rl_tpu/agent/program.py)
+        play = player_for(config, algorithms.episode_player(config.algo, config.seed))
         args = self.episode_args(tasks, chunk, round_index)
         trajectories = play(self.engine, self.make_env, [t for _, t in tasks], **args)
         g = config.train.samples_per_task
