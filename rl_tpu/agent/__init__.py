@@ -12,9 +12,9 @@ agent.run_episodes(...)`).
 """
 
 from rl_tpu.agent.loop import (Episode, close_paused, conversation_start, default_parse_action,
-                               ended_on_failure, paused_task, play_episodes, play_partial,
-                               run_episodes, start_episodes)
+                               ended_on_failure, env_tools, observation_messages, paused_task,
+                               play_episodes, play_partial, run_episodes, start_episodes)
 
 __all__ = ["Episode", "close_paused", "conversation_start", "default_parse_action",
-           "ended_on_failure", "paused_task", "play_episodes", "play_partial", "run_episodes",
-           "start_episodes"]
+           "ended_on_failure", "env_tools", "observation_messages", "paused_task",
+           "play_episodes", "play_partial", "run_episodes", "start_episodes"]

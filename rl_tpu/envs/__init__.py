@@ -27,6 +27,7 @@ ENV_MODULES: dict[str, str] = {
     "code": "code",
     "code_repair": "code_repair",
     "tir": "tir",
+    "tool_calling": "tool_calling",
     # Older names of the same envs (AgentGym's task names, and the envs before they merged)
     "babyai_agentgym": "babyai",
     "textcraft_agentgym": "textcraft",

@@ -7,6 +7,7 @@ urls). Recipes call these in order; nothing here loops.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Callable, Optional
@@ -274,12 +275,37 @@ def env_text(config: ml_collections.ConfigDict, num_tasks: int) -> list[str]:
         return []
     make_env = make_env_factory(config)
     source, env, texts = task_source(config, make_env), make_env(), []
-    from rl_tpu.agent import conversation_start
+    from rl_tpu.agent import conversation_start, env_tools
     for i in range(num_tasks):
         texts.append(env.reset(source.get(config.env.train_split, i)))
         texts += [m["content"] for m in conversation_start(env)]
+        # a function-calling env's tool schemas: the template writes them into every prompt
+        texts += [json.dumps(t) for t in env_tools(env) or ()]
     env.close()
     return texts
+
+
+def check_call_format(make_env: Callable[[], Env], tokenizer: ChatTokenizer) -> None:
+    """A function-calling env (one with `tools` and a `call_format`) must parse replies in the
+    format the policy's chat template writes calls in; else every call would be malformed and
+    the run would learn nothing. Raises ValueError naming both formats and the fix."""
+    env = make_env()
+    try:
+        wanted = getattr(env, "call_format", None)
+        if wanted is None or not getattr(env, "tools", None):
+            return
+        from rl_tpu.tools.calls import call_format_of
+        try:
+            written = call_format_of(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"env {env.name!r} calls tools, but the policy's tokenizer cannot: "
+                             f"{e}") from None
+        if written != wanted:
+            raise ValueError(
+                f"env {env.name!r} parses tool calls as {wanted!r}, but the policy's chat "
+                f"template writes them as {written!r}; set env.kwargs.call_format={written!r}")
+    finally:
+        env.close()
 
 
 def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh

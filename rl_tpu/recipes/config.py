@@ -406,6 +406,33 @@ def largest_task(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+# Sums and products of two 2-digit numbers, no signs or brackets: more than a 2-layer model 64
+# wide works out in its head, while a calculator call only copies the question's expression.
+CALCULATOR_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2,
+                         "operators": ("+", "*"), "allow_parentheses": False,
+                         "allow_negation": False}
+
+
+def calculator_task(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Function calling a tiny model learns on a CPU (configs/tool_calling.py, the agent
+    notebook): `arithmetic` played through the `tool_calling` env with a `calculator` tool,
+    calls in the tiny tokenizer's (Qwen2.5's) format; a call then an answer; an SFT warm start
+    on a teacher that calls the tool half the time and guesses (wrongly) otherwise."""
+    set_env(c, "tool_calling", task_env="arithmetic", tools="calculator", call_format="hermes",
+            task_kwargs={"config": dict(CALCULATOR_ARITHMETIC), "isolate": False,
+                         "system_prompt": "Give the final answer inside <answer>...</answer>."})
+    # the tokenizer learns the env's texts (the tool schema too): a row fits 320 tokens (the
+    # prompt is about 200 of them, the two replies and the tool's result the rest)
+    tiny_model_warm_start(c, context_tokens=320, sft_steps=200, sft_batch_size=32,
+                          num_demos=2000, teacher_skill=0.5, corpus_tasks=500)
+    c.env.max_turns = 2  # a call, then the answer
+    c.env.max_new_tokens = 40  # per turn: the call is the longer reply
+    c.train.steps = 60
+    c.train.tasks_per_step = 16
+    c.eval.num_tasks = 200
+    return c
+
+
 def single_turn_reasoning(c: ml_collections.ConfigDict, env: str, *, max_new_tokens: int,
                           max_context_tokens: int) -> ml_collections.ConfigDict:
     """The settings the single-turn reasoning experiments share (one reply a task, scored by

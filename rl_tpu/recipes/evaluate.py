@@ -68,6 +68,7 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     if not model_path:
         step, params = _checkpoint_params(config, workdir, model_cfg, params, mesh)
     make_env = components.make_env_factory(config)
+    components.check_call_format(make_env, tokenizer)
     source = components.task_source(config, make_env)
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     # an HF export for SGLang servers goes under the workdir, else a fresh temporary dir

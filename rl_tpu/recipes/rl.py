@@ -147,6 +147,7 @@ class Trainer:
         self.model_cfg, model, params, self.tokenizer = components.load_policy(
             config, path, self.mesh)
         self.make_env = components.make_env_factory(config)
+        components.check_call_format(self.make_env, self.tokenizer)
         source = components.task_source(config, self.make_env)
         env_cfg, algo = config.env, config.algo
 

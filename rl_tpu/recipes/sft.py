@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel, preemption
-from rl_tpu.agent import conversation_start
+from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import components
@@ -43,7 +43,9 @@ def teacher_episode(env: Env, task: Task, rng: random.Random, skill: float,
                     max_turns: int) -> tuple[list[dict], bool]:
     """Plays the env's teacher (`env.teacher_reply(task, rng, skill)`, its reply in the env's
     current state) through one episode of up to `max_turns` turns, as the agent loop would:
-    (the chat, conversation start included, ending with the teacher's last reply; success)."""
+    (the chat, conversation start included, ending with the teacher's last reply; success).
+    A function-calling env's tool results come back as its observation messages (role
+    "tool"), as the loop appends them; render the chat with the env's `env_tools(env)`."""
     observation = env.reset(task)
     messages = conversation_start(env) + [{"role": "user", "content": observation}]
     success = False
@@ -54,7 +56,7 @@ def teacher_episode(env: Env, task: Task, rng: random.Random, skill: float,
         success = bool(result.info.get("success"))
         if result.done or turn + 1 >= max_turns:
             break  # the final observation is never followed by a turn: nothing to learn
-        messages.append({"role": "user", "content": result.observation})
+        messages += observation_messages(env.name, result)
     return messages, success
 
 
@@ -73,8 +75,11 @@ def teacher_examples(make_env: Callable[[], Env], tasks: Sequence[Task],
     """One demonstration episode per task from the env's teacher; every teacher turn carries
     loss, token-exact with what the agent loop holds had the policy sampled those replies."""
     env, rng = _teacher_env(make_env), random.Random(seed)
-    out = [chat_example(teacher_episode(env, task, rng, skill, max_turns)[0], tokenizer,
-                         f"teacher demo of {task.task_id}") for task in tasks]
+    out = []
+    for task in tasks:
+        messages, _ = teacher_episode(env, task, rng, skill, max_turns)
+        out.append(chat_example(messages, tokenizer, f"teacher demo of {task.task_id}",
+                                tools=env_tools(env)))
     env.close()
     return out
 
@@ -111,22 +116,32 @@ def chat_examples(path: str, tokenizer: ChatTokenizer) -> list[Example]:
     return out
 
 
-def chat_example(messages, tokenizer: ChatTokenizer, where: str) -> Example:
+def chat_example(messages, tokenizer: ChatTokenizer, where: str,
+                 tools: Optional[Sequence[dict]] = None) -> Example:
+    """The ids of a chat and its loss mask (on every assistant turn and its eos), built as the
+    agent loop builds a history: the prompt rendered once, each assistant turn its own ids,
+    each run of other messages (observations; a reply's tool results) appended after it
+    token-exactly. `tools`: the schemas the chat is rendered with (function calling)."""
     first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
     if first is None:
         raise ValueError(f"{where}: the chat has no assistant message to learn from")
-    ids = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True,
+                                        tools=tools)
     mask = [False] * len(ids)
-    for i in range(first, len(messages)):
-        message = messages[i]
-        if message.get("role") == "assistant":
-            reply = tokenizer.encode(message["content"]) + [tokenizer.eos_token_id]
-            ids, mask = ids + reply, mask + [True] * len(reply)
-        else:
-            nxt = i + 1 < len(messages) and messages[i + 1].get("role") == "assistant"
-            new = tokenizer.append_message(ids, messages[:i], message, add_generation_prompt=nxt)
-            mask += [False] * (len(new) - len(ids))
-            ids = new
+    i = first
+    while i < len(messages):
+        if messages[i].get("role") == "assistant":
+            reply = tokenizer.encode(messages[i]["content"]) + [tokenizer.eos_token_id]
+            ids, mask, i = ids + reply, mask + [True] * len(reply), i + 1
+            continue
+        # A run of messages goes in at once: a template may render consecutive tool
+        # results as one turn (Qwen2.5), which one-at-a-time appends would not reproduce.
+        end = next((j for j in range(i, len(messages))
+                    if messages[j].get("role") == "assistant"), len(messages))
+        new = tokenizer.append_messages(ids, messages[:i], messages[i:end],
+                                        add_generation_prompt=end < len(messages), tools=tools)
+        mask += [False] * (len(new) - len(ids))
+        ids, i = new, end
     return ids, mask
 
 
