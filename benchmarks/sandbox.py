@@ -71,18 +71,22 @@ def main():
     parser.add_argument("--mode", default="bubblewrap",
                         choices=("bubblewrap", "unsafe_no_isolation"))
     parser.add_argument("--callers", default="1,2,4", help="comma-separated caller counts")
-    parser.add_argument("--pool_size", type=int, default=2, help="the warm rows' pool")
+    parser.add_argument("--pool_size", type=int, default=0,
+                        help="the warm rows' pool; 0: twice the row's callers, so that a caller "
+                        "rarely takes a sandbox whose interpreter is still starting")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each round")
     args = parser.parse_args()
     callers = [int(count) for count in args.callers.split(",")]
-    if args.rounds < 1 or args.seconds <= 0 or args.pool_size < 1 or min(callers) < 1:
-        parser.error("--rounds, --pool_size and each of --callers must be >= 1, --seconds > 0")
+    if args.rounds < 1 or args.seconds <= 0 or args.pool_size < 0 or min(callers) < 1:
+        parser.error("--rounds and each of --callers must be >= 1, --pool_size >= 0, "
+                     "--seconds > 0")
     print(f"| sandbox ({args.mode}) | callers | runs/s | median s a run | failed | load average |")
     print("|---|---|---|---|---|---|")
     for count in callers:
-        for label, pool_size in (("cold (pool_size=0)", 0), (f"warm (pool_size={args.pool_size})",
-                                                            args.pool_size)):
+        warm_pool = args.pool_size or 2 * count
+        for label, pool_size in (("cold (pool_size=0)", 0), (f"warm (pool_size={warm_pool})",
+                                                            warm_pool)):
             rate, median, failures = measure(args.mode, pool_size, count, args.rounds,
                                              args.seconds)
             print(f"| {label} | {count} | {rate:.1f} | {median:.3f} | {failures} | "

@@ -14,8 +14,15 @@ This file imports nothing from rl_tpu and runs on any Python 3.8+, since inside 
 is run by the system's interpreter, not the project's. A program can write to the status fd
 itself; that can only garble its own run's status."""
 
+# Everything the launcher needs is imported before it reports ready, so a warm sandbox's
+# program does not wait for these imports.
+import linecache
+import math
 import os
+import resource
 import sys
+import traceback
+import types
 
 HEADER_BYTES = 128
 
@@ -33,15 +40,11 @@ def read_exactly(fd, count):
 
 
 def set_limits(cpu_seconds, memory_bytes, processes):
-    import resource
-
     # RLIMIT_CPU counts the whole process's CPU time, the interpreter's start included, so the
     # program's budget is added to what this process has used so far. SIGXCPU at the soft
     # limit (default action: die), SIGKILL a second later for a program that ignores it.
     # The limit is whole seconds, so rounding up gives the program at least what it was given
     # (and less than a second more).
-    import math
-
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = math.ceil(usage.ru_utime + usage.ru_stime + cpu_seconds)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -53,10 +56,6 @@ def set_limits(cpu_seconds, memory_bytes, processes):
 
 
 def run_program(source, status):
-    import linecache
-    import traceback
-    import types
-
     main = types.ModuleType("__main__")
     main.__file__ = "main.py"
     sys.modules["__main__"] = main
