@@ -33,6 +33,8 @@ SANDBOX_PYTHON = "/usr/bin/python3"
 SANDBOX_UID = 65534
 SANDBOX_GID = 65534
 LAUNCHER_SOURCE = pathlib.Path(launcher.__file__).read_text(encoding="utf-8")
+# --disable-userns came in bubblewrap 0.8.0 (Debian 12's version).
+MINIMUM_BWRAP = (0, 8, 0)
 # The sandbox's own processes besides the program: bwrap's pid-1 init. RLIMIT_NPROC counts it.
 SANDBOX_OWN_PROCESSES = 1
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -103,11 +105,25 @@ def spawn_options(isolated: bool = True, cwd: str = "/") -> dict:
     return options
 
 
+def bubblewrap_version() -> tuple:
+    """(0, 8, 0) from `bwrap --version`'s "bubblewrap 0.8.0"; (0,) when it says nothing usable."""
+    try:
+        said = subprocess.run([shutil.which("bwrap") or "bwrap", "--version"],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+        return tuple(int(part) for part in said[-1].split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return (0,)
+
+
 @functools.lru_cache(maxsize=1)
 def sandbox_unavailable_reason() -> Optional[str]:
     """None when a bubblewrap sandbox starts here and runs Python; else why not (once a process)."""
     if shutil.which("bwrap") is None:
         return "the `bwrap` binary is not on PATH"
+    version = bubblewrap_version()
+    if version < MINIMUM_BWRAP:
+        return (f"bwrap {'.'.join(map(str, version))} is older than "
+                f"{'.'.join(map(str, MINIMUM_BWRAP))} (needed for --disable-userns)")
     if not os.access(SANDBOX_PYTHON, os.X_OK):
         return f"{SANDBOX_PYTHON} (the interpreter run inside the sandbox) does not exist"
     probe = bubblewrap_command(2**20, [SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"])

@@ -29,6 +29,8 @@ from rl_tpu.sandbox.limits import Execution, Limits
 # failed, the interpreter is missing), not slow: the run raises instead of reporting a timeout.
 START_TIMEOUT_SECONDS = 60.0
 READ_CHUNK = 65536
+# The launcher says at most "ready", "started" and "memory" on its status pipe.
+STATUS_BYTES = 4096
 MODES = ("bubblewrap", "unsafe_no_isolation")
 log = logging.getLogger(__name__)
 
@@ -298,6 +300,10 @@ class Sandbox:
                         if not program_started and b"started\n" in status_lines:
                             program_started = True
                             deadline = time.monotonic() + limits.wall_seconds
+                        if len(status_lines) > STATUS_BYTES:
+                            # Only a program writing to the fd itself gets here: stop reading
+                            # (its writes then block) rather than hold what it sends.
+                            selector.unregister(fd)
                     else:
                         outputs[fd] += data
                         if len(outputs[fd]) > limits.output_bytes:

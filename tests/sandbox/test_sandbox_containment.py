@@ -177,3 +177,13 @@ def test_no_user_namespace_inside_and_no_stray_fds(sandbox):
     execution = sandbox.run(probe, limits=HOSTILE)
     assert execution.stdout == "-1 28\n[0, 1, 2] 5\n"
     serves_correctly(sandbox)
+
+
+def test_a_program_flooding_the_status_pipe_holds_no_host_memory(sandbox):
+    # The launcher's status fd is the one besides 0-2 (the host reads at most 4 KiB of it).
+    flood = ("import os\nstatus = max(int(fd) for fd in os.listdir('/proc/self/fd') "
+             "if int(fd) > 2 and os.path.exists('/proc/self/fd/' + fd))\n"
+             "while True:\n    os.write(status, b'memory\\n' * 1000)\n")
+    execution = sandbox.run(flood, limits=HOSTILE)
+    assert execution.status == "timeout" and execution.seconds < BOUND_SECONDS
+    serves_correctly(sandbox)

@@ -3,6 +3,7 @@ mode, and what make_sandbox says where bubblewrap cannot work."""
 
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -124,3 +125,11 @@ def test_a_missing_bwrap_binary_is_the_reason_given(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     reason = bubblewrap.sandbox_unavailable_reason.__wrapped__()  # past the per-process cache
     assert reason == "the `bwrap` binary is not on PATH"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the `bwrap` binary is not on PATH")
+def test_a_bwrap_too_old_for_disable_userns_is_the_reason_given(monkeypatch):
+    assert len(bubblewrap.bubblewrap_version()) == 3  # this machine's, e.g. (0, 8, 0)
+    monkeypatch.setattr(bubblewrap, "bubblewrap_version", lambda: (0, 6, 1))
+    reason = bubblewrap.sandbox_unavailable_reason.__wrapped__()
+    assert reason == "bwrap 0.6.1 is older than 0.8.0 (needed for --disable-userns)"
