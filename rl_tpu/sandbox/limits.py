@@ -44,7 +44,8 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be an int, got {getattr(self, name)!r}")
         if self.memory_bytes < 64 * 2**20:
             # The interpreter alone maps ~30 MB; below this it cannot start the program at all.
-            raise ValueError(f"Limits.memory_bytes must be at least 64 MiB, got {self.memory_bytes}")
+            raise ValueError(
+                f"Limits.memory_bytes must be at least 64 MiB, got {self.memory_bytes}")
         if self.processes < 2:
             raise ValueError(f"Limits.processes must be at least 2, got {self.processes}")
 

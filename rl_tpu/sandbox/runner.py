@@ -153,9 +153,8 @@ class Sandbox:
         workdir = None
         try:
             if self.mode == "bubblewrap":
-                command = bubblewrap.bubblewrap_command(
-                    tmpfs_bytes, bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write),
-                    info_fd=info_write)
+                inner = bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write)
+                command = bubblewrap.bubblewrap_command(tmpfs_bytes, inner, info_fd=info_write)
                 options = bubblewrap.spawn_options()
             else:
                 workdir = tempfile.mkdtemp(prefix="rl_tpu-unsafe-sandbox-")

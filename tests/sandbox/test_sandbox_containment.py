@@ -25,7 +25,8 @@ def namespace_of(execution):
 
 
 def test_a_fork_bomb_is_capped_ended_at_the_wall_limit_and_leaves_nothing(sandbox):
-    bomb = SAY_NAMESPACE + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb = SAY_NAMESPACE + ("while True:\n    try:\n        os.fork()\n"
+                            "    except OSError:\n        pass\n")
     execution = sandbox.run(bomb, limits=HOSTILE)
     assert execution.status == "timeout" and execution.exit_code is None
     assert execution.seconds < BOUND_SECONDS
@@ -110,7 +111,8 @@ def test_host_files_cannot_be_read(sandbox):
              "        open(path, 'rb').read()\n        print('read', path)\n"
              "    except OSError:\n        print('failed', path)\n"
              "for directory in ['/root', '/home', '/etc', %r]:\n    print(directory, "
-             "os.path.exists(directory))\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+             "os.path.exists(directory))\n"
+             "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
              "\nprint(sorted(os.listdir('/')))\n") % REPO
     execution = sandbox.run(probe, stdin="\n".join(secrets), limits=HOSTILE)
     assert execution.status == "ok"
@@ -173,7 +175,7 @@ def test_no_user_namespace_inside_and_no_stray_fds(sandbox):
     # user namespaces is 0. Open fds: 0, 1, 2, the launcher's status pipe, and listdir's own.
     probe = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
              "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
-             "print(sorted(map(int, os.listdir('/proc/self/fd')))[:3], len(os.listdir('/proc/self/fd')))\n")
+             "fds = sorted(map(int, os.listdir('/proc/self/fd')))\nprint(fds[:3], len(fds))\n")
     execution = sandbox.run(probe, limits=HOSTILE)
     assert execution.stdout == "-1 28\n[0, 1, 2] 5\n"
     serves_correctly(sandbox)
