@@ -15,8 +15,10 @@ teacher that writes the right function 30% of the time and otherwise stops one s
 Variants:
   rl         (default) the warm start, then 60 GRPO steps of 16 tasks x 8 samples
   sft_only   the control: no RL, the same seed, SFT on the teacher for longer instead
+  repair     the `code_repair` env: a failing program gets its first failing test back and
+             the model has a second try (2 turns), reward the last program's fraction
   humaneval  the eval of HumanEval's 164 problems (launch.eval): greedy, the prompt and the
-             reply in a 1024-token context; a tiny model scores 0, what it measures is the
+             reply in a 2048-token context; a tiny model scores 0, what it measures is the
              pipeline (every problem's program through the sandbox) and its wall time
 `smoke` shrinks any of them to seconds. `sandbox` names the sandbox: bubblewrap (default) or
 unsafe_no_isolation (plain subprocesses, for a machine without user namespaces).
@@ -27,7 +29,7 @@ from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only", "humaneval"),
+    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only", "repair", "humaneval"),
                                         "sandbox": ("bubblewrap", "unsafe_no_isolation")})
     c = base_config("grpo")
     c.seed = 0
@@ -42,14 +44,23 @@ def get_config(arg: str = ""):
     if chosen["variant"] == "sft_only":
         c.train.steps = 0
         c.sft.steps = 600
+    if chosen["variant"] == "repair":
+        set_env(c, "code_repair", tasks="functions", max_attempts=2,
+                sandbox=chosen["sandbox"], eval_size=300)
+        c.env.max_turns = c.eval.max_turns = 2
+        # two programs and a failure (a syntax error's feedback runs to ~150 tokens)
+        c.env.max_context_tokens = c.sft.max_length = 384
+        c.train.length_buckets = (192, 384)
     if chosen["variant"] == "humaneval":
         c.env.kwargs.tasks = "humaneval"
-        c.env.max_context_tokens = 1024
+        c.env.max_context_tokens = 2048  # the longest prompt is ~900 tiny-tokenizer tokens
+        c.train.length_buckets = (1024, 2048)
         c.env.max_new_tokens = 128
         c.eval.num_tasks = 164
         c.model.tiny_corpus_tasks = 0  # HumanEval has no train split to learn text from
     if smoke:
         shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
+        c.env.max_turns = c.eval.max_turns = 2 if chosen["variant"] == "repair" else 1
         c.env.max_new_tokens = 24 if chosen["variant"] != "humaneval" else 32
         c.sft.num_demos = 64
     return c

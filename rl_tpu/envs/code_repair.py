@@ -50,6 +50,12 @@ def parse_input(reply: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def shorten(text: str, head: int = 100, tail: int = 200) -> str:
+    """The failure as feedback: its start (the call) and end (the exception), the middle of a
+    long traceback cut, so the next turn keeps room in the context."""
+    return text if len(text) <= head + tail + 5 else f"{text[:head]} ... {text[-tail:]}"
+
+
 def draw_repair_task(rng: random.Random, split: str, index: int, tester: bool) -> dict:
     data = code_tasks.draw_function_task(rng, split, index)
     if tester and split == "train" and index % 2 == 1:
@@ -127,7 +133,7 @@ class CodeRepairEnv(CodeEnvBase):
             reward = report.fraction * self.retry_discount ** (self._attempts - 1)
             text = header if report.success else f"{header}\n{info['error']}"
             return StepResult(text, reward, True, info)
-        return StepResult(f"{header}\n{info['error']}\n{FIX}", 0.0, False, info)
+        return StepResult(f"{header}\n{shorten(info['error'])}\n{FIX}", 0.0, False, info)
 
     def _test(self, action: str) -> StepResult:
         data, self._task = self._task.data, None

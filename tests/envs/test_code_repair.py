@@ -101,3 +101,11 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="tester role needs tasks='functions'"):
         env(roles="fixer,tester", tasks="humaneval")
     assert make("code_repair", sandbox=MODE).name == "code_repair"
+
+
+def test_long_feedback_keeps_its_start_and_end():
+    from rl_tpu.envs.code_repair import shorten
+
+    assert shorten("short") == "short"
+    long = "A" * 100 + "B" * 300 + "C" * 200
+    assert shorten(long) == "A" * 100 + " ... " + "C" * 200
