@@ -13,6 +13,9 @@ The HTTP limits (--max_header_bytes, --header_timeout_s, --max_body_bytes, --bod
 hold. A key (`RL_TPU_ROLLOUT_API_KEY=... python -m launch.serve_rollout ...`, which keeps it
 out of process lists, or --api_key) makes every request need `Authorization: Bearer <key>`;
 the trainer sends RL_TPU_ROLLOUT_API_KEY. --docs serves /docs, /redoc and /openapi.json.
+It also speaks OpenAI's API (GET /v1/models, POST /v1/chat/completions and /v1/completions,
+streaming included), so an OpenAI client or SGLang's bench_serving drives it unchanged; the
+model id it lists is --served_model_name (default: --model_path).
 JAX's persistent compilation cache is on, as in the training launchers (launch/__init__.py).
 Before it listens, the server compiles every program a request can need (--warmup, on by
 default: `ContinuousBatcher.warmup`), so no request waits on a compile; the first start
@@ -43,6 +46,8 @@ flags.DEFINE_string("api_key", None, "If set, requests need 'Authorization: Bear
                     "out of process lists).")
 flags.DEFINE_integer("max_batch", 64, "Rows decoded together: the KV pool's rows.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+flags.DEFINE_string("served_model_name", None, "The model id /v1/models lists and OpenAI "
+                    "replies carry; default --model_path (as SGLang).")
 flags.DEFINE_string("weight_version", "0", "Version reported for the initial weights.")
 flags.DEFINE_bool("skip_tokenizer_init", False, "Serve input_ids only (no tokenizer needed).")
 flags.DEFINE_integer("kv_tokens", 0, "KV slots the whole pool may hold (rows x "
@@ -111,7 +116,8 @@ def main(argv):
     limits = ServerLimits(max_n=f.max_n, max_rows=f.max_rows, max_context_tokens=slots,
                           max_request_tokens=f.max_request_tokens)
     service = RolloutService(sampler, f.model_path, tokenizer, limits, batcher=batcher,
-                             stall_timeout_s=f.stall_timeout_s)
+                             stall_timeout_s=f.stall_timeout_s,
+                             served_model_name=f.served_model_name)
     server = serve(service, f.host, f.port,
                    serving.api_key_from(f.api_key, "RL_TPU_ROLLOUT_API_KEY"),
                    health_timeout_s=f.health_timeout_s, limits=http_limits, docs=f.docs)

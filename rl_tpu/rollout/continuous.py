@@ -53,10 +53,19 @@ from rl_tpu.rollout.sampler import JaxSampler
 log = logging.getLogger(__name__)
 
 
-class Ticket:
-    """One submitted call: its rows' results, in submission order, once all have ended."""
+# on_tokens(row index, output ids so far, their log-probs): a streaming caller's progress hook
+TokensCallback = Callable[[int, list, list], None]
 
-    def __init__(self, num_rows: int, batcher: "ContinuousBatcher"):
+
+class Ticket:
+    """One submitted call: its rows' results, in submission order, once all have ended.
+    `on_tokens`, when given, is told each running row's output so far after its prefill and
+    after every decode chunk, on the scheduler thread (so it must be quick: a server hands
+    the lists to its event loop); the row's last tokens come with its result instead."""
+
+    def __init__(self, num_rows: int, batcher: "ContinuousBatcher",
+                 on_tokens: Optional[TokensCallback] = None):
+        self.on_tokens = on_tokens
         self.results: list[Optional[GenerateResult]] = [None] * num_rows
         self.error: Optional[BaseException] = None
         self._left = num_rows
@@ -162,9 +171,10 @@ class ContinuousBatcher:
 
     # -- callers ---------------------------------------------------------------------------
 
-    def submit(self, requests: Sequence[GenerateRequest]) -> Ticket:
+    def submit(self, requests: Sequence[GenerateRequest],
+               on_tokens: Optional[TokensCallback] = None) -> Ticket:
         """Queues every sample of `requests`; ValueError (nothing queued) for a row the pool
-        cannot hold or the sampler refuses."""
+        cannot hold or the sampler refuses. `on_tokens` streams the rows' progress (Ticket)."""
         rows = [(req, k) for req in requests for k in range(req.sampling.n)]
         for req, _ in rows:
             self.sampler.validate(req)
@@ -175,7 +185,7 @@ class ContinuousBatcher:
                                  f"{prompt}) + max_new_tokens={req.sampling.max_new_tokens} "
                                  f"needs {need} KV slots; a row of this server holds "
                                  f"{self.slot_tokens} (--max_context_tokens)")
-        ticket = Ticket(len(rows), self)
+        ticket = Ticket(len(rows), self, on_tokens)
         if not rows:
             ticket._finish()
             return ticket
@@ -185,6 +195,11 @@ class ContinuousBatcher:
             self._waiting += [_Row(req, k, ticket, i) for i, (req, k) in enumerate(rows)]
             self._cond.notify_all()
         return ticket
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a row with this prompt can hold (its prompt is padded to the
+        prefill unit in the row's slots): an OpenAI request without max_tokens gets these."""
+        return self.slot_tokens - -(-prompt_tokens // self._unit) * self._unit
 
     def warmup(self) -> dict:
         """Compiles every program a request can make the batcher run, over every rung of its
@@ -401,6 +416,7 @@ class ContinuousBatcher:
         counts[:kept] = self._counts[:kept]
         counts[free[:n]] = 1
         self._counts = counts
+        self._stream(take)  # a streaming client's first token: at prefill, not a chunk later
 
     def _fail_unbuildable(self, take: list[_Row], p: int, error: BaseException) -> None:
         """After the arrays of admitted rows `take` could not be built (before any device
@@ -485,6 +501,8 @@ class ContinuousBatcher:
         aborted = [row for row in rows if row.aborted and not done[row.slot]] \
             if force_aborted else []
         ended = [row for row in rows if done[row.slot]] + aborted
+        if not force_aborted:
+            self._stream([row for row in rows if not done[row.slot]])
         if not ended:
             return
         tokens, logprobs, stopped = self._read(pool, [row.slot for row in ended])
@@ -510,6 +528,21 @@ class ContinuousBatcher:
                 row.ticket._fail(err)
                 continue
             row.ticket._set(row.index, result)
+
+    def _stream(self, rows: list[_Row]) -> None:
+        """Tells the streaming tickets among `rows` (running in the pool) their output so far:
+        one read of those pool rows (the programs `_read` warms), none when nothing streams."""
+        rows = [row for row in rows if row.ticket.on_tokens is not None and not row.aborted]
+        if not rows:
+            return
+        tokens, logprobs, _ = self._read(self._pool, [row.slot for row in rows])
+        for i, row in enumerate(rows):
+            count = int(self._counts[row.slot])
+            try:
+                row.ticket.on_tokens(row.index, tokens[i, :count].tolist(),
+                                     logprobs[i, :count].tolist())
+            except Exception:  # noqa: BLE001 - a broken hook loses its stream, not the batch
+                log.exception("request %s: its streaming hook failed", row.request.request_id)
 
     def _save_prefixes(self, ended: list[_Row], tokens: np.ndarray) -> None:
         """Ended rows' K/V into the prefix cache: slots 0..len+count-2 hold the prompt and

@@ -9,11 +9,14 @@ request is answered as soon as its last row ends, and a client that disconnects 
 
 Endpoints: POST /generate, /update_weights_from_disk, /flush_cache, /abort_request,
 /pause_generation, /continue_generation; GET /health, /health_generate, /model_info,
-/get_model_info, /load. Every error is `{"error": {"message": ...}}` (rl_tpu/serving.py): 400
-for a malformed request and for one over a `ServerLimits` limit (samples per prompt, rows,
-prompt + new tokens against the context, tokens a request may hold), checked before admission,
-so no request can take the sampler's memory or time; 503 from /health while a device call has
-run past `stall_timeout_s`, and from /health_generate when no token comes within its timeout.
+/get_model_info, /load; /generate with "stream": true answers server-sent events as its rows
+decode (streaming.py), and OpenAI's /v1/models, /v1/chat/completions and /v1/completions
+are served too (openai_routes.py). Every error is `{"error": {"message": ...}}`
+(rl_tpu/serving.py): 400 for a malformed request and for one over a `ServerLimits` limit
+(samples per prompt, rows, prompt + new tokens against the context, tokens a request may
+hold), checked before admission, so no request can take the sampler's memory or time; 503
+from /health while a device call has run past `stall_timeout_s`, and from /health_generate
+when no token comes within its timeout.
 """
 
 from __future__ import annotations
@@ -21,22 +24,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import uuid
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket
+from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket, TokensCallback
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
+from rl_tpu.rollout.streaming import TicketEvents, generate_events, sse_stream
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bounded_int,
                             docs_routes, error_response, guard, install_error_handlers,
@@ -237,8 +240,11 @@ class RolloutService:
 
     def __init__(self, sampler: JaxSampler, model_path: str, tokenizer: Optional[ChatTokenizer],
                  limits: ServerLimits = ServerLimits(),
-                 batcher: Optional[ContinuousBatcher] = None, stall_timeout_s: float = 300.0):
+                 batcher: Optional[ContinuousBatcher] = None, stall_timeout_s: float = 300.0,
+                 served_model_name: Optional[str] = None):
         self.sampler = sampler
+        # the id /v1/models lists and OpenAI replies carry (fixed: a weight update keeps it)
+        self.served_model_name = served_model_name or model_path
         self.batcher = batcher or ContinuousBatcher(
             sampler, slot_tokens=min(2048, sampler.cfg.max_position_embeddings // 16 * 16))
         self.model_path = model_path
@@ -281,9 +287,9 @@ class RolloutService:
         return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
                         [r or {} for r in raw], single)
 
-    def submit(self, prepared: Prepared) -> Ticket:
+    def submit(self, prepared: Prepared, on_tokens: Optional[TokensCallback] = None) -> Ticket:
         try:
-            return self.batcher.submit(prepared.requests)
+            return self.batcher.submit(prepared.requests, on_tokens)
         except ValueError as err:
             raise BadRequest(str(err)) from err
 
@@ -351,14 +357,20 @@ class RolloutService:
             meta["output_token_logprobs"] = [[lp, t, text_of(t)]
                                              for lp, t in zip(res.logprobs, res.output_ids)]
             meta["input_token_logprobs"] = []  # prompt scoring is the trainer's job
-        text = ""
-        if self.tokenizer is not None:
-            skip = bool(raw_params.get("skip_special_tokens", True))
-            text = self.tokenizer.decode(res.output_ids, skip_special_tokens=skip)
-            if (res.finish_reason == "stop" and isinstance(res.matched_stop, str)
-                    and not raw_params.get("no_stop_trim") and text.endswith(res.matched_stop)):
-                text = text[: -len(res.matched_stop)]
+        text = self.text_of(res, bool(raw_params.get("skip_special_tokens", True)),
+                            bool(raw_params.get("no_stop_trim")))
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
+
+    def text_of(self, res: GenerateResult, skip_special_tokens: bool = True,
+                no_stop_trim: bool = False) -> str:
+        """A result's text ("" without a tokenizer), the stop string that ended it cut."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(res.output_ids, skip_special_tokens=skip_special_tokens)
+        if (res.finish_reason == "stop" and isinstance(res.matched_stop, str)
+                and not no_stop_trim and text.endswith(res.matched_stop)):
+            text = text[: -len(res.matched_stop)]
+        return text
 
     # -- weights and control -------------------------------------------------------------
 
@@ -490,20 +502,25 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
     install_error_handlers(app)
     guard(app, limits or HttpLimits(), api_key)  # body limits, then the key before them
     text = lambda body="", status=200: Response(body, status, media_type="text/plain")  # noqa
+    # /v1/models, /v1/chat/completions, /v1/completions (imported here: they build on this
+    # module's service and helpers)
+    from rl_tpu.rollout.openai_routes import add_openai_routes
+    add_openai_routes(app, service)
 
     @app.post("/generate")
     async def generate(request: Request):
         raw = (await read_json(request, GenerateBody)).model_dump()
         prepared = service.prepare(raw)
+        if raw.get("stream"):  # SSE as rows decode (streaming.py); submitted here, so a
+            # refusal is still a 400, not an error inside a started stream
+            events = TicketEvents(lambda on_tokens: service.submit(prepared, on_tokens))
+            return StreamingResponse(sse_stream(generate_events(service, prepared, raw,
+                                                                events)),
+                                     media_type="text/event-stream")
         ticket = service.submit(prepared)
         if not await _await_ticket(ticket, request):
             return error_response(499, "client closed the request")
-        reply = service.replies(prepared, raw, ticket.wait(0))
-        if raw.get("stream"):  # SSE, cumulative outputs: the whole sample is ready at once
-            events = "".join(f"data: {json.dumps(r)}\n\n"
-                             for r in (reply if isinstance(reply, list) else [reply]))
-            return Response(events + "data: [DONE]\n\n", media_type="text/event-stream")
-        return JSONResponse(reply)
+        return JSONResponse(service.replies(prepared, raw, ticket.wait(0)))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
