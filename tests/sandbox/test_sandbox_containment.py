@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import uuid
 
 from sandbox_host_view import (BOUND_SECONDS, HOSTILE, living, living_in_namespace,
@@ -188,4 +189,22 @@ def test_a_program_flooding_the_status_pipe_holds_no_host_memory(sandbox):
              "while True:\n    os.write(status, b'memory\\n' * 1000)\n")
     execution = sandbox.run(flood, limits=Limits(wall_seconds=1))
     assert execution.status == "timeout" and execution.seconds < BOUND_SECONDS
+    serves_correctly(sandbox)
+
+
+def test_each_sandbox_has_its_own_process_count(sandbox):
+    # Two sandboxes at once, each holding its 8 processes for 3 s: both still get 7 children,
+    # since the count is per user namespace (on kernels before 5.14, one per uid, this fails).
+    forks = ("import os, time\nborn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+             "            time.sleep(6)\n            os._exit(0)\n        born += 1\n"
+             "except BlockingIOError:\n    print(born, flush=True)\ntime.sleep(3)\n")
+    results = []
+    limits = Limits(processes=8, wall_seconds=20)
+    callers = [threading.Thread(target=lambda: results.append(sandbox.run(forks, limits=limits)))
+               for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert [(execution.status, execution.stdout) for execution in results] == [("ok", "7\n")] * 2
     serves_correctly(sandbox)
