@@ -23,9 +23,12 @@ token-exactly. Each episode becomes one `Trajectory`:
   only that one). The ids are the ones the engine saw and sampled; the loss mask is True on
   exactly the sampled ids; turn k is the k-th call of that conversation, and the reward sits
   on its last turn (`rewards = [0, ..., reward]`).
-- Conversations the final one does not extend (the program rewrote its history, or ran a
-  side conversation) are not trained on: `info["segments"]` counts every conversation and
-  `info["dropped_sampled_tokens"]` the sampled ids left out.
+- The replies outside it are not trained on: those of conversations it does not continue
+  (the program rewrote its history, or ran a side conversation) and of branches it left (a
+  retry from an earlier turn keeps the ids up to that turn, and drops the replies after it).
+  `info["segments"]` counts the conversations and branches, `info["dropped_sampled_tokens"]`
+  the sampled ids left out. Training on each would need a row per conversation in one group,
+  which GRPO's group statistics would count as extra samples.
 - finish: "done"; "turn_limit" (a call beyond `max_turns` was refused), "context_limit" (a
   prompt or reply ran into `max_context_tokens`), "abort" (the engine aborted a call), the
   program's reward kept either way; "env_error" when the program raised, returned no reward,
@@ -219,10 +222,9 @@ def episode_trajectory(rec: EpisodeRecorder, run: ProgramRun, group_id: int, sam
                        task: Task, max_turns: int, max_new_tokens: int) -> Trajectory:
     """One episode's Trajectory (module doc): the segment of its last call."""
     seg = rec.segments[rec.last_segment] if rec.last_segment is not None else None
-    sampled = sum(s.sampled for s in rec.segments)
     info = {"sample_index": sample_index, "env_steps": 0, "env_step_s": 0.0,
             "program_s": run.seconds, "calls": rec.calls, "segments": len(rec.segments),
-            "dropped_sampled_tokens": sampled - (seg.sampled if seg else 0),
+            "dropped_sampled_tokens": rec.sampled - (seg.sampled if seg else 0),
             "max_turns": max_turns, "max_new_tokens_per_turn": max_new_tokens}
     if run.extra:
         info["program"] = run.extra

@@ -13,20 +13,26 @@ messages EXTEND a segment (they start with that segment's messages, each assista
 sent back as the text or the tool calls it was answered with, and add at least one message)
 is appended to it token-exactly: only the new messages are tokenized
 (`ChatTokenizer.append_messages`) after the recorded ids, which hold the model's own sampled
-ids, never re-tokenized. A call that extends no segment (the program rewrote its history,
-or runs a second conversation) starts a new segment from the chat template. Two calls sent
-at once on one segment: the first recorded extends it, the other becomes a segment of its own.
-What the trainer gets of them: rl_tpu/agent/program.py.
+ids, never re-tokenized. A call that repeats a segment's conversation only up to an earlier
+reply (a retry from that turn) branches off there: a new segment that shares the recorded
+ids up to that reply. Two calls sent at once on one segment: the first recorded extends it,
+the other becomes a segment of its own (the same ids up to where both start). A call that
+continues no segment (the program rewrote its history, or runs a second conversation)
+starts a new segment from the chat template. What the trainer gets of them:
+rl_tpu/agent/program.py.
 
 Sampling. The engine samples with the player's `SamplingParams` (the trainer's temperature,
 top-p and top-k: the log-probs it corrects for), whatever the program asks: a request's
 `temperature`, `top_p`, `seed` and the like are ignored. `max_tokens` (or
 `max_completion_tokens`) lowers the reply's budget below the turn budget L; `stop` strings
-are honoured; `n` > 1 and `stream` are refused (400). A request with `tools` is rendered with
-them, and a reply that calls one comes back as OpenAI `tool_calls` (rl_tpu.tools.calls reads
-them from the text in the template's format).
+are honoured; `logprobs: true` returns the sampled ids' log-probs. A request with `tools` is
+rendered with them, and a reply that calls one comes back as OpenAI `tool_calls`
+(rl_tpu.tools.calls reads them from the text in the template's format). Requests are read and
+replies written by the rollout server's own codec (rl_tpu/rollout/openai_api.py), so each
+choice also carries `prompt_token_ids`, `token_ids` and `weight_version`.
 
-Refusals (HTTP 400, which the `openai` client raises as BadRequestError): a call beyond the
+Refusals (HTTP 400, which the `openai` client raises as BadRequestError): what the codec
+refuses (penalties, logit_bias, top_logprobs, ...), `n` > 1 and `stream`, a call beyond the
 episode's `max_turns` calls (the episode ends "turn_limit"), a prompt with no room left in
 `max_context_tokens` ("context_limit"), an engine abort ("abort"), and calls after the episode
 ended (its program timed out). A failed engine answers 500 and fails the step.
@@ -128,6 +134,9 @@ class Segment:
     messages: list = dataclasses.field(default_factory=list)
     accepts: list = dataclasses.field(default_factory=list)
     weight_versions: list = dataclasses.field(default_factory=list)
+    # (messages, tokens) it held after each of its calls' replies: where a later call may
+    # branch off (a retry from an earlier turn, two calls sent at once)
+    boundaries: list = dataclasses.field(default_factory=list)
     logprob_convention: str = "full"
     calls: int = 0
     revision: int = 0
@@ -147,10 +156,28 @@ class Segment:
         self.versions.extend(list(versions) if generated else [NO_VERSION] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
 
-    def extended_by(self, call: ChatCall) -> bool:
-        n = len(self.messages)
-        return (self.calls > 0 and len(call.keys) > n and call.tools == self.tools
-                and all(key in accepted for key, accepted in zip(call.keys, self.accepts)))
+    def branch_point(self, call: ChatCall) -> Optional[int]:
+        """The latest of its calls whose conversation `call` extends (its messages up to that
+        reply, then at least one more), or None."""
+        if call.tools != self.tools:
+            return None
+        for k in range(len(self.boundaries) - 1, -1, -1):
+            n_messages = self.boundaries[k][0]
+            if len(call.keys) > n_messages and all(
+                    key in accepted for key, accepted in zip(call.keys, self.accepts[:n_messages])):
+                return k
+        return None
+
+    def up_to(self, k: int) -> "Segment":
+        """A copy of itself as it was after its call k's reply (the whole of it for the last)."""
+        n_messages, n_tokens = self.boundaries[k]
+        out = self.copy()
+        for name in ("tokens", "mask", "logprobs", "versions", "turn_ids"):
+            del getattr(out, name)[n_tokens:]
+        del out.messages[n_messages:], out.accepts[n_messages:]
+        del out.weight_versions[k + 1:], out.boundaries[k + 1:]
+        out.calls = k + 1
+        return out
 
     @property
     def sampled(self) -> int:
@@ -182,10 +209,11 @@ class EpisodeRecorder:
         self.seed_key = list(seed_key)
         self.segments: list[Segment] = []
         self.last_segment: Optional[int] = None  # the segment of the last call recorded
-        self.calls = 0  # calls accepted
+        self.calls = 0  # calls taken within max_turns (answered or refused after)
         self.finish: Optional[str] = None  # turn_limit | context_limit | abort, once set
         self.closed: Optional[str] = None  # why calls are refused from now on
         self.notes: list[str] = []  # refusals, for the trajectory's info
+        self.sampled = 0  # ids sampled over all its calls
         self._lock = threading.Lock()
         stop_ids = set(sampling.stop_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -212,12 +240,11 @@ class EpisodeRecorder:
                 raise self._refuse(f"turn limit: an episode makes at most max_turns="
                                    f"{self.max_turns} model calls", "turn_limit")
             index, self.calls = self.calls, self.calls + 1
-            at = next((i for i in range(len(self.segments) - 1, -1, -1)
-                       if self.segments[i].extended_by(call)), None)
-            base = self.segments[at].copy() if at is not None else Segment(tools=call.tools)
+            at, base = self._base_for(call)
+            revision = base.revision  # what `record` checks the segment still is
         new = call.messages[len(base.messages):]
         try:
-            if at is not None:
+            if base.calls:
                 ids = self.tokenizer.append_messages(base.tokens, base.messages, new,
                                                      add_generation_prompt=True, tools=call.tools)
                 base.extend(ids[len(base.tokens):], turn=base.calls - 1)
@@ -243,8 +270,24 @@ class EpisodeRecorder:
                                        stop=tuple(self.sampling.stop) + call.stop)
         # a copy: the draft grows by the reply, the request must keep what the engine saw
         request = GenerateRequest(tuple(base.tokens), sampling, request_id=f"{self.key}-{index}")
-        return PendingCall(self, call, request, base, at,
-                           self.segments[at].revision if at is not None else 0, len(base.tokens))
+        return PendingCall(self, call, request, base, at, revision, len(base.tokens))
+
+    def _base_for(self, call: ChatCall) -> tuple[Optional[int], Segment]:
+        """(the segment `call` extends at its end, or None; what its prompt starts from): the
+        conversation it continues, at the latest call whose messages it repeats (the longest
+        such, the newest segment on a tie); an empty segment when it continues none."""
+        best = None  # (messages repeated, segment index, call index)
+        for i in range(len(self.segments) - 1, -1, -1):
+            k = self.segments[i].branch_point(call)
+            if k is not None and (best is None or self.segments[i].boundaries[k][0] > best[0]):
+                best = (self.segments[i].boundaries[k][0], i, k)
+        if best is None:
+            return None, Segment(tools=call.tools)
+        _, i, k = best
+        segment = self.segments[i]
+        if k == len(segment.boundaries) - 1:  # its end: the call extends it in place
+            return i, segment.copy()
+        return None, segment.up_to(k)  # an earlier turn: a branch, a segment of its own
 
     def record(self, pending: PendingCall, result: GenerateResult) -> dict:
         """Records the call's sample; its OpenAI reply (Refused for an aborted one)."""
@@ -274,12 +317,14 @@ class EpisodeRecorder:
                           "tool_calls": [c.as_message_call() for c in parsed.calls]}
         draft.messages.append(raw)
         draft.accepts.append({message_key(raw), message_key(echoed)})
+        draft.boundaries.append((len(draft.messages), len(draft.tokens)))
         with self._lock:
+            self.sampled += len(ids)
             at = pending.extends
             if at is not None and self.segments[at].revision == pending.revision:
                 draft.revision = pending.revision + 1
                 self.segments[at] = draft
-            else:  # a new conversation, or its segment moved on meanwhile
+            else:  # a new conversation or a branch, or its segment moved on meanwhile
                 self.segments.append(draft)
                 at = len(self.segments) - 1
             self.last_segment = at
@@ -316,8 +361,8 @@ class RecordingServer:
 
     Batching: once a call waits, the batch goes when every running program has a call
     waiting (`running`, from what the player says: `expect`, `program_ended`), or
-    `batch_window_s` after the first, whichever comes first; one batch is on the engine at a time, and the calls that arrive meanwhile
-    form the next.
+    `batch_window_s` after the first, whichever comes first; one batch is on the engine at a
+    time, and the calls that arrive meanwhile form the next.
     """
 
     def __init__(self, engine: RolloutEngine, batch_window_s: float = 0.02):

@@ -121,6 +121,34 @@ def test_a_rewritten_history_starts_a_new_conversation_and_only_the_last_trains(
     assert traj.num_generated == 2 * reply
 
 
+def test_a_retry_from_an_earlier_turn_branches_off_its_recorded_ids(tok):
+    def program(base_url, task):
+        c = client(base_url)
+        talk = [{"role": "user", "content": "Start."}]
+        first = c.chat.completions.create(model="m", messages=talk).choices[0].message.content
+        talk += [{"role": "assistant", "content": first}]
+        c.chat.completions.create(model="m", messages=talk + [{"role": "user", "content": "A"}])
+        # not happy with that: ask the second question again, another way
+        c.chat.completions.create(model="m", messages=talk + [{"role": "user", "content": "B"}])
+        return 1.0
+
+    # a reply whose text re-tokenizes to other ids: only the recorded ids can stay exact
+    odd = [i for ch in "number" for i in tok.encode(ch)]  # one id a letter
+    assert tok.decode(odd) == "number" and tok.encode("number") != odd
+    engine = ScriptedEngine(tok, lambda text, turn: ("ids", odd) if turn == 0 else "ok")
+    [traj] = play_programs(engine, env_of(program), [Task("t", {})], tokenizer=tok, **ARGS)
+    [[first], [second], [third]] = engine.calls
+    n0 = len(first.prompt_ids)
+    reply = odd + [tok.eos_token_id]
+    assert list(third.prompt_ids[:n0 + len(reply)]) == list(first.prompt_ids) + reply
+    assert list(third.prompt_ids) == list(second.prompt_ids[:n0 + len(reply)]) + \
+        tok.encode("\n<|im_start|>user\nB<|im_end|>\n<|im_start|>assistant\n")
+    assert list(traj.tokens[:len(third.prompt_ids)]) == list(third.prompt_ids)
+    assert traj.num_turns == 2 and traj.info["segments"] == 2
+    assert traj.info["dropped_sampled_tokens"] == len(tok.encode("ok")) + 1  # the "A" reply
+    assert list(traj.loss_mask[n0:n0 + len(reply)]) == [True] * len(reply)
+
+
 def test_a_program_that_raises_ends_its_episode_only(tok):
     def program(base_url, task):
         client(base_url).chat.completions.create(model="m", messages=[
@@ -326,3 +354,49 @@ def test_an_aborted_call_ends_the_episode_unscored(tok):
                            [Task("a", {})], tokenizer=tok, **ARGS)
     assert traj.finish == "abort" and traj.num_turns == 1  # unscored by the batch builder
     assert traj.info["refused"] == ["the engine aborted this call"]
+
+
+def test_parallel_tool_calls_through_qwen25s_template_are_token_exact():
+    from pathlib import Path
+
+    from rl_tpu.tools import ToolRegistry, calculator_tool
+    from rl_tpu.tools.template_tokenizer import build_family_tokenizer
+
+    template = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / \
+        "qwen2_5_instruct.jinja"
+    qwen = ChatTokenizer(build_family_tokenizer(template.read_text(), "qwen2"))
+    tools = ToolRegistry([calculator_tool()]).schemas
+    reply = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+             '"2*3"}}\n</tool_call>')
+
+    def program(base_url, task):
+        c = client(base_url)
+        messages = [{"role": "user", "content": "Compute both."}]
+        message = c.chat.completions.create(model="m", messages=messages,
+                                            tools=tools).choices[0].message
+        assert [call.function.arguments for call in message.tool_calls] == [
+            '{"expression": "1+1"}', '{"expression": "2*3"}']
+        # two tool results: Qwen2.5 wraps them in ONE user turn (appended at once)
+        messages += [message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": call.id, "content": str(value)}
+            for call, value in zip(message.tool_calls, (2, 6))]
+        c.chat.completions.create(model="m", messages=messages, tools=tools)
+        return 1.0
+
+    engine = ScriptedEngine(qwen, lambda text, turn: reply if turn == 0 else "2 and 6")
+    [traj] = play_programs(engine, env_of(program), [Task("t", {})], tokenizer=qwen,
+                           **{**ARGS, "max_new_tokens_per_turn": 256, "max_context_tokens": 2048})
+    assert traj.info["segments"] == 1 and traj.num_turns == 2, traj.info.get("error")
+    [[first], [second]] = engine.calls
+    conversation = [{"role": "user", "content": "Compute both."},
+                    {"role": "assistant", "content": reply},
+                    {"role": "tool", "content": "2"}, {"role": "tool", "content": "6"}]
+    # the sampled ids are the canonical encoding here, so the prompt is the template's own
+    assert list(second.prompt_ids) == qwen.apply_chat_template(
+        conversation, add_generation_prompt=True, tools=tools)
+    assert list(traj.tokens) == list(second.prompt_ids) + \
+        engine.results[tuple(second.prompt_ids)].output_ids
+    n0 = len(first.prompt_ids)
+    assert list(traj.tokens[n0:n0 + len(qwen.encode(reply)) + 1]) == \
+        qwen.encode(reply) + [qwen.eos_token_id]
