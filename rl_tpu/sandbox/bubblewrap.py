@@ -17,8 +17,10 @@ RLIMIT_NPROC against uid 0, so a fork bomb would otherwise be limited by nothing
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
+import select
 import shutil
 import subprocess
 from typing import Optional
@@ -105,6 +107,34 @@ def spawn_options(isolated: bool = True, cwd: str = "/") -> dict:
     return options
 
 
+def read_init_pidfd(info_fd: int) -> Optional[int]:
+    """bwrap's --info-fd JSON names its init (pid 1 of the sandbox's pid namespace, as the host
+    numbers it); a pidfd on it (no pid-reuse race), or None if bwrap failed before it."""
+    data = bytearray()
+    while chunk := os.read(info_fd, 4096):  # bwrap closes it once written
+        data += chunk
+    try:
+        return os.pidfd_open(int(json.loads(data)["child-pid"]))
+    except (ValueError, KeyError, ProcessLookupError):
+        return None
+
+
+def await_init(init_pidfd: int) -> None:
+    """Returns once the sandbox's init is gone, and with it everything in its pid namespace."""
+    # bwrap can exit as soon as its init reports the program's exit, while the init is still
+    # tearing the namespace down; a pidfd turns readable once that is done.
+    poller = select.poll()
+    poller.register(init_pidfd, select.POLLIN)
+    poller.poll(30_000)
+    # bwrap exits without reaping its init, which passes to the nearest subreaper or pid 1.
+    # Where that is this process (pid 1 of a container without an init), reap it here, or
+    # every run would leave a zombie for good.
+    try:
+        os.waitid(os.P_PIDFD, init_pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child: pid 1 (or a subreaper) reaps it
+
+
 def bubblewrap_version() -> tuple:
     """(0, 8, 0) from `bwrap --version`'s "bubblewrap 0.8.0"; (0,) when it says nothing usable."""
     try:
@@ -126,14 +156,33 @@ def sandbox_unavailable_reason() -> Optional[str]:
                 f"{'.'.join(map(str, MINIMUM_BWRAP))} (needed for --disable-userns)")
     if not os.access(SANDBOX_PYTHON, os.X_OK):
         return f"{SANDBOX_PYTHON} (the interpreter run inside the sandbox) does not exist"
-    probe = bubblewrap_command(2**20, [SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"])
+    info_read, info_write = os.pipe()
+    probe = bubblewrap_command(2**20, [SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"], info_write)
     try:
-        done = subprocess.run(probe, capture_output=True, timeout=60, **spawn_options())
-    except (OSError, subprocess.SubprocessError) as error:
+        try:
+            process = subprocess.Popen(probe, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       pass_fds=(info_write,), **spawn_options())
+        finally:
+            os.close(info_write)
+        init_pidfd = read_init_pidfd(info_read)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            return "a bwrap sandbox started but did not finish `print(6 * 7)` in 60 s"
+        finally:
+            if init_pidfd is not None:  # reaped like every sandbox's init (runner.py)
+                await_init(init_pidfd)
+                os.close(init_pidfd)
+    except OSError as error:
         return f"starting bwrap failed: {error}"
-    if done.returncode != 0 or done.stdout.strip() != b"42":
-        stderr = done.stderr.decode("utf-8", "replace").strip()
-        return (f"bwrap could not start a sandbox (exit {done.returncode}): {stderr or 'no stderr'}"
+    finally:
+        os.close(info_read)
+    if process.returncode != 0 or stdout.strip() != b"42":
+        said = stderr.decode("utf-8", "replace").strip()
+        return (f"bwrap could not start a sandbox (exit {process.returncode}): "
+                f"{said or 'no stderr'}"
                 " (user namespaces disabled? see /proc/sys/user/max_user_namespaces)")
     return None
 

@@ -8,10 +8,8 @@ on a thread of its own, so every run still gets a sandbox nothing ran in before.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
-import select
 import selectors
 import shutil
 import signal
@@ -70,11 +68,7 @@ class Started:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         if self.init_pidfd is not None:
-            # bwrap can exit as soon as its init reports the program's exit, while the init is
-            # still tearing the namespace down; a pidfd turns readable once that is done.
-            poller = select.poll()
-            poller.register(self.init_pidfd, select.POLLIN)
-            poller.poll(30_000)
+            bubblewrap.await_init(self.init_pidfd)
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             try:
                 stream.close()
@@ -85,17 +79,6 @@ class Started:
             os.close(self.init_pidfd)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def read_init_pidfd(info_fd: int) -> Optional[int]:
-    """bwrap's --info-fd JSON names its init's pid; a pidfd on it, or None if bwrap failed."""
-    data = bytearray()
-    while chunk := os.read(info_fd, 4096):  # bwrap closes it once written
-        data += chunk
-    try:
-        return os.pidfd_open(int(json.loads(data)["child-pid"]))
-    except (ValueError, KeyError, ProcessLookupError):
-        return None
 
 
 def count_user_tasks(uid: int) -> int:
@@ -173,7 +156,8 @@ class Sandbox:
             os.close(status_write)
             os.close(info_write)
         try:
-            init_pidfd = read_init_pidfd(info_read) if self.mode == "bubblewrap" else None
+            init_pidfd = (bubblewrap.read_init_pidfd(info_read) if self.mode == "bubblewrap"
+                          else None)
         finally:
             os.close(info_read)
         started = Started(process, status_read, workdir, init_pidfd)

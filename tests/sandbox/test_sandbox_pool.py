@@ -4,6 +4,8 @@ mode, and what make_sandbox says where bubblewrap cannot work."""
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -133,3 +135,37 @@ def test_a_bwrap_too_old_for_disable_userns_is_the_reason_given(monkeypatch):
     monkeypatch.setattr(bubblewrap, "bubblewrap_version", lambda: (0, 6, 1))
     reason = bubblewrap.sandbox_unavailable_reason.__wrapped__()
     assert reason == "bwrap 0.6.1 is older than 0.8.0 (needed for --disable-userns)"
+
+
+REAPER_SCRIPT = """
+import ctypes, os, sys
+sys.path.insert(0, sys.argv[1])
+# PR_SET_CHILD_SUBREAPER (36): orphans below this process become its children, as they do for
+# pid 1 of a container without an init; bwrap leaves its init to exactly that.
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+from rl_tpu.sandbox import Limits, make_sandbox, sandbox_unavailable_reason
+assert sandbox_unavailable_reason() is None
+with make_sandbox(pool_size=2) as sandbox:
+    statuses = [sandbox.run("print(1)").status for _ in range(3)]
+    statuses.append(sandbox.run("import time; time.sleep(60)",
+                                limits=Limits(wall_seconds=1)).status)
+children = []
+for entry in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{entry}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        continue
+    if int(fields[1]) == os.getpid():
+        children.append(fields[0])  # the state: "Z" for an unreaped zombie
+print(statuses, children)
+"""
+
+
+@needs_bubblewrap
+def test_where_this_process_inherits_the_orphans_it_reaps_every_sandboxs_init():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", REAPER_SCRIPT, root], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "['ok', 'ok', 'ok', 'timeout'] []\n"
