@@ -151,6 +151,8 @@ class RemoteEnv(Env):
       system_prompt, conversation, task_source: what a local definition of the env says
         (`RemoteEnvFactory` passes the local env's): returned by `system_prompt`,
         `conversation_start()` and `tasks()` in place of asking the server (`/info`, `/task`).
+      tools, call_format: a function-calling env's tool schemas and call format, as its local
+        definition states them (the loop renders the tools; the server runs the calls).
       client: an httpx.Client pool to send through, shared with other envs (never closed
         here; `remote_http.shared_client`); None: a pool of this env's own.
       api_key: sent as `Authorization: Bearer <key>` to a server started with a key; None:
@@ -162,7 +164,8 @@ class RemoteEnv(Env):
                  instruction: Optional[str] = None, system_prompt: Optional[str] = None,
                  conversation: Optional[Sequence[dict]] = None,
                  task_source: Optional[TaskSource] = None,
-                 client: Optional[httpx.Client] = None, api_key: Optional[str] = None):
+                 client: Optional[httpx.Client] = None, api_key: Optional[str] = None,
+                 tools: Optional[Sequence[dict]] = None, call_format: Optional[str] = None):
         parts = split_url(url)
         if not timeout > 0 or retries < 0 or backoff < 0:
             raise ValueError(f"RemoteEnv needs timeout > 0, retries >= 0 and backoff >= 0 "
@@ -188,6 +191,11 @@ class RemoteEnv(Env):
         self._system_prompt = system_prompt
         self._conversation = [dict(m) for m in conversation] if conversation else None
         self._task_source = task_source
+        # A function-calling env's tool schemas and call format, as its local definition
+        # states them: the agent loop renders the tools into the prompt here, while the
+        # server parses and runs the calls and returns their results as observation messages.
+        self.tools = [dict(t) for t in tools] if tools else None
+        self.call_format = call_format
         # Held for a whole reset/step/close, so a second thread never interleaves requests
         # on this env's connection or sees its id half-updated.
         self._lock = threading.RLock()
@@ -522,7 +530,9 @@ class RemoteEnvFactory:
         self.system_prompt = getattr(local, "system_prompt", "") or ""
         start = getattr(local, "conversation_start", None)
         self.conversation = start() if callable(start) else None
-        self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff, api_key=api_key)
+        self._kwargs = dict(timeout=timeout, retries=retries, backoff=backoff, api_key=api_key,
+                            tools=getattr(local, "tools", None),
+                            call_format=getattr(local, "call_format", None))
         self._next = itertools.count()
         self._next_lock = threading.Lock()  # make_env runs in the agent loop's worker threads
         # One connection pool per server, shared by the envs built for it: an episode that
