@@ -269,6 +269,9 @@ def check_config(config) -> None:
     """What an agent-program run cannot do, refused before it starts (ValueError)."""
     if config.env.name != AGENT_PROGRAM_ENV:
         return
+    if config.recipe == "selfplay":
+        raise ValueError(f"recipe='selfplay' plays its own game env, not env.name="
+                         f"{AGENT_PROGRAM_ENV!r}; use recipe='rl' (or a loop recipe)")
     if config.rollout.partial_token_budget:
         raise ValueError(f"env.name={AGENT_PROGRAM_ENV!r} with rollout.partial_token_budget="
                          f"{config.rollout.partial_token_budget}: a program's episode cannot be "

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import ml_collections
 
 from rl_tpu.agent import run_episodes
+from rl_tpu.agent.program import player_for
 from rl_tpu.envs.base import Task
 from rl_tpu.recipes import components
 from rl_tpu.agent.trajectory import Trajectory
@@ -143,9 +144,10 @@ def sample(config: ml_collections.ConfigDict, engine, make_env, tasks: Sequence[
     position in the round's list (its group id, which keys its sampling seeds: a host playing
     a share of the round samples what one host playing all of it would)."""
     env = config.env
-    return run_episodes(engine, make_env, list(tasks), tokenizer=tokenizer,
-                        max_turns=env.max_turns, max_new_tokens_per_turn=env.max_new_tokens,
-                        max_context_tokens=env.max_context_tokens,
-                        sampling=components.sampling_params(config, seed),
-                        samples_per_task=samples_per_task, step_timeout_s=env.step_timeout_s,
-                        reward_reduce=env.reward_reduce, group_id_offset=first_position)
+    play = player_for(config, run_episodes)  # env agent_program: the user's program
+    return play(engine, make_env, list(tasks), tokenizer=tokenizer,
+                max_turns=env.max_turns, max_new_tokens_per_turn=env.max_new_tokens,
+                max_context_tokens=env.max_context_tokens,
+                sampling=components.sampling_params(config, seed),
+                samples_per_task=samples_per_task, step_timeout_s=env.step_timeout_s,
+                reward_reduce=env.reward_reduce, group_id_offset=first_position)

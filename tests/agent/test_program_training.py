@@ -14,7 +14,7 @@ import pytest
 from rl_tpu.agent import run_episodes
 from rl_tpu.agent.program import play_programs, player_for
 from rl_tpu.metrics import read_metrics
-from rl_tpu.recipes.config import base_config, check, set_env
+from rl_tpu.recipes.config import base_config, check, set_algo, set_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,12 +48,19 @@ def test_the_trainer_plays_programs_only_for_the_agent_program_env():
 @pytest.mark.parametrize("key,value,match", [
     ("rollout.partial_token_budget", 16, "cannot be paused"),
     ("sft.steps", 5, "no teacher"),
+    ("algo", "tl_grpo", "cannot be forked"),
+    ("recipe", "selfplay", "its own game env"),
 ])
 def test_what_a_program_cannot_do_is_refused(key, value, match):
     c = program_config()
     check(c)
-    block, leaf = key.split(".")
-    c[block][leaf] = value
+    if key == "algo":
+        set_algo(c, value)
+    elif key == "recipe":
+        c.recipe = value
+    else:
+        block, leaf = key.split(".")
+        c[block][leaf] = value
     if key.startswith("rollout"):  # what partial rollouts need besides the budget
         c.rollout.max_staleness, c.rollout.deterministic = 1, False
     with pytest.raises(ValueError, match=match):
