@@ -55,6 +55,8 @@ class Started:
                 return
             except ProcessLookupError:
                 pass  # already gone: bwrap is exiting or has
+        if self.process.returncode is not None:
+            return  # reaped: its pid may belong to another process by now
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # the unsafe mode's process group
         except (ProcessLookupError, PermissionError):
