@@ -43,8 +43,16 @@ class Started:
         self.workdir = workdir  # the unsafe mode's temporary cwd, removed after the run
         # bwrap's init, pid 1 of the sandbox's pid namespace, as a pidfd (no pid-reuse race).
         self.init_pidfd = init_pidfd
+        # close() may kill a sandbox while its run releases it: no signal through a closed fd.
+        self.lock = threading.Lock()
+        self.released = False
 
     def kill(self):
+        with self.lock:
+            if not self.released:
+                self.kill_unlocked()
+
+    def kill_unlocked(self):
         if self.init_pidfd is not None:
             # Killing the namespace's init kills everything in it, and the init is not reaped
             # before all of it is gone; bwrap exits once its init has. So when the wait on bwrap
@@ -63,7 +71,9 @@ class Started:
             pass
 
     def release(self):
-        self.kill()
+        with self.lock:
+            self.kill_unlocked()
+            self.released = True
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:  # never seen; bwrap itself then goes the hard way
