@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import resource
 import socket
@@ -53,10 +54,59 @@ def bounded_int(value: Any, field: str, low: int, high: int) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError, OverflowError) as err:
-        raise BadRequest(f"'{field}' must be an integer, got {_clip(value)}") from err
+        raise BadRequest(f"'{field}' must be an integer, got {shown(value, 80)}") from err
     if not low <= number <= high:
-        raise BadRequest(f"'{field}' must be in [{low}, {high}], got {_clip(value)}")
+        raise BadRequest(f"'{field}' must be in [{low}, {high}], got {shown(value, 80)}")
     return number
+
+
+def integer_field(value: Any, field: str, low: int, high: int) -> int:
+    """`bounded_int`, but a bool or a fractional number is refused (int() would take True as 1
+    and 2.5 as 2: a client that sends them has a bug worth seeing)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(f"'{field}' must be an integer, got {value!r}")
+    return bounded_int(value, field, low, high)
+
+
+def number_field(value: Any, field: str, low: float, high: float, low_open: bool = False) -> float:
+    """A finite float in [low, high] ((low, high] with low_open), else BadRequest naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BadRequest(f"'{field}' must be a number, got {shown(value)}")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError) as err:  # "x", or an int past float's range
+        raise BadRequest(f"'{field}' must be a number, got {shown(value)}") from err
+    inside = (low < number if low_open else low <= number) and number <= high
+    if not (math.isfinite(number) and inside):
+        bounds = f">= {low:g}" if high == math.inf else \
+            f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"'{field}' must be a finite number {bounds}, got {shown(value)}")
+    return number
+
+
+def flag_field(value: Any, field: str) -> bool:
+    """true or false (bool('false') would be True: a string is refused, not guessed at)."""
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{field}' must be true or false, got {shown(value)}")
+    return value
+
+
+def text_field(value: str, field: str) -> str:
+    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escape
+    can carry): the tokenizer cannot encode it, and echoed back (a rid, a weight version) it
+    would break every reply that carries it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(f"'{field}' is not valid Unicode text: {err.reason} at character "
+                         f"{err.start}") from err
+    return value
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut at `limit` characters, for an error message that quotes a request."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -78,22 +128,17 @@ def validation_message(errors: list, where: str) -> str:
             continue
         field = ".".join(path)
         if not field and item.get("type") in ("model_attributes_type", "dict_type"):
-            parts.append(f"the body must be a JSON object (got {_clip(item.get('input'))})")
+            parts.append(f"the body must be a JSON object (got {shown(item.get('input'), 80)})")
             continue
         name = (f"query parameter '{field}'" if source == "query" else f"'{field}'") if field \
             else "the body"
         text = f"{name}: {item.get('msg', 'invalid')}"
         if item.get("type") != "missing" and "input" in item:
-            text += f" (got {_clip(item['input'])})"
+            text += f" (got {shown(item['input'], 80)})"
         parts.append(text)
     more = len(errors) - len(parts)
     suffix = f" (and {more} more)" if more > 0 else ""
     return f"{where}: {'; '.join(parts)}{suffix}"
-
-
-def _clip(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def where(request: Request) -> str:

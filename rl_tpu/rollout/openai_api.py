@@ -25,8 +25,8 @@ import json
 from typing import Any, Callable, Optional, Sequence, Union
 
 from rl_tpu.rollout.engine import GenerateResult, SamplingParams
-from rl_tpu.rollout.server import _flag, _integer, _number, _shown, _text
-from rl_tpu.serving import INT32_MAX, INT64_MAX, INT64_MIN, BadRequest
+from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
+                            integer_field, number_field, shown, text_field)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -69,7 +69,7 @@ class CompletionRequest:
 
 def _object(body: Any, where: str = "body") -> dict:
     if not isinstance(body, dict):
-        raise BadRequest(f"'{where}' must be a JSON object, got {_shown(body)}")
+        raise BadRequest(f"'{where}' must be a JSON object, got {shown(body)}")
     return body
 
 
@@ -80,14 +80,14 @@ def _given(body: dict, name: str) -> bool:
 def _refuse_unsupported(body: dict) -> None:
     """Fields that would change what is sampled and that this server cannot honour."""
     for name in ("presence_penalty", "frequency_penalty"):
-        if _given(body, name) and _number(body[name], name, -2.0, 2.0) != 0:
+        if _given(body, name) and number_field(body[name], name, -2.0, 2.0) != 0:
             raise BadRequest(f"'{name}' is not supported by this server (send 0 or leave it "
                              "out)")
     if body.get("logit_bias"):
         raise BadRequest("'logit_bias' is not supported by this server")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequest(f"'response_format' {_shown(fmt)} is not supported: this server "
+        raise BadRequest(f"'response_format' {shown(fmt)} is not supported: this server "
                          "writes plain text (type 'text')")
 
 
@@ -99,29 +99,29 @@ def sampling_of(body: dict, max_tokens: Optional[int]) -> SamplingParams:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a non-empty string or a list of them, got "
-                         f"{_shown(body.get('stop'))}")
+                         f"{shown(body.get('stop'))}")
     stop_ids = body["stop_token_ids"] if _given(body, "stop_token_ids") else []
     if not isinstance(stop_ids, list):
-        raise BadRequest(f"'stop_token_ids' must be a list of token ids, got {_shown(stop_ids)}")
-    top_k = _integer(body["top_k"], "top_k", -1, INT32_MAX) if _given(body, "top_k") else -1
+        raise BadRequest(f"'stop_token_ids' must be a list of token ids, got {shown(stop_ids)}")
+    top_k = integer_field(body["top_k"], "top_k", -1, INT32_MAX) if _given(body, "top_k") else -1
     if top_k == 0:
         raise BadRequest("'top_k' must be -1 (all tokens) or >= 1, got 0")
     limit = INT32_MAX if max_tokens is None else max_tokens
-    min_new = _integer(body["min_tokens"], "min_tokens", 0, limit) if _given(
+    min_new = integer_field(body["min_tokens"], "min_tokens", 0, limit) if _given(
         body, "min_tokens") else 0
     return SamplingParams(
         max_new_tokens=limit, min_new_tokens=min_new,
-        temperature=_number(body["temperature"], "temperature", 0.0, float("inf"))
+        temperature=number_field(body["temperature"], "temperature", 0.0, float("inf"))
         if _given(body, "temperature") else 1.0,
-        top_p=_number(body["top_p"], "top_p", 0.0, 1.0, low_open=True)
+        top_p=number_field(body["top_p"], "top_p", 0.0, 1.0, low_open=True)
         if _given(body, "top_p") else 1.0,
-        top_k=top_k, stop=tuple(_text(s, f"stop[{i}]") for i, s in enumerate(stop)),
-        stop_token_ids=tuple(_integer(t, f"stop_token_ids[{i}]", 0, INT32_MAX)
+        top_k=top_k, stop=tuple(text_field(s, f"stop[{i}]") for i, s in enumerate(stop)),
+        stop_token_ids=tuple(integer_field(t, f"stop_token_ids[{i}]", 0, INT32_MAX)
                              for i, t in enumerate(stop_ids)),
-        ignore_eos=_flag(body["ignore_eos"], "ignore_eos") if _given(body, "ignore_eos")
+        ignore_eos=flag_field(body["ignore_eos"], "ignore_eos") if _given(body, "ignore_eos")
         else False,
-        n=_integer(body["n"], "n", 1, INT32_MAX) if _given(body, "n") else 1,
-        seed=_integer(body["seed"], "seed", INT64_MIN, INT64_MAX) if _given(body, "seed")
+        n=integer_field(body["n"], "n", 1, INT32_MAX) if _given(body, "n") else 1,
+        seed=integer_field(body["seed"], "seed", INT64_MIN, INT64_MAX) if _given(body, "seed")
         else None)
 
 
@@ -134,7 +134,7 @@ def with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams
 
 
 def _max_tokens(body: dict, names: Sequence[str]) -> Optional[int]:
-    values = {name: _integer(body[name], name, 0, INT32_MAX) for name in names
+    values = {name: integer_field(body[name], name, 0, INT32_MAX) for name in names
               if _given(body, name)}
     if len(set(values.values())) > 1:
         raise BadRequest(f"{' and '.join(values)} disagree ({values}); send one")
@@ -142,27 +142,27 @@ def _max_tokens(body: dict, names: Sequence[str]) -> Optional[int]:
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = _flag(body["stream"], "stream") if _given(body, "stream") else False
+    stream = flag_field(body["stream"], "stream") if _given(body, "stream") else False
     options = _object(body.get("stream_options") or {}, "stream_options")
     usage = options.get("include_usage")
-    return stream, (_flag(usage, "stream_options.include_usage") if usage is not None
+    return stream, (flag_field(usage, "stream_options.include_usage") if usage is not None
                     else False)
 
 
 def _content_text(content: Any, where: str) -> Optional[str]:
     """A message's content as text: a string, null, or a list of {"type": "text"} parts."""
     if content is None or isinstance(content, str):
-        return None if content is None else _text(content, where)
+        return None if content is None else text_field(content, where)
     if not isinstance(content, list):
         raise BadRequest(f"'{where}' must be a string, null or a list of text parts, got "
-                         f"{_shown(content)}")
+                         f"{shown(content)}")
     texts = []
     for i, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") == "text"
                 and isinstance(part.get("text"), str)):
             raise BadRequest(f"'{where}[{i}]' must be {{\"type\": \"text\", \"text\": ...}} "
-                             f"(this server reads text only), got {_shown(part)}")
-        texts.append(_text(part["text"], f"{where}[{i}].text"))
+                             f"(this server reads text only), got {shown(part)}")
+        texts.append(text_field(part["text"], f"{where}[{i}].text"))
     return "".join(texts)
 
 
@@ -187,14 +187,14 @@ def _tool_call_for_template(call: Any, where: str) -> dict:
 
 def _messages(raw: Any) -> list[dict]:
     if not isinstance(raw, list) or not raw:
-        raise BadRequest(f"'messages' must be a non-empty list of messages, got {_shown(raw)}")
+        raise BadRequest(f"'messages' must be a non-empty list of messages, got {shown(raw)}")
     messages = []
     for i, message in enumerate(raw):
         message = _object(message, f"messages[{i}]")
         role = message.get("role")
         if role not in ROLES:
             raise BadRequest(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got "
-                             f"{_shown(role)}")
+                             f"{shown(role)}")
         out = {"role": "system" if role == "developer" else role,
                "content": _content_text(message.get("content"), f"messages[{i}].content")}
         calls = message.get("tool_calls")
@@ -216,20 +216,20 @@ def _messages(raw: Any) -> list[dict]:
 def _tools(body: dict) -> Optional[list[dict]]:
     choice = body.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
-        raise BadRequest(f"'tool_choice' {_shown(choice)} is not supported: use \"auto\" or "
+        raise BadRequest(f"'tool_choice' {shown(choice)} is not supported: use \"auto\" or "
                          "\"none\"")
     tools = body.get("tools")
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
-        raise BadRequest(f"'tools' must be a list of tools, got {_shown(tools)}")
+        raise BadRequest(f"'tools' must be a list of tools, got {shown(tools)}")
     for i, tool in enumerate(tools):
         tool = _object(tool, f"tools[{i}]")
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict) or \
                 not isinstance(function.get("name"), str) or not function["name"]:
             raise BadRequest(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
-                             f"{{\"name\": ..., \"parameters\": ...}}}}, got {_shown(tool)}")
+                             f"{{\"name\": ..., \"parameters\": ...}}}}, got {shown(tool)}")
     return None if choice == "none" else tools
 
 
@@ -237,7 +237,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     """A /v1/chat/completions body -> ChatRequest; BadRequest naming the first bad field."""
     body = _object(body)
     _refuse_unsupported(body)
-    if _given(body, "top_logprobs") and _integer(body["top_logprobs"], "top_logprobs", 0,
+    if _given(body, "top_logprobs") and integer_field(body["top_logprobs"], "top_logprobs", 0,
                                                  20) > 0:
         raise BadRequest("'top_logprobs' > 0 is not supported: this server returns the "
                          "sampled token's log-probability only (send logprobs: true, "
@@ -247,7 +247,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         messages=_messages(body.get("messages")), sampling=sampling_of(body, max_tokens),
         max_tokens=max_tokens, tools=_tools(body),
-        logprobs=_flag(body["logprobs"], "logprobs") if _given(body, "logprobs") else False,
+        logprobs=flag_field(body["logprobs"], "logprobs") if _given(body, "logprobs") else False,
         stream=stream, include_usage=include_usage)
 
 
@@ -259,25 +259,25 @@ def _prompts(raw: Any, vocab_size: int) -> list[Union[str, list[int]]]:
             if isinstance(token, bool) or not isinstance(token, int) or \
                     not 0 <= token < vocab_size:
                 raise BadRequest(f"'{where}[{j}]' must be a token id in [0, {vocab_size}) "
-                                 f"(the model's vocab), got {_shown(token)}")
+                                 f"(the model's vocab), got {shown(token)}")
         return list(prompt)
 
     if isinstance(raw, str):
-        return [_text(raw, "prompt")]
+        return [text_field(raw, "prompt")]
     if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
         return [ids(raw, "prompt")]
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids "
-                         f"or a list of such lists, got {_shown(raw)}")
+                         f"or a list of such lists, got {shown(raw)}")
     prompts: list[Union[str, list[int]]] = []
     for i, p in enumerate(raw):
         if isinstance(p, str):
-            prompts.append(_text(p, f"prompt[{i}]"))
+            prompts.append(text_field(p, f"prompt[{i}]"))
         elif isinstance(p, list):
             prompts.append(ids(p, f"prompt[{i}]"))
         else:
             raise BadRequest(f"'prompt[{i}]' must be a string or a list of token ids, got "
-                             f"{_shown(p)}")
+                             f"{shown(p)}")
     return prompts
 
 
@@ -285,13 +285,13 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     """A /v1/completions body -> CompletionRequest; BadRequest naming the first bad field."""
     body = _object(body)
     _refuse_unsupported(body)
-    if _given(body, "best_of") and _integer(body["best_of"], "best_of", 1, INT32_MAX) > 1:
+    if _given(body, "best_of") and integer_field(body["best_of"], "best_of", 1, INT32_MAX) > 1:
         raise BadRequest("'best_of' > 1 is not supported: ask for n samples instead")
     if body.get("echo"):
         raise BadRequest("'echo' is not supported: prompt_token_ids come with every choice")
     if body.get("suffix"):
         raise BadRequest("'suffix' is not supported by this server")
-    logprobs = _integer(body["logprobs"], "logprobs", 0, 5) if _given(body, "logprobs") \
+    logprobs = integer_field(body["logprobs"], "logprobs", 0, 5) if _given(body, "logprobs") \
         else None
     if logprobs:
         raise BadRequest("'logprobs' > 0 (top alternatives) is not supported: send "

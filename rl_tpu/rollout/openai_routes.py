@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rl_tpu.rollout import openai_api as api
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
-from rl_tpu.rollout.server import Prepared, RolloutService, _await_ticket
+from rl_tpu.rollout.server import Prepared, RolloutService, await_ticket
 from rl_tpu.rollout.streaming import TextStream, TicketEvents, sse_stream
 from rl_tpu.serving import BadRequest, read_json
 from rl_tpu.tools.calls import call_format_of, parse_tool_calls
@@ -95,7 +95,7 @@ class OpenAIRoutes:
 
     async def run(self, request: Request, prepared: Prepared) -> Optional[list[GenerateResult]]:
         ticket = self.service.submit(prepared)
-        if not await _await_ticket(ticket, request):
+        if not await await_ticket(ticket, request):
             return None
         return ticket.wait(0)
 

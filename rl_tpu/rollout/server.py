@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import math
 import uuid
 from typing import Any, Optional, Union
 
@@ -41,59 +40,12 @@ from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParam
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.streaming import TicketEvents, generate_events, sse_stream
 from rl_tpu.http_limits import HttpLimits
-from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server, bounded_int,
-                            docs_routes, error_response, guard, install_error_handlers,
-                            read_json)
+from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server,
+                            docs_routes, error_response, flag_field, guard,
+                            install_error_handlers, integer_field, number_field, read_json,
+                            shown, text_field)
 
 log = logging.getLogger(__name__)
-
-
-def _integer(value: Any, field: str, low: int, high: int) -> int:
-    """`bounded_int`, but a bool or a fractional number is refused (int() would take True as 1
-    and 2.5 as 2: a client that sends them has a bug worth seeing)."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise BadRequest(f"'{field}' must be an integer, got {value!r}")
-    return bounded_int(value, field, low, high)
-
-
-def _number(value: Any, field: str, low: float, high: float, low_open: bool = False) -> float:
-    """A finite float in [low, high] ((low, high] with low_open), else BadRequest naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise BadRequest(f"'{field}' must be a number, got {_shown(value)}")
-    try:
-        number = float(value)
-    except (ValueError, OverflowError) as err:  # "x", or an int past float's range
-        raise BadRequest(f"'{field}' must be a number, got {_shown(value)}") from err
-    inside = (low < number if low_open else low <= number) and number <= high
-    if not (math.isfinite(number) and inside):
-        bounds = f">= {low:g}" if high == math.inf else \
-            f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"'{field}' must be a finite number {bounds}, got {_shown(value)}")
-    return number
-
-
-def _flag(value: Any, field: str) -> bool:
-    """true or false (bool('false') would be True: a string is refused, not guessed at)."""
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{field}' must be true or false, got {_shown(value)}")
-    return value
-
-
-def _text(value: str, field: str) -> str:
-    """`value`, refused when it cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escape
-    can carry): the tokenizer cannot encode it, and echoed back (a rid, a weight version) it
-    would break every reply that carries it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise BadRequest(f"'{field}' is not valid Unicode text: {err.reason} at character "
-                         f"{err.start}") from err
-    return value
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingParams:
@@ -103,27 +55,27 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise BadRequest(f"'{where}' must be an object, got {_shown(raw)}")
+        raise BadRequest(f"'{where}' must be an object, got {shown(raw)}")
     given = lambda name: raw.get(name) is not None  # noqa: E731 - null is "not given"
     stop = raw["stop"] if given("stop") else []
     stop = ([stop] if stop else []) if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest(f"'{where}.stop' must be a string or a list of strings, got "
-                         f"{_shown(raw.get('stop'))}")
+                         f"{shown(raw.get('stop'))}")
     for i, s in enumerate(stop):
-        _text(s, f"{where}.stop[{i}]")
+        text_field(s, f"{where}.stop[{i}]")
     stop_ids = raw["stop_token_ids"] if given("stop_token_ids") else ()
     if not isinstance(stop_ids, (list, tuple)):
         raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
-                         f"{_shown(stop_ids)}")
+                         f"{shown(stop_ids)}")
 
     def integer(name: str, low: int, high: int, default: Any) -> int:
         # every integer is bounded here: one that does not fit the sampler's arrays would
         # otherwise pass and fail later, while its row is built beside other requests'
-        return _integer(raw[name] if given(name) else default, f"{where}.{name}", low, high)
+        return integer_field(raw[name] if given(name) else default, f"{where}.{name}", low, high)
 
     def number(name: str, low: float, high: float, default: float, low_open=False) -> float:
-        return _number(raw[name], f"{where}.{name}", low, high, low_open) if given(name) \
+        return number_field(raw[name], f"{where}.{name}", low, high, low_open) if given(name) \
             else default
 
     max_new = integer("max_new_tokens", 0, INT32_MAX, 128)
@@ -139,10 +91,10 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
             max_new_tokens=max_new, min_new_tokens=min_new,
             temperature=number("temperature", 0.0, float("inf"), 1.0),
             top_p=number("top_p", 0.0, 1.0, 1.0, low_open=True), top_k=top_k,
-            stop_token_ids=tuple(_integer(t, f"{where}.stop_token_ids[{i}]", 0, INT32_MAX)
+            stop_token_ids=tuple(integer_field(t, f"{where}.stop_token_ids[{i}]", 0, INT32_MAX)
                                  for i, t in enumerate(stop_ids)),
             stop=tuple(stop),
-            ignore_eos=_flag(raw["ignore_eos"], f"{where}.ignore_eos") if given("ignore_eos")
+            ignore_eos=flag_field(raw["ignore_eos"], f"{where}.ignore_eos") if given("ignore_eos")
             else False,
             n=integer("n", 1, INT32_MAX, 1),
             seed=integer("sampling_seed", INT64_MIN, INT64_MAX, None) if given("sampling_seed")
@@ -275,13 +227,13 @@ class RolloutService:
             for name in ("skip_special_tokens", "no_stop_trim"):  # read by _reply
                 if (params or {}).get(name) is not None:
                     where = "sampling_params" + (f"[{i}]" if len(raw) > 1 else "")
-                    _flag(params[name], f"{where}.{name}")
+                    flag_field(params[name], f"{where}.{name}")
         rids = body.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
         if len(rids) != len(prompts):
             raise BadRequest(f"'rid': {len(rids)} ids for {len(prompts)} prompts; send one "
                              "a prompt")
-        rids = [_text(r, "rid") if r else uuid.uuid4().hex for r in rids]
+        rids = [text_field(r, "rid") if r else uuid.uuid4().hex for r in rids]
         context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
         self.limits.check(prompts, sampling, context)
         return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
@@ -312,12 +264,12 @@ class RolloutService:
                 where = "input_ids" if single else f"input_ids[{i}]"
                 if not isinstance(prompt, list) or not prompt:
                     raise BadRequest(f"'{where}' must be a non-empty list of token ids, got "
-                                     f"{_shown(prompt)}")
+                                     f"{shown(prompt)}")
                 for j, token in enumerate(prompt):
                     if isinstance(token, bool) or not isinstance(token, int) or \
                             not 0 <= token < vocab:
                         raise BadRequest(f"'{where}[{j}]' must be a token id in [0, {vocab}) "
-                                         f"(the model's vocab), got {_shown(token)}")
+                                         f"(the model's vocab), got {shown(token)}")
             return batch, single
         if self.tokenizer is None:
             raise BadRequest("this server has no tokenizer: send input_ids instead of text")
@@ -330,8 +282,8 @@ class RolloutService:
         for i, t in enumerate(texts):
             where = "text" if single else f"text[{i}]"
             if not isinstance(t, str):
-                raise BadRequest(f"'{where}' must be a string, got {_shown(t)}")
-            prompts.append(self.tokenizer.encode(_text(t, where)))
+                raise BadRequest(f"'{where}' must be a string, got {shown(t)}")
+            prompts.append(self.tokenizer.encode(text_field(t, where)))
             if not prompts[-1]:
                 raise BadRequest(f"'{where}' encodes to no tokens: a prompt needs one at least")
         return prompts, single
@@ -379,9 +331,9 @@ class RolloutService:
         version = body.get("weight_version")
         if not isinstance(path, str) or not path:
             raise BadRequest("update_weights_from_disk needs 'model_path'")
-        _text(path, "model_path")
+        text_field(path, "model_path")
         if version is not None:  # /model_info and every reply echo it
-            _text(version, "weight_version")
+            text_field(version, "weight_version")
         cfg = self.sampler.cfg
         try:
             new_cfg, params = hf.load(path, mesh=self.sampler.mesh, dtype=cfg.param_dtype,
@@ -430,7 +382,7 @@ class RolloutService:
         if body.get("abort_all"):
             self.batcher.abort()
         elif body.get("rid"):
-            self.batcher.abort(_text(body["rid"], "rid"))
+            self.batcher.abort(text_field(body["rid"], "rid"))
         else:
             raise BadRequest("abort_request needs 'rid' or 'abort_all': true")
 
@@ -449,7 +401,7 @@ class RolloutService:
         self.sampler.resume()
 
 
-async def _await_ticket(ticket: Ticket, request: Optional[Request],
+async def await_ticket(ticket: Ticket, request: Optional[Request],
                         timeout_s: Optional[float] = None) -> bool:
     """Waits for `ticket` without holding a thread; False if the client went away (its rows
     are then aborted) or `timeout_s` passed first.
@@ -518,7 +470,7 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
                                                                 events)),
                                      media_type="text/event-stream")
         ticket = service.submit(prepared)
-        if not await _await_ticket(ticket, request):
+        if not await await_ticket(ticket, request):
             return error_response(499, "client closed the request")
         return JSONResponse(service.replies(prepared, raw, ticket.wait(0)))
 
@@ -559,7 +511,7 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
         problem = service.health()
         if problem is not None:
             return error_response(503, problem)
-        if not await _await_ticket(service.health_probe(), None, health_timeout_s):
+        if not await await_ticket(service.health_probe(), None, health_timeout_s):
             return error_response(503, f"no token within {health_timeout_s:g} s: the sampler "
                                        f"is stalled or has more queued than it can run "
                                        f"({service.batcher.load()})")
