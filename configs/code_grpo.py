@@ -17,6 +17,9 @@ Variants:
   sft_only   the control: no RL, the same seed, SFT on the teacher for longer instead
   repair     the `code_repair` env: a failing program gets its first failing test back and
              the model has a second try (2 turns), reward the last program's fraction
+  tir        the `tir` env: "Compute 4817 * 2963 - 512.", a ```python block runs in the
+             sandbox and its output comes back, then <answer>N</answer> (2 turns); the
+             teacher uses the tool 30% of the time, else answers from a slip
   humaneval  the eval of HumanEval's 164 problems (launch.eval): greedy, the prompt and the
              reply in a 2048-token context; a tiny model scores 0, what it measures is the
              pipeline (every problem's program through the sandbox) and its wall time
@@ -29,7 +32,7 @@ from rl_tpu.recipes.variants import parse_variant
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only", "repair", "humaneval"),
+    chosen, smoke = parse_variant(arg, {"variant": ("rl", "sft_only", "repair", "tir", "humaneval"),
                                         "sandbox": ("bubblewrap", "unsafe_no_isolation")})
     c = base_config("grpo")
     c.seed = 0
@@ -51,6 +54,12 @@ def get_config(arg: str = ""):
         # two programs and a failure (a syntax error's feedback runs to ~150 tokens)
         c.env.max_context_tokens = c.sft.max_length = 384
         c.train.length_buckets = (192, 384)
+    if chosen["variant"] == "tir":
+        set_env(c, "tir", sandbox=chosen["sandbox"], eval_size=300)
+        c.env.max_turns = c.eval.max_turns = 2
+        c.env.max_new_tokens = 32
+        c.env.max_context_tokens = c.sft.max_length = 192
+        c.train.length_buckets = (96, 192)
     if chosen["variant"] == "humaneval":
         c.env.kwargs.tasks = "humaneval"
         c.env.max_context_tokens = 2048  # the longest prompt is ~900 tiny-tokenizer tokens
@@ -60,7 +69,7 @@ def get_config(arg: str = ""):
         c.model.tiny_corpus_tasks = 0  # HumanEval has no train split to learn text from
     if smoke:
         shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
-        c.env.max_turns = c.eval.max_turns = 2 if chosen["variant"] == "repair" else 1
-        c.env.max_new_tokens = 24 if chosen["variant"] != "humaneval" else 32
+        c.env.max_turns = c.eval.max_turns = 2 if chosen["variant"] in ("repair", "tir") else 1
+        c.env.max_new_tokens = 24 if chosen["variant"] not in ("humaneval", "tir") else 32
         c.sft.num_demos = 64
     return c
