@@ -426,7 +426,7 @@ def calculator_task(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     tiny_model_warm_start(c, context_tokens=320, sft_steps=200, sft_batch_size=32,
                           num_demos=2000, teacher_skill=0.5, corpus_tasks=500)
     c.env.max_turns = 2  # a call, then the answer
-    c.env.max_new_tokens = 40  # per turn: the call is the longer reply
+    c.env.max_new_tokens = 56  # per turn: the call is the longer reply (about 45 tokens)
     c.train.steps = 60
     c.train.tasks_per_step = 16
     c.eval.num_tasks = 200
