@@ -3,11 +3,11 @@
     python -m launch.train --config configs/tool_calling.py --workdir /tmp/tool_calling
 
 The `tool_calling` env (rl_tpu/envs/tool_calling.py) plays `arithmetic` (a sum or product of
-two 2-digit numbers, more than a 2-layer model 64 wide works out in its head) with one tool,
-`calculator`. Its schema reaches the prompt through the chat template (`tools=`); the model
-calls it by writing `<tool_call>{"name": "calculator", "arguments": {"expression": ...}}
-</tool_call>` (the tiny tokenizer's template writes calls as Qwen2.5's do), the result comes
-back as a role "tool" message, and the next reply's `<answer>` is scored (1 when exact).
+two numbers of 1 or 2 digits, the larger more than a tiny model works out in its head) with
+one tool, `calculator`. Its schema reaches the prompt through the chat template (`tools=`);
+the model calls it by writing `<tool_call>{"name": "calculator", "arguments": {"expression":
+...}}</tool_call>` (the tiny tokenizer's template writes calls as Qwen2.5's do), the result
+comes back as a role "tool" message, and the next reply's `<answer>` is scored (1 if exact).
 The setting is `config.calculator_task`:
 
 1. SFT warm start on a teacher that calls the calculator half the time and answers from its
@@ -27,7 +27,7 @@ def get_config(arg: str = ""):
     c.seed = 0
     if chosen["variant"] == "sft_only":
         c.train.steps = 0
-        c.sft.steps = 400
+        c.sft.steps = 800
     if smoke:
         shrink_for_smoke(c, warm_start_steps=4, eval_tasks=4)
         c.sft.num_demos = 32

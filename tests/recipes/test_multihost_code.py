@@ -8,7 +8,9 @@ import pytest
 from rl_tpu.metrics import read_metrics
 from test_multihost import _run_like_one
 
-pytestmark = pytest.mark.slow
+# With the rest of the per-recipe 2-process matrix (`-m multihost`): the code env adds no
+# trainer mode, only a sandbox pool per host; its 1-process smoke is in test_rl's list.
+pytestmark = [pytest.mark.slow, pytest.mark.multihost]
 
 
 def test_code_rl_trains_like_one_process(tmp_path):
