@@ -536,7 +536,7 @@ def _add_generation(ep: Episode, request: GenerateRequest, result: GenerateResul
     ep.turn_start, ep.turn_left, ep.parts = None, 0, 0
     ep.weight_versions.append(result.weight_version)
     ep.rewards.append(0.0)  # replaced by the env's reward if the step happens
-    text = _content_text(turn_ids, result.matched_stop, tokenizer, stop_ids)
+    text = content_text(turn_ids, result.matched_stop, tokenizer, stop_ids)
     ep.messages.append({"role": "assistant", "content": text})
     ep.pending_action = ep.pending_invalid = None
     if result.finish_reason == "abort":
@@ -554,7 +554,7 @@ def _add_generation(ep: Episode, request: GenerateRequest, result: GenerateResul
     return True
 
 
-def _content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_ids: set) -> str:
+def content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_ids: set) -> str:
     """The text of a turn without the stop that ended it: the action an env gets and the
     assistant message's content (the template writes its own end of turn).
 

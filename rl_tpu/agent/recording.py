@@ -52,6 +52,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rl_tpu.agent.loop import content_text
 from rl_tpu.agent.trajectory import NO_VERSION, token_versions
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout import openai_api
@@ -337,20 +338,6 @@ class EpisodeRecorder:
         return openai_api.chat_response(f"chatcmpl-{request_id}", pending.call.model,
                                         int(time.time()), [choice],
                                         openai_api.usage([pending.prompt_tokens], [result]))
-
-
-def content_text(ids: Sequence[int], matched, tokenizer: ChatTokenizer, stop_ids: set) -> str:
-    """A reply's text without the stop that ended it (as the agent loop's assistant messages):
-    a matched stop string is cut with what follows it, a final stop id dropped."""
-    if isinstance(matched, str) and matched:
-        text = tokenizer.decode(ids)
-        at = text.find(matched)
-        return text[:at] if at >= 0 else text
-    ids = list(ids)
-    if ids and (ids[-1] in stop_ids or (isinstance(matched, (int, np.integer))
-                                        and not isinstance(matched, bool) and ids[-1] == matched)):
-        ids = ids[:-1]
-    return tokenizer.decode(ids)
 
 
 # --- the server -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from rl_tpu.agent import loop as agent  # the loop's internals too (_content_text)
+from rl_tpu.agent import loop as agent  # the loop's internals too
 from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
@@ -292,7 +292,7 @@ def test_matched_stop_string_is_cut_from_the_action(tok):
 ])
 def test_content_text(tok, matched, ids, text):
     stop_ids = {tok.eos_token_id, tok.hf.convert_tokens_to_ids("<|im_start|>")}
-    assert agent._content_text(tok.encode(ids), matched, tok, stop_ids) == text
+    assert agent.content_text(tok.encode(ids), matched, tok, stop_ids) == text
 
 
 # --- episode endings, each confined to its own episode -------------------------------------------
