@@ -28,13 +28,23 @@ PROGRAM = "import sys\nprint(sum(map(int, sys.stdin.read().split())))\n"
 
 
 def one_round(sandbox, callers: int, seconds: float):
-    """(runs per second, run seconds each, failures) of `callers` threads for `seconds`."""
+    """(runs per second, run seconds each, failures) of `callers` threads for `seconds`. The
+    round starts when every caller is ready (a thread scheduled late on a loaded machine must
+    not shorten its share), and each caller finishes at least one run."""
     durations, failures = [], []
     lock = threading.Lock()
+    clock = {}
+
+    def start_round():  # run by one thread, before all of them are released
+        clock["begin"] = time.monotonic()
+        clock["stop"] = clock["begin"] + seconds
+
+    ready = threading.Barrier(callers, action=start_round)
 
     def caller(index):
+        ready.wait()
         count = 0
-        while time.monotonic() < stop:
+        while count == 0 or time.monotonic() < clock["stop"]:
             numbers = (index, count, 7)
             start = time.monotonic()  # the caller's view: a cold run's start included
             execution = sandbox.run(PROGRAM, stdin=" ".join(map(str, numbers)))
@@ -44,14 +54,12 @@ def one_round(sandbox, callers: int, seconds: float):
                     failures.append(execution)
             count += 1
 
-    begin = time.monotonic()
-    stop = begin + seconds
     threads = [threading.Thread(target=caller, args=(index,)) for index in range(callers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return len(durations) / (time.monotonic() - begin), durations, len(failures)
+    return len(durations) / (time.monotonic() - clock["begin"]), durations, len(failures)
 
 
 def measure(mode: str, pool_size: int, callers: int, rounds: int, seconds: float):
