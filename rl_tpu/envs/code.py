@@ -28,7 +28,6 @@ import dataclasses
 import json
 import re
 import secrets
-import threading
 from typing import Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, register
@@ -174,31 +173,27 @@ def read_report(stdout: str, marker: str, tests: list[dict], status: str,
 # Sandboxes, shared by every env of a process (a pool each; envs come and go per episode)
 # ---------------------------------------------------------------------------------------------
 
-_SANDBOXES: dict[tuple, object] = {}
-_SANDBOXES_LOCK = threading.Lock()
 
 
 def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: int):
-    """The process's sandbox for these settings, built on first use; refuses a mode that does
-    not work here (SandboxUnavailable, saying why) unless it is unsafe_no_isolation."""
-    from rl_tpu.sandbox import Limits, SandboxUnavailable, make_sandbox
+    """The process's sandbox for these settings (`rl_tpu.sandbox.shared_sandbox`); refuses a
+    mode that does not work here (SandboxUnavailable, saying why) unless it is
+    unsafe_no_isolation."""
+    from rl_tpu.sandbox import Limits, SandboxUnavailable
+    from rl_tpu.sandbox import shared_sandbox as process_sandbox
 
     if mode not in SANDBOX_MODES:
         raise ValueError(f"sandbox={mode!r}; choose one of {SANDBOX_MODES}")
-    key = (mode, float(wall_seconds), int(memory_mb), int(pool_size))
-    with _SANDBOXES_LOCK:
-        if key not in _SANDBOXES:
-            limits = Limits(wall_seconds=wall_seconds, cpu_seconds=wall_seconds,
-                            memory_bytes=memory_mb * 2**20, processes=32,
-                            output_bytes=64 * 1024, tmpfs_bytes=64 * 2**20)
-            try:
-                _SANDBOXES[key] = make_sandbox(mode=mode, limits=limits, pool_size=pool_size)
-            except SandboxUnavailable as e:
-                raise SandboxUnavailable(
-                    f"{e} (the code envs run model-written programs only in a sandbox; "
-                    "sandbox='unsafe_no_isolation' runs them as plain subprocesses with "
-                    "resource limits, on a machine you can lose)") from e
-        return _SANDBOXES[key]
+    limits = Limits(wall_seconds=wall_seconds, cpu_seconds=wall_seconds,
+                    memory_bytes=int(memory_mb) * 2**20, processes=32,
+                    output_bytes=64 * 1024, tmpfs_bytes=64 * 2**20)
+    try:
+        return process_sandbox(mode, limits, int(pool_size))
+    except SandboxUnavailable as e:
+        raise SandboxUnavailable(
+            f"{e} (the code envs run model-written programs only in a sandbox; "
+            "sandbox='unsafe_no_isolation' runs them as plain subprocesses with "
+            "resource limits, on a machine you can lose)") from e
 
 
 def run_tests(sandbox, program: str, tests: list[dict], setup: str = "",

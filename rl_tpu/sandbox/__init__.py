@@ -11,13 +11,17 @@ keeps the start off each run's path. docs/tools.md has the whole story.
 from __future__ import annotations
 
 import logging
+import threading
 
 from rl_tpu.sandbox.bubblewrap import sandbox_unavailable_reason, require_bubblewrap
 from rl_tpu.sandbox.limits import STATUSES, Execution, Limits, SandboxUnavailable
 from rl_tpu.sandbox.runner import MODES, Sandbox
 
-__all__ = ["Limits", "Execution", "STATUSES", "Sandbox", "make_sandbox", "SandboxUnavailable",
-           "sandbox_unavailable_reason"]
+__all__ = ["Limits", "Execution", "STATUSES", "Sandbox", "make_sandbox", "shared_sandbox",
+           "SandboxUnavailable", "sandbox_unavailable_reason"]
+
+_SHARED: dict[tuple, Sandbox] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def make_sandbox(mode: str = "bubblewrap", limits: Limits = Limits(),
@@ -34,3 +38,16 @@ def make_sandbox(mode: str = "bubblewrap", limits: Limits = Limits(),
             "sandbox mode unsafe_no_isolation: programs run as plain child processes with "
             "rlimits only; they can read and write this machine's files and reach its network")
     return Sandbox(mode, limits, pool_size)
+
+
+def shared_sandbox(mode: str = "bubblewrap", limits: Limits = Limits(),
+                   pool_size: int = 2) -> Sandbox:
+    """The process's one sandbox for these settings, made on first use (`make_sandbox`) and
+    kept for the life of the process: the code envs and python tools of every episode run in
+    one warm pool, instead of each env starting (and warming) a pool of its own. Never close
+    it; each run still gets a fresh sandbox."""
+    key = (mode, limits, pool_size)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = make_sandbox(mode=mode, limits=limits, pool_size=pool_size)
+        return _SHARED[key]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import threading
 
 from rl_tpu.tools.registry import Tool
 
@@ -100,33 +99,6 @@ def calculator_tool() -> Tool:
                     "abs, round, min, max, sqrt"}}, "required": ["expression"]}, calculator)
 
 
-class PythonRunner:
-    """Runs code in a sandbox made on first use (so a registry that never runs code never
-    starts one); `close()` ends its pool."""
-
-    def __init__(self, mode: str = "bubblewrap", limits=None, pool_size: int = 2):
-        self.mode, self.limits, self.pool_size = mode, limits, pool_size
-        self._sandbox = None
-        self._lock = threading.Lock()
-
-    def _get(self):
-        with self._lock:
-            if self._sandbox is None:
-                from rl_tpu.sandbox import Limits, make_sandbox
-                self._sandbox = make_sandbox(self.mode, self.limits or Limits(), self.pool_size)
-            return self._sandbox
-
-    def __call__(self, code: str) -> str:
-        execution = self._get().run(code)
-        return execution_text(execution)
-
-    def close(self):
-        with self._lock:
-            if self._sandbox is not None:
-                self._sandbox.close()
-                self._sandbox = None
-
-
 def execution_text(execution) -> str:
     """What a model reads of a run: its stdout, then its stderr and ending when not clean."""
     parts = [execution.stdout]
@@ -139,12 +111,20 @@ def execution_text(execution) -> str:
 
 
 def python_tool(mode: str = "bubblewrap", limits=None, pool_size: int = 2) -> Tool:
-    """The python tool; `mode`, `limits` and `pool_size` as `rl_tpu.sandbox.make_sandbox`'s."""
+    """The python tool; `mode`, `limits` and `pool_size` as `rl_tpu.sandbox.make_sandbox`'s.
+    Its runs share the process's sandbox pool for those settings (`shared_sandbox`), made on
+    the first call: a registry whose model never runs code starts none, and the episodes of a
+    step do not each warm a pool of their own."""
+    from rl_tpu.sandbox import Limits, shared_sandbox
+
+    def python(code: str) -> str:
+        return execution_text(shared_sandbox(mode, limits or Limits(), pool_size).run(code))
+
     return Tool("python", "Run a Python 3 program and get what it prints (stdout, stderr). "
                 "Each call starts fresh: nothing persists between calls. Print the values "
                 "you need.", {"type": "object", "properties": {"code": {
                     "type": "string", "description": "the complete program"}},
-                    "required": ["code"]}, PythonRunner(mode, limits, pool_size))
+                    "required": ["code"]}, python)
 
 
 def search_tool(index, top_k: int = 3, max_passage_chars: int = 600,

@@ -38,7 +38,7 @@ class ToolEnv(Env):
         (`rl_tpu.tools.call_format_of(tokenizer)`).
       max_calls_per_reply: calls one reply may make; the rest get an error result.
       max_tool_turns: replies with calls an episode may make (None: no limit of its own).
-      close_registry: close the registry's tools (a sandbox pool) with this env.
+      close_registry: close the registry's tools (those holding resources) with this env.
     """
 
     def __init__(self, task_env: Env, registry: ToolRegistry, call_format: str,

@@ -302,8 +302,8 @@ class ToolRegistry:
         return ToolResult(call.name, f"Error: {message}", message, call.id)
 
     def close(self) -> None:
-        """Closes the tools that hold resources (a sandbox pool): those whose function has a
-        `close` method."""
+        """Closes the tools that hold resources (a connection, a pool): those whose function
+        has a `close` method."""
         for tool in self._tools.values():
             close = getattr(tool.function, "close", None)
             if callable(close):
