@@ -64,6 +64,7 @@ from rl_tpu.checkpoint_errors import (  # noqa: F401 - CheckpointWriteError: pub
     CheckpointWriteError, is_storage_error, quiet_background_failure_reports)
 from rl_tpu.checkpoint_integrity import (  # noqa: F401 - CheckpointCorruptError: public here
     CheckpointCorruptError, check_savable, flat, path_name)
+from rl_tpu.checkpoint_integrity import compile_record
 from rl_tpu.checkpoint_integrity import record as integrity_record
 from rl_tpu.checkpoint_integrity import verify as verify_integrity
 
@@ -172,6 +173,13 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     # -- saving -------------------------------------------------------------------------------
+
+    def prepare(self, state) -> None:
+        """Compiles what saving a state like `state` runs on its devices (the checksums), so
+        that the first `save` compiles nothing: call it once the state exists, before the
+        steps. Nothing is written."""
+        if self.checksums:
+            compile_record(state)
 
     def save(self, step: int, state, meta: dict) -> None:
         """Write `state` and `meta` as checkpoint `step`.

@@ -102,12 +102,26 @@ def _checksum(x: jax.Array):
     return jnp.sum(words * (index * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)
 
 
-_checksums_jit = jax.jit(lambda leaves: [_checksum(x) for x in leaves])
+@jax.jit
+def _checksums(leaves):
+    return [_checksum(x) for x in leaves]
+
+
+def compile_record(state) -> None:
+    """Compiles the checksum program for a state of `state`'s shapes and shardings, before
+    the first save needs it (jit's cache keeps it): a run compiles nothing after its first
+    step, its first checkpoint included. Nothing runs; only the leaves' metadata is read."""
+    def shape_of(x):  # an uncommitted array (or numpy) goes where jit puts it: no sharding
+        committed = isinstance(x, jax.Array) and x.committed
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None)
+
+    abstract = [shape_of(x) for x in flat(state).values()]
+    _checksums.lower(abstract).compile()
 
 
 def record(state) -> dict:
     leaves = flat(state)
-    sums = jax.device_get(_checksums_jit(list(leaves.values())))
+    sums = jax.device_get(_checksums(list(leaves.values())))
     arrays = {}
     for (name, leaf), total in zip(leaves.items(), sums):
         checkable = _checkable(leaf.dtype)
@@ -122,7 +136,7 @@ def verify(restored, record: dict, what: str) -> None:
     # Only leaves restored in the dtype they were saved in have comparable bits.
     names = [n for n, x in leaves.items() if n in saved and saved[n]["checksum"] is not None
              and saved[n]["dtype"] == str(np.dtype(x.dtype))]
-    sums = jax.device_get(_checksums_jit([leaves[n] for n in names]))
+    sums = jax.device_get(_checksums([leaves[n] for n in names]))
     bad = [n for n, total in zip(names, sums) if int(total) != saved[n]["checksum"]]
     if bad:
         raise CheckpointCorruptError(

@@ -89,6 +89,26 @@ def test_sharded_train_state_round_trip_is_bitwise_and_keeps_shardings(tmp_path,
     assert restored.master is not None  # bf16 params came back with their fp32 master
 
 
+def test_prepare_leaves_the_first_save_no_checksum_program_to_compile(tmp_path, mesh):
+    from rl_tpu.rollout.compile_count import CompileCounter
+
+    # shapes no other test saves: jit's process-wide cache holds no checksum program for them
+    state = {"w": jax.device_put(jnp.ones((24, 40), jnp.float32),
+                                 NamedSharding(mesh, P("fsdp", "tensor"))),
+             "step": jnp.int32(3), "host": np.arange(5)}
+    prepared, saved = CompileCounter(), CompileCounter()
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        with prepared.counting():
+            ckpt.prepare(state)
+        with saved.counting():
+            ckpt.save(1, state, {})
+            ckpt.wait()
+    # built (or loaded from the suite's cache) by prepare, not by the save; on these 8
+    # devices orbax still compiles its own per-shard slices at a first save (not ours)
+    assert prepared.by_name() == {"jit(_checksums)": 1}
+    assert "jit(_checksums)" not in saved.by_name()
+
+
 def test_restore_onto_another_sharding_reads_the_same_bits(tmp_path, mesh):
     state = make_state(mesh)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)

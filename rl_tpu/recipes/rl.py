@@ -215,6 +215,7 @@ class Trainer:
             log.warning("resumed from step %d", self.start)
         elif self.learner.reference_params is not None:
             self.ckpt.save_static(REFERENCE, self.learner.reference_params)
+        self.ckpt.prepare(self._checkpoint_state())  # the first save then compiles nothing
 
         # --- engines and the producer ---------------------------------------------------
         self.engine = components.make_engine(config, self.model_cfg, self.learner.policy.params,

@@ -135,6 +135,27 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         _rerun_of_a_finished_run(c, tmp_path, final_eval)
 
 
+@pytest.mark.slow
+def test_a_run_compiles_nothing_after_its_first_step(tmp_path):
+    """Every program a single-turn run needs is built by the end of its first step: the
+    sampler's buckets, the update, the eval's programs (step 0's eval) and the checkpoint's
+    checksums (compiled at start-up, not at the first save), so steps 2-4 (each with a
+    checkpoint, two with an eval) compile and load nothing (time/compiles and
+    time/cache_loads are JAX's own counts)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-m", "launch.train", "--config",
+                          "configs/quickstart.py:smoke", "--workdir", str(tmp_path),
+                          "--config.train.steps=4"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built = {r["step"]: r["time/compiles"] + r["time/cache_loads"]
+             for r in read_metrics(str(tmp_path)) if "time/compiles" in r}
+    assert sorted(built) == [1, 2, 3, 4]
+    assert built[1] > 0  # the counter counts (the first step builds everything)
+    assert {step: n for step, n in built.items() if step > 1} == {2: 0, 3: 0, 4: 0}
+
+
 def _rerun_of_a_finished_run(c, workdir, final_eval):
     """A rerun of the finished run trains nothing and says where the results are; a config
     change is refused as a resume refuses it; a raised train.steps trains on."""
