@@ -62,6 +62,12 @@ class CompileCounter:
             self._seconds[name] += seconds
 
 
+def active() -> "CompileCounter | None":
+    """The counter compiles on this thread count toward now (None: none), for work handed to
+    another thread to count where it would have here."""
+    return getattr(_active, "counter", None)
+
+
 def _on_event(event: str, duration: float, **kwargs) -> None:
     if event != BACKEND_COMPILE_EVENT:
         return

@@ -20,15 +20,20 @@ levels, see `sample_next`. `JaxSampler` (sampler.py) drives these programs.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
 from rl_tpu.models.transformer import Transformer, cache_slots, init_cache
+from rl_tpu.rollout import compile_count
 from rl_tpu.rollout.prefix_cache import gather_pages
 
 GREEDY_BELOW = 1e-6  # SGLang's convention: a temperature below this means greedy
@@ -51,10 +56,10 @@ def gumbel_from_bits(hi, lo):
     return -jnp.log(-jnp.log1p(-v))
 
 
-def _gumbel_argmax(scores, keys):
-    """scores [B, N] log-weights (-inf = never) -> [B] index drawn with prob softmax(scores)."""
-    bits = jax.vmap(lambda k: jax.random.bits(k, (2,) + scores.shape[1:], jnp.uint32))(keys)
-    noisy = scores + gumbel_from_bits(bits[:, 0], bits[:, 1])
+def _gumbel_argmax(scores, gumbel):
+    """scores [B, N] log-weights (-inf = never), gumbel [B, N] standard Gumbel noise -> [B]
+    index drawn with prob softmax(scores)."""
+    noisy = scores + gumbel
     # -inf + inf (a zero exponential, p = 2^-56) would be nan, which argmax would pick
     return jnp.argmax(jnp.where(scores > -jnp.inf, noisy, -jnp.inf), axis=-1)
 
@@ -90,10 +95,15 @@ def draw_from_logits(logits, keys):
     2.4e-3 in total variation at V = 152k (now < 1e-6; tests/rollout/test_sampler.py).
     """
     block_logits, blocks = two_level_logits(logits)
-    level_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2]
-    block = _gumbel_argmax(block_logits, level_keys[:, 0])
+    nb = block_logits.shape[1]
+    # one draw of bits a row for both levels (disjoint columns: independent noise): each
+    # threefry call is ~0.25 s of a program's compile on a CPU, and this one runs in both
+    # prefill and decode
+    bits = jax.vmap(lambda k: jax.random.bits(k, (2, nb + blocks.shape[2]), jnp.uint32))(keys)
+    gumbel = gumbel_from_bits(bits[:, 0], bits[:, 1])  # [B, NB + BS]
+    block = _gumbel_argmax(block_logits, gumbel[:, :nb])
     inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, BS]
-    token = _gumbel_argmax(inside, level_keys[:, 1])
+    token = _gumbel_argmax(inside, gumbel[:, nb:])
     return (block * blocks.shape[-1] + token).astype(jnp.int32)
 
 
@@ -306,3 +316,67 @@ def decode(model: Transformer, params, state: DecodeState, chunk, min_chunk=None
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
+
+
+_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-decode-ahead")
+
+
+class DecodeAhead:
+    """Compiles the `decode` a batch will run on a background thread while its `prefill`
+    compiles on the caller's, so that a new bucket's first batch waits for the longer of the
+    two compiles instead of their sum (a first rollout's largest cost on a CPU: ~1 s and ~2 s
+    at the peer shape). XLA releases the GIL while it compiles.
+
+    decode's program depends on the shardings of prefill's outputs, which XLA decides as it
+    compiles prefill; on a one-device mesh every one is that device, replicated, so the state
+    is lowered with that sharding and jit's cache serves the real call. On a larger mesh
+    (a tensor-parallel sampler) the guess could be wrong and cost a second compile, so
+    nothing is compiled ahead there.
+    """
+
+    def __init__(self, mesh: Mesh):
+        self._sharding = NamedSharding(mesh, PartitionSpec()) if mesh.size == 1 else None
+        self._lock = threading.Lock()
+        self._started: set = set()  # prefill input signatures whose decode was compiled
+        self._pending: list[concurrent.futures.Future] = []
+
+    def start(self, model: Transformer, params, prefill_call: functools.partial,
+              chunk: int) -> None:
+        """Compiles, once per prefill input signature, `decode(model, params, state,
+        chunk=chunk)` for the state `prefill_call()` (a partial of `prefill`) will return."""
+        if self._sharding is None:
+            return
+        key = repr(jax.tree.map(  # arrays by shape and dtype, static arguments by value
+            lambda x: (x.shape, str(x.dtype)) if hasattr(x, "shape") else x,
+            (prefill_call.args[2:], prefill_call.keywords)))
+        with self._lock:
+            if key in self._started:
+                return
+            self._started.add(key)
+        state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding),
+            # the jitted function's own eval_shape: its trace is the one the call reuses
+            prefill_call.func.eval_shape(*prefill_call.args, **prefill_call.keywords))
+        counter = compile_count.active()  # the compile counts where the caller's would
+
+        def compile_decode():
+            with counter.counting() if counter else contextlib.nullcontext():
+                decode.lower(model, params, state, chunk=chunk).compile()
+
+        future = _AHEAD.submit(compile_decode)
+        with self._lock:
+            self._pending.append(future)
+
+    @property
+    def started(self) -> int:
+        """How many decode programs were compiled ahead here."""
+        with self._lock:
+            return len(self._started)
+
+    def wait(self) -> None:
+        """Blocks until every decode compile started here is done (before a decode call, so
+        that one program is never compiled on two threads at once); raises its error."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rl_tpu import parallel
 from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
 from rl_tpu.rollout.compile_count import CompileCounter
-from rl_tpu.rollout.decoding import decode, prefill
+from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
 from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, next_power_of_two
 
@@ -120,6 +120,7 @@ class JaxSampler(RolloutEngine):
         self.max_batch, self.kv_tokens = max_batch, kv_tokens
         self.min_prompt_bucket, self.min_new_bucket = min_prompt_bucket, min_new_bucket
         self.decode_chunk = decode_chunk
+        self._decode_ahead = DecodeAhead(self.mesh)  # decode compiles beside prefill
         self._seed = seed
         self._counter = itertools.count()
         self._weights_lock = threading.Lock()
@@ -332,11 +333,15 @@ class JaxSampler(RolloutEngine):
         self._count_prefill(n, lens, plan)
         matches = None if plan is None else plan.matches
         if plan is None or plan.suffix is None:
-            return prefill(self.model, params, ids, lens, *sampling, max_steps=steps,
-                           chunk=self.prefill_chunk), matches
-        return prefill(self.model, params, plan.suffix, lens, *sampling, max_steps=steps,
-                       starts=plan.starts, pool=self._prefix.pool, page_table=plan.table,
-                       chunk=self.prefill_chunk), matches
+            call = functools.partial(prefill, self.model, params, ids, lens, *sampling,
+                                     max_steps=steps, chunk=self.prefill_chunk)
+        else:
+            call = functools.partial(prefill, self.model, params, plan.suffix, lens, *sampling,
+                                     max_steps=steps, starts=plan.starts,
+                                     pool=self._prefix.pool, page_table=plan.table,
+                                     chunk=self.prefill_chunk)
+        self._decode_ahead.start(self.model, params, call, self.decode_chunk)
+        return call(), matches
 
     def result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
         """The GenerateResult of one row of `req`: its output ids and log-probs (numpy, as
@@ -462,6 +467,7 @@ class JaxSampler(RolloutEngine):
                 params, version = self.weights()
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
+                self._decode_ahead.wait()
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
             tokens, logprobs, count, stopped = (np.asarray(x) for x in (
                 state.tokens, state.logprobs, state.count, state.stopped))

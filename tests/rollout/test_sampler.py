@@ -305,6 +305,23 @@ def test_warmup_compiles_the_buckets_so_generation_compiles_nothing(setup):
     assert sampler.stats()["compiled_programs"] == 7  # the 64-token, 1-row bucket
 
 
+def test_a_new_bucket_compiles_its_decode_once_beside_its_prefill(setup):
+    """The decode of a bucket is compiled on a background thread while its prefill compiles
+    (DecodeAhead); the state's sharding is guessed right on one device, so jit's cache serves
+    the real call: one decode program a bucket, counted by the sampler, not two."""
+    jax.clear_caches()
+    sampler = JaxSampler(setup["cfg"], setup["params"], tokenizer=setup["tok"],
+                         prefix_cache_tokens=0)
+    out = sampler.generate([GenerateRequest(list(range(3, 23)),
+                                            SamplingParams(max_new_tokens=9, **GREEDY))])
+    assert len(out[0].output_ids) == 9
+    assert sampler._decode_ahead.started == 1
+    programs = sampler.compiles.by_name()
+    assert programs["jit(decode)"] == 1 and programs["jit(prefill)"] == 1, programs
+    sampler.generate([GenerateRequest(list(range(5, 27)), SamplingParams(max_new_tokens=12))])
+    assert sampler._decode_ahead.started == 1  # the same bucket: nothing more
+
+
 def _decode_hlo(sampler: JaxSampler, rows: int, prompt: int, new: int) -> str:
     """The compiled text of the sampler's decode chunk for a (rows, prompt, new) bucket."""
     i32 = np.int32
