@@ -5,6 +5,7 @@ rollout of an RL run."""
 import json
 import math
 import os
+import string
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.train.rollout_batch import NO_LOSS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPLY_CHARS = string.ascii_letters + string.digits + " .,:;?!'-()[]"
 MESSAGES = [{"role": "system", "content": "Reply with the largest number."},
             {"role": "user", "content": "Which number is largest? 3 7 2"},
             {"role": "assistant", "content": "3"},
@@ -112,7 +114,8 @@ def test_a_frozen_judge_that_approves_pays_every_rollout(tmp_path):
         for i in range(128):  # replies of every kind a barely trained policy gives
             numbers = rng.randint(0, 10, 5)
             question = "Which number is largest? " + " ".join(map(str, numbers))
-            reply = ("".join(rng.choice(list("0123456789 abcxyz?"), rng.randint(0, 6)))
+            # a policy's reply is any few tokens, decoded: text of any letters and marks
+            reply = ("".join(rng.choice(list(REPLY_CHARS), rng.randint(0, 20)))
                      if i % 2 else str(numbers[i % 5]))
             messages = pointwise_messages(question, reply)
             f.write(json.dumps({"messages": messages + [

@@ -86,10 +86,12 @@ def test_classify_of_text_scores_the_tokenizers_ids_in_sglangs_format(server):
                         "scores": pytest.approx(expected[i].tolist(), abs=1e-5)}
     status, one = post(server, "/v1/classify", {"input": texts[0]})  # a string: one item
     assert status == 200 and len(one["data"]) == 1
-    assert one["data"][0]["scores"] == pytest.approx(reply["data"][0]["scores"], abs=1e-6)
+    # alone, the text runs in a batch of another shape than beside the longer one: XLA's
+    # kernels for it round in other last bits (1.4e-6 on an AVX-512 CPU)
+    assert one["data"][0]["scores"] == pytest.approx(reply["data"][0]["scores"], abs=1e-5)
     status, by_ids = post(server, "/v1/classify", {"input": ids[1]})  # token ids, as SGLang
     assert status == 200 and by_ids["data"][0]["scores"] == pytest.approx(
-        reply["data"][1]["scores"], abs=1e-6)
+        reply["data"][1]["scores"], abs=1e-5)
 
 
 def test_classify_probs_are_the_softmax_of_the_labels_scores(tmp_path):
