@@ -40,13 +40,15 @@ def token_logprobs(model: Transformer, params, batch, chunk: int = 128, temperat
                    with_entropy: bool = True):
     """Log-prob (and entropy) of every token given the tokens before it.
 
-    batch: `tokens` [B, T] and optionally `positions`, `segment_ids` [B, T].
+    batch: `tokens` [B, T] and optionally `positions`, `segment_ids` [B, T], and
+    `dropout_rng` (a training step's key for LoRA dropout; without one, no dropout).
     Returns (logprobs [B, T], entropy [B, T] or None), aligned with the tokens: entry t belongs
     to token t (so a loss mask over generated tokens applies directly); entry 0 is 0.
     """
     tokens = batch["tokens"]
+    rngs = {"dropout": batch["dropout_rng"]} if "dropout_rng" in batch else None
     hidden = model.apply({"params": params}, tokens, batch.get("positions"),
-                         batch.get("segment_ids"), return_hidden=True)  # [B, T, D]
+                         batch.get("segment_ids"), return_hidden=True, rngs=rngs)  # [B, T, D]
     b, t, d = hidden.shape
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     c = min(chunk, t)

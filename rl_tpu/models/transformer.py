@@ -31,6 +31,7 @@ from rl_tpu import parallel
 from rl_tpu.models.blocked_attention import segment_causal_attention
 from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
+from rl_tpu.models.lora import LoraConfig, LoraDenseGeneral
 from rl_tpu.models.recompute import after
 
 Array = jax.Array
@@ -89,6 +90,8 @@ class ModelConfig:
     # The KV cache's dtype ("" = the compute dtype). A bfloat16 cache under fp32 weights halves
     # decode's largest buffer; keys and values are cast back to the compute dtype when read.
     cache_dtype: str = ""
+    # Low-rank adapters on the projections `lora.targets` names (lora.py); None: no adapters.
+    lora: Optional[LoraConfig] = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -289,14 +292,17 @@ class RMSNorm(nn.Module):
 
 def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=False):
     """DenseGeneral whose kernel dims carry `kernel_axes` (input dims, then output dims); the
-    bias, over the output dims, carries the trailing names."""
+    bias, over the output dims, carries the trailing names. A projection `cfg.lora` targets
+    (by this name: q_proj, ..., down_proj) gets its adapters (lora.py)."""
     out_dims = len(features) if isinstance(features, tuple) else 1
-    return nn.DenseGeneral(
+    lora = cfg.lora if cfg.lora is not None and name in cfg.lora.targets else None
+    return LoraDenseGeneral(
         features=features, axis=axis, use_bias=use_bias, name=name,
         dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, dot_general=dense_dot_general,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
                                                  kernel_axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, kernel_axes[-out_dims:]),
+        lora=lora, kernel_axes=tuple(kernel_axes),
     )
 
 

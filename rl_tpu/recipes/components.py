@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from rl_tpu import parallel, schedules
 from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
-from rl_tpu.models import hf, tiny
+from rl_tpu.models import hf, lora, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.recipes.config_checks import warmup_shapes
 from rl_tpu.models.transformer import ModelConfig, Transformer
@@ -315,7 +315,29 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
     cfg, params = hf.load(path, mesh=mesh, dtype=m.dtype, remat=m.remat,
                           scan_layers=m.scan_layers, attention_block=m.attention_block,
                           attention_impl=m.attention_impl)
+    adapter = lora_config(config)
+    if adapter is not None:  # fresh adapters on the loaded (frozen) base
+        cfg = cfg.replace(lora=adapter)
+        model = Transformer(cfg, mesh=mesh)
+        abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
+        shardings = parallel.param_shardings(abstract, names, mesh)
+        params = lora.with_adapters(params, lora.init_adapters(model, (abstract, shardings),
+                                                               config.seed))
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
+
+
+def lora_config(config: ml_collections.ConfigDict) -> Optional[lora.LoraConfig]:
+    """The adapters `model.lora.*` describe, or None for full fine-tuning (rank 0)."""
+    b = config.model.lora
+    if b.rank <= 0:
+        return None
+    targets = (lora.TARGETS if b.targets.strip() == "all"
+               else tuple(t.strip() for t in b.targets.split(",") if t.strip()))
+    try:
+        return lora.LoraConfig(rank=b.rank, alpha=b.alpha, dropout=b.dropout, targets=targets,
+                               init=b.init, rslora=b.rslora)
+    except ValueError as e:
+        raise ValueError(f"model.lora: {e}") from None
 
 
 def export_hf(path: str, model_cfg: ModelConfig, params, tokenizer: ChatTokenizer) -> None:
@@ -324,6 +346,9 @@ def export_hf(path: str, model_cfg: ModelConfig, params, tokenizer: ChatTokenize
     is not marked finished before its export, so a rerun exports again from the checkpoint."""
     from rl_tpu.checkpoint_errors import RunWriteError
 
+    if model_cfg.lora is not None:  # a plain HF model: every adapter merged into its kernel
+        params = jax.jit(lambda p: lora.merge(p, model_cfg.lora))(params)
+        model_cfg = model_cfg.replace(lora=None)
     try:
         hf.save(path, model_cfg, params, tokenizer=tokenizer.hf)
     except RunWriteError:
@@ -350,8 +375,11 @@ def rl_optim_config(config: ml_collections.ConfigDict, lr: float) -> OptimConfig
     return optim_config(lr, config, t.steps, updates_per_step=t.epochs * t.minibatches)
 
 
-def new_state(params, optim: OptimConfig) -> TrainState:
-    return create_state(params, make_optimizer(optim))
+def new_state(params, optim: OptimConfig, heads: tuple[str, ...] = ()) -> TrainState:
+    """A TrainState over `params`; params with LoRA adapters train only those (and `heads`,
+    e.g. a critic's value head, trained whole beside its trunk's adapters)."""
+    trainable = frozenset(lora.ADAPTER_KEYS + heads) if lora.has_adapters(params) else None
+    return create_state(params, make_optimizer(optim), trainable)
 
 
 def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg: ModelConfig,
@@ -368,7 +396,7 @@ def new_critic_state(config: ml_collections.ConfigDict, policy_params, model_cfg
         return jax.device_put(x, NamedSharding(mesh, P()))
 
     params = jax.tree.map(on_mesh, value_params_from(policy_params, model_cfg))
-    return new_state(params, rl_optim_config(config, config.algo.value_lr))
+    return new_state(params, rl_optim_config(config, config.algo.value_lr), heads=("head",))
 
 
 def make_env_factory(config: ml_collections.ConfigDict) -> Callable[[], Env]:

@@ -81,6 +81,22 @@ def model_block() -> ml_collections.ConfigDict:
     b.attention_block = 256  # causal attention's query block (0 = one), blocked_attention
     b.attention_impl = "xla"  # training's attention: xla | dot_product | splash (TPU)
     b.sampler_dtype = ""  # the embedded sampler's copy ("" = the params' dtype)
+    b.lora = lora_block()
+    return b
+
+
+def lora_block() -> ml_collections.ConfigDict:
+    """LoRA (docs/lora.md): rank > 0 trains low-rank adapters on a frozen base, in PEFT's
+    definitions (alpha / rank scale, dropout on the adapter's input, kaiming-uniform A and
+    zero B); only the adapters and their optimizer state train and are checkpointed."""
+    b = ml_collections.ConfigDict()
+    b.rank = 0  # 0: full fine-tuning
+    b.alpha = 16.0  # the update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)
+    b.dropout = 0.0  # on the adapters' input, in training steps only
+    # comma-separated projections (PEFT's target_modules), or "all" for every one of them
+    b.targets = "all"
+    b.init = "default"  # default (PEFT's kaiming-uniform A) | gaussian
+    b.rslora = False
     return b
 
 

@@ -39,9 +39,9 @@ def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     if algorithms.uses_critic(config.algo):
         target["critic"] = components.new_critic_state(config, target["policy"].params,
                                                        model_cfg, mesh)
-    step, restored, _ = ckpt.restore(target)
+    step, restored, _ = ckpt.restore({k: v.checkpoint_view() for k, v in target.items()})
     ckpt.close()
-    return step, restored["policy"].params
+    return step, target["policy"].from_checkpoint(restored["policy"]).params
 
 
 def _has_checkpoint(workdir: str) -> bool:

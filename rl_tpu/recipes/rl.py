@@ -576,15 +576,17 @@ class Trainer:
     # -- checkpoint pieces --------------------------------------------------------------
 
     def _checkpoint_state(self) -> dict:
-        state = {"policy": self.learner.policy}
+        """What a checkpoint holds: the learner's states, each cut to what it trains (LoRA:
+        the adapters and their moments; the frozen base is reloaded at start)."""
+        state = {"policy": self.learner.policy.checkpoint_view()}
         if self.learner.critic is not None:
-            state["critic"] = self.learner.critic
+            state["critic"] = self.learner.critic.checkpoint_view()
         return state
 
     def _load_checkpoint_state(self, restored: dict) -> None:
-        self.learner.policy = restored["policy"]
+        self.learner.policy = self.learner.policy.from_checkpoint(restored["policy"])
         if "critic" in restored:
-            self.learner.critic = restored["critic"]
+            self.learner.critic = self.learner.critic.from_checkpoint(restored["critic"])
         if self.learner.reference_params is not None:
             self.learner.reference_params = self.ckpt.restore_static(
                 REFERENCE, self.learner.reference_params)

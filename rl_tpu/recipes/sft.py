@@ -265,9 +265,9 @@ def restore(ckpt, state: TrainState, data: ExampleBatches) -> tuple[int, TrainSt
     with `data` moved to the position it had then; (0, state) for a fresh run."""
     if ckpt.latest_step() is None:
         return 0, state
-    step, restored, saved = ckpt.restore({"policy": state})
+    step, restored, saved = ckpt.restore({"policy": state.checkpoint_view()})
     data.set_state(saved["data"])
-    return step, restored["policy"]
+    return step, state.from_checkpoint(restored["policy"])
 
 
 def checkpoint_every(ckpt, data: ExampleBatches, every: int, last: int,
@@ -278,12 +278,13 @@ def checkpoint_every(ckpt, data: ExampleBatches, every: int, last: int,
     def save(step: int, state: TrainState) -> None:
         due = step % every == 0 or step == last
         if due:
-            ckpt.save(step, {"policy": state}, {"data": data.get_state(), **(meta or {})})
+            ckpt.save(step, {"policy": state.checkpoint_view()},
+                      {"data": data.get_state(), **(meta or {})})
         if step < last:  # SIGTERM / SIGINT on any host: this step's checkpoint, then stop
 
             def save_now():
                 if not due:
-                    ckpt.save(step, {"policy": state},
+                    ckpt.save(step, {"policy": state.checkpoint_view()},
                               {"data": data.get_state(), **(meta or {})})
                 ckpt.wait()
             preemption.stop_here(step, str(ckpt.directory), save_now)

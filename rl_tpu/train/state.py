@@ -4,6 +4,12 @@
 jit with donation and its shardings are a pytree of the same shape. With bf16 params, `master`
 keeps an fp32 copy the optimizer updates (bf16 cannot represent small updates of large
 weights: they would round away); params are the master cast down after each update.
+
+`trainable` (static; None = every param) names the path elements of the params that train,
+e.g. LoRA's `lora_a`/`lora_b` (models/lora.py): the optimizer state and master copy then
+cover only those leaves, a step differentiates only them (XLA drops the frozen weights'
+gradient matmuls), and a checkpoint (`checkpoint_view`) holds only them; the rest of
+`params` is the frozen base, which the step passes through unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rl_tpu.models import lora
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -114,35 +122,67 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-    master: Any = None  # fp32 copy of bf16 params, or None when params are fp32
+    master: Any = None  # fp32 copy of the trained bf16 params, or None when they are fp32
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
+    trainable: Optional[frozenset] = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def create(cls, params, tx: optax.GradientTransformation) -> "TrainState":
-        """Optimizer state (and the fp32 master copy, for low-precision params) beside params.
+    def create(cls, params, tx: optax.GradientTransformation,
+               trainable: Optional[frozenset] = None) -> "TrainState":
+        """Optimizer state (and the fp32 master copy, for low-precision params) beside params;
+        with `trainable`, over the leaves it names only.
 
         Call under jit with sharded params: XLA gives the optimizer moments the params'
         shardings, and `shardings_of(state)` reads them back for the step's in/out shardings.
         """
-        low_precision = any(x.dtype != jnp.float32 for x in jax.tree.leaves(params)
+        target = trained_part(params, trainable)
+        low_precision = any(x.dtype != jnp.float32 for x in jax.tree.leaves(target)
                             if jnp.issubdtype(x.dtype, jnp.floating))
-        master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if low_precision else None
-        opt_state = tx.init(master if low_precision else params)
+        master = jax.tree.map(lambda x: x.astype(jnp.float32), target) if low_precision else None
+        opt_state = tx.init(master if low_precision else target)
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                   master=master, tx=tx)
+                   master=master, tx=tx, trainable=trainable)
+
+    def trained(self):
+        """The params the optimizer updates (all of them unless `trainable` is set)."""
+        return trained_part(self.params, self.trainable)
+
+    def with_trained(self, trained):
+        """The full params with `trained` (a tree like `trained()`) in place of those leaves."""
+        return trained if self.trainable is None else lora.merge_into(self.params, trained)
 
     def apply_gradients(self, grads) -> "TrainState":
-        target = self.params if self.master is None else self.master
+        """One optimizer update from `grads`, a tree like `trained()`."""
+        target = self.trained() if self.master is None else self.master
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, target)
         updates, opt_state = self.tx.update(grads, self.opt_state, target)
         target = optax.apply_updates(target, updates)
         if self.master is None:
-            return self.replace(step=self.step + 1, params=target, opt_state=opt_state)
-        params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, self.params)
-        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, master=target)
+            return self.replace(step=self.step + 1, params=self.with_trained(target),
+                                opt_state=opt_state)
+        params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, self.trained())
+        return self.replace(step=self.step + 1, params=self.with_trained(params),
+                            opt_state=opt_state, master=target)
+
+    def checkpoint_view(self) -> "TrainState":
+        """What a checkpoint holds: this state, its params cut to the trained ones (a LoRA
+        run saves adapters and their moments, not the base it reloads at start)."""
+        return self if self.trainable is None else self.replace(params=self.trained())
+
+    def from_checkpoint(self, restored: "TrainState") -> "TrainState":
+        """This state with a restored `checkpoint_view` in place (the frozen params kept)."""
+        if self.trainable is None:
+            return restored
+        return restored.replace(params=self.with_trained(restored.params))
 
 
-def create_state(params, tx: optax.GradientTransformation) -> TrainState:
+def trained_part(params, trainable: Optional[frozenset]):
+    """The leaves of `params` a state with `trainable` trains (all when None)."""
+    return params if trainable is None else lora.select(params, trainable)
+
+
+def create_state(params, tx: optax.GradientTransformation,
+                 trainable: Optional[frozenset] = None) -> TrainState:
     """TrainState built under jit, every optimizer leaf sharded like the param it belongs to
     (Adam's moments like their weights; counts replicated), so no device ever holds a full
     copy of the optimizer state. `params` are donated (their buffers become the state's).
@@ -150,32 +190,36 @@ def create_state(params, tx: optax.GradientTransformation) -> TrainState:
     The shardings are explicit: XLA does not carry a param's sharding over to a
     `zeros_like` of it, and left alone would replicate every moment on every device.
     """
-    create = lambda p: TrainState.create(p, tx)  # noqa: E731
+    create = lambda p: TrainState.create(p, tx, trainable)  # noqa: E731
     if not isinstance(jax.tree.leaves(params)[0].sharding, NamedSharding):
         return jax.jit(create, donate_argnums=0)(params)
-    return jax.jit(create, out_shardings=state_shardings(params, tx),
+    return jax.jit(create, out_shardings=state_shardings(params, tx, trainable),
                    donate_argnums=0)(params)
 
 
-def state_shardings(params, tx: optax.GradientTransformation) -> TrainState:
+def state_shardings(params, tx: optax.GradientTransformation,
+                    trainable: Optional[frozenset] = None) -> TrainState:
     """The shardings of the TrainState of `params` (arrays or ShapeDtypeStructs, each with a
     NamedSharding): every optimizer leaf like its param, counts and the step replicated."""
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, P())
-    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx), params)
+    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, trainable), params)
+    trained_shardings = trained_part(param_shardings, trainable)
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
+        tx, lambda _, sharding: sharding, abstract.opt_state, trained_shardings,
         transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                      master=None if abstract.master is None else param_shardings, tx=tx)
+                      master=None if abstract.master is None else trained_shardings, tx=tx,
+                      trainable=trainable)
 
 
-def abstract_state(params, tx: optax.GradientTransformation) -> TrainState:
-    """The TrainState `create_state(params, tx)` would make, as ShapeDtypeStructs with their
-    shardings: what an ahead-of-time compile lowers against, allocating nothing."""
-    shapes = jax.eval_shape(lambda p: TrainState.create(p, tx), params)
+def abstract_state(params, tx: optax.GradientTransformation,
+                   trainable: Optional[frozenset] = None) -> TrainState:
+    """The TrainState `create_state(params, tx, trainable)` would make, as ShapeDtypeStructs
+    with their shardings: what an ahead-of-time compile lowers against, allocating nothing."""
+    shapes = jax.eval_shape(lambda p: TrainState.create(p, tx, trainable), params)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, state_shardings(params, tx))
+                        shapes, state_shardings(params, tx, trainable))
 
 
 def shardings_of(tree):

@@ -108,32 +108,52 @@ def _tagged(metrics, weight) -> dict[str, Metric]:
             for k, m in metrics.items()}
 
 
-def accumulate(loss_fn: Callable, params, batch, micro_batches: int, weight_fn: Callable):
-    """(loss, grads, {name: Metric}) of the whole batch, summed over micro-batches in a scan.
+def accumulate(loss_fn: Callable, state: TrainState, batch, micro_batches: int,
+               weight_fn: Callable, dropout: bool = False):
+    """(loss, grads, {name: Metric}) of the whole batch, summed over micro-batches in a scan;
+    the gradient is of `state.trained()` only (all params, or e.g. LoRA's adapters), so XLA
+    computes no gradient of a frozen weight.
 
-    loss_fn(params, micro) -> (loss, {name: Metric or array}); weight_fn(batch) -> the
-    normaliser the loss's aggregation divides by, so that sum_k weight_k / weight_total *
-    loss_k is the batch loss. Metrics combine by their own reduction tags (bare arrays as
-    means weighted by weight_fn).
+    loss_fn(params, micro) -> (loss, {name: Metric or array}), params the full tree;
+    weight_fn(batch) -> the normaliser the loss's aggregation divides by, so that sum_k
+    weight_k / weight_total * loss_k is the batch loss. Metrics combine by their own reduction
+    tags (bare arrays as means weighted by weight_fn). `dropout` (a model with LoRA
+    dropout): each micro-batch gets a key, `dropout_rng`, fold_in(key(0), step) folded with
+    its index, so a resumed run draws the same masks.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda t, mb: loss_fn(state.with_trained(t), mb), has_aux=True)
+    trained = state.trained()
+    dropout = jax.random.fold_in(jax.random.key(0), state.step) if dropout else None
     if micro_batches == 1:
-        (loss, metrics), grads = grad_fn(params, batch)
+        if dropout is not None:
+            batch = {**batch, "dropout_rng": dropout}
+        (loss, metrics), grads = grad_fn(trained, batch)
         return loss, grads, _tagged(metrics, weight_fn(batch))
     total = jnp.maximum(weight_fn(batch), 1e-9)
 
     def body(carry, micro):
-        grads_sum, loss_sum = carry
+        grads_sum, loss_sum, index = carry
         weight = weight_fn(micro)
         share = weight / total
-        (loss, metrics), grads = grad_fn(params, micro)
+        if dropout is not None:
+            micro = {**micro, "dropout_rng": jax.random.fold_in(dropout, index)}
+        (loss, metrics), grads = grad_fn(trained, micro)
         grads_sum = jax.tree.map(lambda a, g: a + share * g.astype(a.dtype), grads_sum, grads)
-        return (grads_sum, loss_sum + share * loss), _tagged(metrics, weight)
+        return (grads_sum, loss_sum + share * loss, index + 1), _tagged(metrics, weight)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, loss), metrics = jax.lax.scan(
-        body, (zeros, jnp.zeros((), jnp.float32)), split_micro_batches(batch, micro_batches))
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
+    (grads, loss, _), metrics = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)),
+        split_micro_batches(batch, micro_batches))
     return loss, grads, combine_stacked(metrics)
+
+
+def lora_dropout(model) -> bool:
+    """Whether `model` (a Transformer, or a head model over one as `.trunk`) applies LoRA
+    dropout in training, so its steps must hand it a key."""
+    cfg = getattr(model, "cfg", None)
+    lora_cfg = getattr(cfg, "lora", None)
+    return lora_cfg is not None and lora_cfg.dropout > 0
 
 
 def aggregation_weight(mode: str) -> Callable:
@@ -233,8 +253,8 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
             batch_stats, stat_metrics = kind.batch_statistics(
                 jax.lax.stop_gradient(lp), batch, loss_cfg)
         loss, grads, metrics = accumulate(
-            lambda p, mb: loss_fn(p, mb, batch_stats), state.params, batch, cfg.micro_batches,
-            aggregation_weight(loss_cfg.aggregation))
+            lambda p, mb: loss_fn(p, mb, batch_stats), state, batch, cfg.micro_batches,
+            aggregation_weight(loss_cfg.aggregation), lora_dropout(model))
         return _output(apply_update(state, loss, grads, {**metrics, **stat_metrics},
                                     model.mesh), cfg)
 
@@ -257,7 +277,7 @@ def make_value_step(model: ValueModel, clip: float | None = 0.2, aggregation="to
 
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "values", "returns"], "value_step")
-        loss, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
+        loss, grads, metrics = accumulate(loss_fn, state, batch, cfg.micro_batches,
                                           aggregation_weight(aggregation))
         return _output(apply_update(state, loss, grads, metrics, model.mesh), cfg)
 
@@ -273,8 +293,8 @@ def make_sft_step(model: Transformer, cfg: StepConfig = StepConfig()):
 
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask"], "sft_step")
-        loss, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
-                                          aggregation_weight("token_mean"))
+        loss, grads, metrics = accumulate(loss_fn, state, batch, cfg.micro_batches,
+                                          aggregation_weight("token_mean"), lora_dropout(model))
         return _output(apply_update(state, loss, grads, metrics, model.mesh), cfg)
 
     return step
@@ -295,6 +315,8 @@ def make_preference_step(model: Transformer, loss_name: str = "dpo",
     def sequence_logps(params, micro):
         both = {k: jnp.concatenate([micro[f"chosen_{k}"], micro[f"rejected_{k}"]])
                 for k in PAIR_KEYS if f"chosen_{k}" in micro}
+        if "dropout_rng" in micro:
+            both["dropout_rng"] = micro["dropout_rng"]
         lp, _ = token_logprobs(model, params, both, cfg.logprob_chunk, with_entropy=False)
         seq = jnp.sum(jnp.where(both["loss_mask"], lp, 0.0), axis=1)
         return jnp.split(seq, 2)
@@ -309,7 +331,8 @@ def make_preference_step(model: Transformer, loss_name: str = "dpo",
         _require(batch, ["chosen_tokens", "chosen_loss_mask", "rejected_tokens",
                          "rejected_loss_mask", *extra_keys], "preference_step")
         rows = lambda b: jnp.asarray(b["chosen_tokens"].shape[0], jnp.float32)  # noqa: E731
-        value, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches, rows)
+        value, grads, metrics = accumulate(loss_fn, state, batch, cfg.micro_batches, rows,
+                                               lora_dropout(model))
         return _output(apply_update(state, value, grads, metrics, model.mesh), cfg)
 
     return step
@@ -351,7 +374,7 @@ def make_reward_model_step(model, centring: float = 0.0, cfg: StepConfig = StepC
         _require(batch, ["chosen_tokens", "chosen_segment_ids", "rejected_tokens",
                          "rejected_segment_ids", "margin", "weight"], "reward_model_step")
         weight = lambda b: jnp.sum(b["weight"].astype(jnp.float32))  # noqa: E731
-        value, grads, metrics = accumulate(loss_fn, state.params, batch, cfg.micro_batches,
+        value, grads, metrics = accumulate(loss_fn, state, batch, cfg.micro_batches,
                                            weight)
         return _output(apply_update(state, value, grads, metrics, model.mesh), cfg)
 
