@@ -62,6 +62,9 @@ setup(
                 "sglang-router==0.3.2", "wandb>=0.17",
                 # The OpenAI-compatible front of the rollout server is tested with the official
                 # client (tests/rollout/test_openai_*.py).
-                "openai>=1.40"] + ENVS,
+                "openai>=1.40",
+                # LoRA adapters are exported and imported in PEFT's format, checked against
+                # peft itself (tests/models/test_peft_format.py).
+                "peft==0.21.2"] + ENVS,
     },
 )
