@@ -326,6 +326,13 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
 
 
+def engine_weights(params):
+    """What a weight sync hands an engine made by `make_engine`: this host's copies
+    (`parallel.host_copies`, a collective) of the params, or of a LoRA policy's adapters alone,
+    since the engine holds the frozen base from its first weights on."""
+    return parallel.host_copies(lora.adapters(params) if lora.has_adapters(params) else params)
+
+
 def lora_config(config: ml_collections.ConfigDict) -> Optional[lora.LoraConfig]:
     """The adapters `model.lora.*` describe, or None for full fine-tuning (rank 0)."""
     b = config.model.lora
@@ -482,6 +489,8 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         kwargs["dtype"] = config.model.sampler_dtype
     if r.kv_dtype:
         kwargs["kv_dtype"] = r.kv_dtype
+    if model_cfg.lora is not None:
+        kwargs["lora_mode"] = config.model.lora.sampler
     sampler = JaxSampler(model_cfg, parallel.host_copies(params), mesh=mesh,
                          tokenizer=tokenizer, max_batch=r.max_batch,
                          kv_tokens=r.kv_tokens_per_device * len(devices), seed=config.seed,

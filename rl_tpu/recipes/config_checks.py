@@ -220,6 +220,28 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
                          "room for a verdict like [[YES]]")
 
 
+LORA_RECIPES = ("rl", "sft", "selfplay")
+LORA_SAMPLER_MODES = ("merge", "lowrank")
+
+
+def _check_lora(config: ml_collections.ConfigDict) -> None:
+    """model.lora.*: which recipes train adapters, and the sampler's mode. (The adapters' own
+    fields are checked where they are built: components.lora_config.)"""
+    b = config.model.lora
+    if b.rank <= 0:
+        return
+    if config.recipe not in LORA_RECIPES:
+        raise ValueError(f"model.lora.rank={b.rank} with recipe={config.recipe!r}: LoRA trains "
+                         f"in the recipes {LORA_RECIPES}; the policy-chain recipes (rloop, "
+                         "expert_iteration, dpo, reward_model) load a new base each round and "
+                         "train it whole: set model.lora.rank=0")
+    if b.sampler not in LORA_SAMPLER_MODES:
+        raise ValueError(f"model.lora.sampler={b.sampler!r}; choose one of {LORA_SAMPLER_MODES}")
+    if config.rollout.engine == "sglang":
+        raise ValueError("model.lora.rank > 0 with rollout.engine=sglang: adapter-only sync to "
+                         "SGLang is not wired into the recipes yet; use rollout.engine=jax")
+
+
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:
     rm = config.reward_model
     for key in ("prompts", "eval_prompts", "steps", "batch_size", "calibration_bins",
@@ -275,6 +297,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     program.check_config(config)  # env agent_program: what a program's episodes cannot do
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
+    _check_lora(config)
     _check_loop(config)
     _check_reward_model(config)
     _check_reward(config)

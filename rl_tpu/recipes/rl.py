@@ -356,7 +356,7 @@ class Trainer:
         started = time.time()
         params = self.learner.policy.params
         if self.eval_engine is not self.engine:  # the asynchronous embedded sampler's own
-            self.eval_engine.update_weights(parallel.host_copies(params), str(step))
+            self.eval_engine.update_weights(components.engine_weights(params), str(step))
             serving = contextlib.nullcontext(self.eval_engine)
         else:  # shared with the producer: serving `step`, not a version behind it
             serving = self.producer.engine_at(params, step)
@@ -460,7 +460,7 @@ class Trainer:
         def select(played, play_more, any_host):
             return algorithms.select_groups(played, per_host, g, algo, play_more, any_host)
 
-        to_engine = parallel.host_copies
+        to_engine = components.engine_weights
         if not self.asynchronous:
             return SyncProducer(self._play, select, self.stream, self.engine, to_engine,
                                 lambda flag: parallel.across_hosts(flag, "any"))

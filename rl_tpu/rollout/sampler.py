@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
 from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
+from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
@@ -54,7 +55,10 @@ class JaxSampler(RolloutEngine):
     donate or delete its params the moment the call returns (a compiled train step donates its
     state), and nothing but `update_weights` changes what the sampler samples with. The price
     is one params-sized copy per update (benchmarks/weight_copy.py) and the memory of a
-    second set of weights.
+    second set of weights. A LoRA policy (`cfg.lora`) copies its frozen base once and then only
+    its adapters, merged into the kernels or applied as they are (`lora_mode`,
+    adapter_weights.py), and a batch keeps the adapters it started with to its end (its
+    samples report one version), as SGLang's per-request `lora_path` does.
 
     A weight update lands between decode chunks: samples in flight continue on the new weights
     and report both versions (`info['weight_versions']` spans, as SGLang's `retract` does).
@@ -91,7 +95,7 @@ class JaxSampler(RolloutEngine):
                  seed: int = 0, version: str = "0", dtype: Optional[str] = None,
                  kv_dtype: Optional[str] = None, prefill_chunk: int = 0,
                  prefix_cache_tokens: int = 65536, prefix_page_size: int = 16,
-                 keep_prefix_cache_on_update: bool = False):
+                 keep_prefix_cache_on_update: bool = False, lora_mode: str = "merge"):
         # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
         # is then its own buffer, updated in place, where a scan would slice the stacked cache
         # in and out every step. Scanned params are unstacked on the way in.
@@ -106,13 +110,19 @@ class JaxSampler(RolloutEngine):
         self.prefill_chunk = prefill_chunk
         self.cfg = cfg
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
-        self.model = Transformer(cfg, mesh=self.mesh, rules=rules)
-        abstract, names = parallel.logical_axes_of(self.model, np.zeros((1, 1), np.int32))
+        # The base model's params (a LoRA policy's frozen base, or the whole policy) and, for
+        # LoRA, the adapters beside them: copied once, adapters each update (adapter_weights.py)
+        base = Transformer(cfg.replace(lora=None), mesh=self.mesh, rules=rules)
+        abstract, names = parallel.logical_axes_of(base, np.zeros((1, 1), np.int32))
         self._abstract = abstract
         self._shardings = parallel.param_shardings(abstract, names, self.mesh, rules)
         copy_dtype = None if dtype is None else cfg.param_dtype  # None: keep the trainer's
         self._copy_fn = jax.jit(functools.partial(_owned_copy, num_layers=cfg.num_layers,
                                                   dtype=copy_dtype), out_shardings=self._shardings)
+        self._adapters = None if cfg.lora is None else AdapterWeights(
+            cfg, self.mesh, rules, lora_mode, self._copy_plain, self._shardings)
+        model_cfg = cfg if self._adapters is None else self._adapters.model_cfg
+        self.model = Transformer(model_cfg, mesh=self.mesh, rules=rules)
         self.tokenizer = tokenizer
         if max_batch < 1 or kv_tokens < 0:
             raise ValueError(f"max_batch={max_batch} and kv_tokens={kv_tokens}: a batch needs "
@@ -127,6 +137,8 @@ class JaxSampler(RolloutEngine):
         self._device_lock = threading.Lock()  # one batch on the device at a time
         # every program this sampler's device work compiles (prefix cache and batcher too)
         self.compiles = CompileCounter()
+        self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
+                            cache_hits=0, last_sync_bytes=0)
         with self.compiles.counting():
             self._params = self._own_copy(params)
         self._version = str(version)
@@ -147,8 +159,6 @@ class JaxSampler(RolloutEngine):
                                    min(min_prompt_bucket, min_new_bucket)) if (
                                        prefix_cache_tokens) else None
         self.keep_prefix_cache_on_update = keep_prefix_cache_on_update
-        self._counts = dict(prompt_tokens=0, prefill_tokens=0, reused_tokens=0, cache_rows=0,
-                            cache_hits=0)
 
     # -- RolloutEngine -------------------------------------------------------------------
 
@@ -182,7 +192,8 @@ class JaxSampler(RolloutEngine):
         whose K/V came from the prefix cache), `reuse_fraction`, `cache_rows` / `cache_hits`
         (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
         `cache_tokens_used`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
-        `cache_evictions`, `cache_flushes`; `compiled_programs`, the XLA programs its device
+        `cache_evictions`, `cache_flushes`; `last_sync_bytes`, the bytes the last weight
+        update copied (a LoRA policy's adapters, once the base is held); `compiled_programs`, the XLA programs its device
         work has compiled (or loaded from the persistent cache) in this process, as JAX
         reports them: the weight copy, prefill, decode, the prefix cache's and a
         `ContinuousBatcher`'s programs (flat after `warmup` when the run stays in its
@@ -373,7 +384,19 @@ class JaxSampler(RolloutEngine):
 
     def _own_copy(self, params):
         """A copy of `params` (the trainer's layout: scanned or not, any mesh) in the sampler's
-        shardings, made on device, sharing no buffer with `params`."""
+        shardings, made on device, sharing no buffer with `params`; for a LoRA policy, the
+        adapters only once the base is held (adapter_weights.py)."""
+        if self._adapters is not None:
+            params = self._adapters.own_copy(params)
+            self._counts["last_sync_bytes"] = self._adapters.last_sync_bytes
+            return params
+        params = self._copy_plain(params)
+        self._counts["last_sync_bytes"] = sum(x.size * x.dtype.itemsize
+                                         for x in jax.tree.leaves(params))
+        return params
+
+    def _copy_plain(self, params):
+        """`_own_copy` of params without adapters."""
         self._check_layout(params)
         devices = set(self.mesh.devices.flat)
         if any(not isinstance(x, jax.Array) or x.sharding.device_set != devices
@@ -464,7 +487,8 @@ class JaxSampler(RolloutEngine):
                 if done[:n].all():
                     break
                 self._resume.wait()
-                params, version = self.weights()
+                if self._adapters is None:  # a LoRA batch keeps the adapters it started with
+                    params, version = self.weights()
                 if version != spans[-1][0]:
                     spans.append((version, int(state.step)))
                 self._decode_ahead.wait()
