@@ -12,7 +12,8 @@ projection live at `layers_i/attn/q_proj/lora_{a,b}` (with `scan_layers`, one st
 [r, in] and `lora_B.weight` [out, r] are these transposed (peft_format.py).
 
 Init as PEFT's `init_lora_weights`: True ("default") draws A from kaiming-uniform with
-a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and B = 0; "gaussian" draws A ~ N(0, 1/r).
+a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and B = 0; "gaussian" draws A from a normal
+of standard deviation 1/r.
 B = 0 makes a fresh adapter the base model exactly.
 
 Why a module of our own and not qwix's LoRA provider: qwix intercepts `lax.dot_general`
@@ -77,7 +78,8 @@ class LoraConfig:
 
 def init_a(key, shape, dtype, cfg: LoraConfig, in_ndim: int):
     """A [in..., r]: PEFT's kaiming-uniform(a=sqrt(5)) over fan_in = prod(in) (bound
-    gain * sqrt(3 / fan_in) with gain sqrt(2 / (1 + 5)) = 1 / sqrt(fan_in)), or N(0, 1/r)."""
+    gain * sqrt(3 / fan_in) with gain sqrt(2 / (1 + 5)) = 1 / sqrt(fan_in)), or a normal of
+    standard deviation 1/r."""
     if cfg.init == "gaussian":
         return jax.random.normal(key, shape, dtype) / cfg.rank
     fan_in = int(np.prod(shape[-1 - in_ndim:-1]))

@@ -43,7 +43,8 @@ from rl_tpu.models.transformer import ModelConfig, Transformer
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-PREFIX = "base_model.model."  # PeftModel wraps the LM (`base_model`), which wraps the HF model
+# PeftModel.base_model is PEFT's LoraModel, whose .model is the HF LM whose names follow.
+PREFIX = "base_model.model."
 PEFT_KEYS = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 
@@ -351,17 +352,24 @@ def load_adapter(path: str, cfg: ModelConfig, params, mesh=None, rules=parallel.
     new = {}
     for module, hf_modules in modules.items():
         for key in lora.ADAPTER_KEYS:
-            shape = layer_shape(module, key)
-            layers = [from_peft(files.read(peft_name(n, key)), shape) for n in hf_modules]
+            layers = [_read_finite(files, peft_name(n, key), layer_shape(module, key))
+                      for n in hf_modules]
             value = np.stack(layers) if cfg.scan_layers else layers[0]
-            bad = value.size - int(np.count_nonzero(np.isfinite(value)))
-            if bad:
-                raise AdapterError(f"{os.path.join(path, WEIGHTS_FILE)}: the {PEFT_KEYS[key]} "
-                                   f"of {hf_modules[0]}{'...' if len(hf_modules) > 1 else ''} "
-                                   f"holds {bad} NaN or inf value(s); a diverged adapter")
+            # Every device's slice from the host copy (adapters are small): on a pod each
+            # host builds its own devices' shards, as hf.read_params does for the base.
             new[module + (key,)] = jax.make_array_from_callback(
                 value.shape, shardings[module + (key,)], lambda index, v=value: v[index])
     return cfg, lora.with_adapters(base, _nest(new))
+
+
+def _read_finite(files: hf.SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` (any float dtype PEFT saved it in) as our float32 layout `shape`."""
+    value = from_peft(files.read(name), shape)
+    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+    if bad:  # it would turn every logit NaN: refuse it here, by name, not at the first step
+        raise AdapterError(f"{files.entries[name][0]}: tensor {name!r} holds {bad} NaN or inf "
+                           "value(s); a diverged adapter cannot be loaded")
+    return value
 
 
 def _mesh_of(params) -> Mesh:

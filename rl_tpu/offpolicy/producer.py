@@ -290,8 +290,9 @@ class AsyncProducer:
         `to_engine` (host_copies) is a cross-host collective, and the learner donates `params`
         to its next step, so whatever a thread later loads must be a copy of its own (one
         process: host_copies hands back the arrays themselves)."""
-        copies = self._to_engine(params)
-        return jax.tree.map(lambda c, p: jnp.copy(c) if c is p else c, copies, params)
+        copies = self._to_engine(params)  # all params, or a LoRA policy's adapters alone
+        originals = {id(x) for x in jax.tree.leaves(params)}
+        return jax.tree.map(lambda c: jnp.copy(c) if id(c) in originals else c, copies)
 
     def _publish_loop(self) -> None:
         """Loads each handed-over version into the engine, in order (no version is skipped,

@@ -23,6 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
 from rl_tpu.models import lora
@@ -58,6 +59,8 @@ class AdapterWeights:
                                       out_shardings=shardings)
         self._merge = jax.jit(lambda base, a: lora.merge(lora.with_adapters(base, a), cfg.lora),
                               out_shardings=base_shardings)
+        self._devices = set(mesh.devices.flat)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
         self._base = None
         self.last_sync_bytes = 0
 
@@ -77,8 +80,11 @@ class AdapterWeights:
             moved += _nbytes(self._base)
         adapters = lora.adapters(params)
         self._check(adapters)
-        if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(adapters)):
-            adapters = jax.device_put(adapters)
+        if any(not isinstance(x, jax.Array) or x.sharding.device_set != self._devices
+               for x in jax.tree.leaves(adapters)):
+            # from the learner's devices (an asynchronous run's), or host arrays: the adapters
+            # are small, so replicated onto the sampler's devices, device to device
+            adapters = jax.device_put(adapters, self._replicated)
         adapters = self._copy_adapters(adapters)
         self.last_sync_bytes = moved + _nbytes(adapters)
         if self.mode == "merge":

@@ -6,6 +6,14 @@ file each: the transport (http_transport.py, on httpx: retries, backoff, fail-ov
 least-loaded server, timeouts), the weight sync (weight_sync.py: HF export +
 `/update_weights_from_disk`), and this file (generation, health, and what the logprobs mean).
 
+LoRA (`model_config.lora` set): a weight update moves only the adapters (weight_sync.py:
+a PEFT dir loaded with `/load_lora_adapter` under the version's name), and each `generate`
+call pins its requests to the newest version loaded when it starts (`lora_path` in the
+body; the results carry that version), however many updates land before they finish. The
+servers keep `keep_adapters` versions; an older one is unloaded once no pinned request is
+left. Before the first update, requests carry no adapter: the base, which is what fresh
+adapters (B = 0) compute. `last_sync_bytes` / `stats()` count the bytes each update wrote.
+
 Generation: requests are grouped by `n` (SGLang wants one `n` per batch) and sent as batches of
 at most `batch_size` prompts in one `POST /generate` (`input_ids` list of lists, one
 `sampling_params` dict per prompt, `return_logprob`, `logprob_start_len=-1` for output-token
@@ -112,6 +120,8 @@ class SGLangEngine(RolloutEngine):
         own seed, so most are one prompt: the client then keeps as many prompts in flight as
         direct mode would (`max_concurrency * batch_size` requests), which also lets the
         router place each episode's turns by their own prefix.
+      keep_adapters: with `model_config.lora`, how many adapter versions stay loaded on the
+        servers; an async run passes max_staleness + 1 (the versions its requests may carry).
     """
 
     def __init__(self, urls: Sequence[str], *, tokenizer=None, weights_dir: Optional[str] = None,
@@ -121,7 +131,8 @@ class SGLangEngine(RolloutEngine):
                  health_timeout_s: float = 300.0, api_key: Optional[str] = None,
                  update_timeout_s: float = 600.0, served_model_path: Optional[str] = None,
                  export_dtype: Optional[str] = None, failover_cooldown_s: float = 30.0,
-                 logprob_convention: str = "auto", router_url: Optional[str] = None):
+                 logprob_convention: str = "auto", router_url: Optional[str] = None,
+                 keep_adapters: int = 2):
         if max_concurrency < 1 or batch_size < 1:
             raise ValueError(f"max_concurrency and batch_size must be >= 1, got "
                              f"{max_concurrency} and {batch_size}")
@@ -139,7 +150,7 @@ class SGLangEngine(RolloutEngine):
         self.weight_sync = DiskWeightSync(
             self.transport, weights_dir=weights_dir, model_config=model_config,
             tokenizer=tokenizer, served_model_path=served_model_path, export_dtype=export_dtype,
-            update_timeout_s=update_timeout_s)
+            update_timeout_s=update_timeout_s, keep_adapters=keep_adapters)
         self._declared = (None if logprob_convention == "auto"
                           else logprob_probe.declared(logprob_convention))
         self.max_concurrency, self.batch_size = int(max_concurrency), int(batch_size)
@@ -215,18 +226,28 @@ class SGLangEngine(RolloutEngine):
             groups = list(by_n.values())
         chunks = [idx[s:s + self.batch_size] for idx in groups
                   for s in range(0, len(idx), self.batch_size)]
-        futures = {self._pool.submit(self._generate_batch, [requests[k] for k in chunk]): chunk
-                   for chunk in chunks}
+        adapters = self.weight_sync.adapters
+        # Pinned for the whole call, so an update meanwhile cannot unload what it samples with.
+        adapter = adapters.acquire(len(requests)) if self._lora else None
         samples: list[Optional[list[GenerateResult]]] = [None] * len(requests)
         try:
-            for future in concurrent.futures.as_completed(futures):
-                for k, per_request in zip(futures[future], future.result()):
-                    samples[k] = per_request
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+            futures = {self._pool.submit(self._generate_batch, [requests[k] for k in chunk],
+                                         adapter): chunk for chunk in chunks}
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    for k, per_request in zip(futures[future], future.result()):
+                        samples[k] = per_request
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        finally:
+            self.weight_sync.retire(adapters.release(adapter, len(requests)))
         return [s for per_request in samples for s in per_request]
+
+    @property
+    def _lora(self) -> bool:
+        return self.model_config is not None and self.model_config.lora is not None
 
     def _vocab_size(self) -> Optional[int]:
         """Rows of the embedding table: the trainer's config, else what a server serves."""
@@ -234,7 +255,8 @@ class SGLangEngine(RolloutEngine):
             return self.model_config.vocab_size
         return self.weight_sync.served_vocab_size()
 
-    def _generate_batch(self, requests: list[GenerateRequest]) -> list[list[GenerateResult]]:
+    def _generate_batch(self, requests: list[GenerateRequest],
+                        adapter: Optional[str] = None) -> list[list[GenerateResult]]:
         n = requests[0].sampling.n
         if self.router is not None:  # one params dict for the whole group (generate())
             body = generate_body(requests, self.sampling_params_json(requests[0].sampling))
@@ -244,7 +266,16 @@ class SGLangEngine(RolloutEngine):
                     "return_logprob": True, "logprob_start_len": -1}
             if n == 1 and all(r.request_id for r in requests):
                 body["rid"] = [str(r.request_id) for r in requests]
-        url, reply = self._generation.call("POST", "/generate", body)
+        if adapter is not None:
+            body["lora_path"] = adapter  # SGLang repeats one name for every prompt and sample
+        try:
+            url, reply = self._generation.call("POST", "/generate", body)
+        except RolloutError as e:
+            if adapter is not None and e.status == 400 and "LoRA" in str(e):
+                raise RolloutError(f"{e} (adapter version {adapter!r}, which update_weights "
+                                   "loaded: was the server restarted since? Update the weights "
+                                   "again to load them there)", e.url, e.status) from e
+            raise
         if isinstance(reply, dict):
             reply = [reply]
         if not isinstance(reply, list) or len(reply) != len(requests) * n:
@@ -260,6 +291,9 @@ class SGLangEngine(RolloutEngine):
                                    " (these samples were drawn but are dropped)", url)
             for result in results[k * n:(k + 1) * n]:
                 result.logprob_convention = meaning.convention(request.sampling)
+                if adapter is not None:  # SGLang reports the base's version; this is the policy's
+                    result.weight_version = adapter
+                    result.info["adapter"] = adapter
         return [results[k * n:(k + 1) * n] for k in range(len(requests))]
 
     @staticmethod
@@ -398,6 +432,8 @@ class SGLangEngine(RolloutEngine):
                 self.weight_sync.served_shapes(url, info)
             except RolloutError as e:
                 log.info("%s (checked again at update_weights)", e)
+            if self._lora and jax.process_index() == 0:
+                self.weight_sync.check_lora_server(url)  # launch flags: fail before training
             self.server_logprobs(url)
         if self.router is not None:
             check_workers(self.router, self.urls, min(self.router.request_timeout_s, 60.0))
@@ -471,6 +507,25 @@ class SGLangEngine(RolloutEngine):
     def weight_version(self) -> Optional[str]:
         return self._version
 
+    @property
+    def last_sync_bytes(self) -> int:
+        """Bytes of the files the last `update_weights` wrote (0 on other hosts)."""
+        return self.weight_sync.last_sync_bytes
+
+    def stats(self) -> dict:
+        """Weight-sync counters for the trainer to log: `syncs`, `last_sync_bytes` and
+        `total_sync_bytes` (files written: the HF export, or with LoRA the adapter dir), and
+        with LoRA `adapters_loaded` (versions on the servers, oldest first) and
+        `adapter_requests_in_flight` (requests pinned to each)."""
+        sync = self.weight_sync
+        out = {"syncs": sync.syncs, "last_sync_bytes": sync.last_sync_bytes,
+               "total_sync_bytes": sync.total_sync_bytes}
+        if self._lora:
+            loaded = sync.adapters.loaded()
+            out["adapters_loaded"] = loaded
+            out["adapter_requests_in_flight"] = {v: sync.adapters.in_flight(v) for v in loaded}
+        return out
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
@@ -496,9 +551,12 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, params, version: str) -> None:
         """Exports `params` to `weights_dir/<version>` and has every server load them
-        (weight_sync.py). Refuses (ValueError / RolloutError, before any request that could
-        change a server) when the export would not match what a server serves, or when the
-        router routes to a worker not in `urls` (it would keep the old weights)."""
+        (weight_sync.py); with `model_config.lora`, the adapters alone (`params` may be just
+        those), to `weights_dir/adapter_<version>`, which requests submitted from now on use.
+        Refuses (ValueError / RolloutError, before any request that could change a server)
+        when the export would not match what a server serves, a server was not launched
+        with LoRA (the error names the flags), or the router routes to a worker not in
+        `urls` (it would keep the old weights)."""
         if self.router is not None and jax.process_index() == 0:
             check_workers(self.router, self.urls, min(self.router.request_timeout_s, 60.0))
         self.weight_sync.update(params, version)

@@ -18,26 +18,63 @@ Multi-host: every process calls `update`; process 0 alone writes, checks shapes 
 the servers. Given each host's own copy (`parallel.host_copies`, as the trainer passes), the
 other processes return at once, touching neither disk nor host memory; given global arrays,
 every process takes part in the export's gathers.
+
+LoRA (`model_config.lora` set): only the adapters move. `update` writes them as a PEFT dir
+(`peft_format.save_adapter`: adapter_config.json + adapter_model.safetensors) to
+`weights_dir/adapter_<version>` and has each server load it under the name `<version>` with
+`POST /load_lora_adapter {lora_name, lora_path}`; the base the servers launched with stays.
+Requests then pick an adapter per request (`lora_path` of `/generate`, the engine's job), so
+several versions serve side by side: `AdapterVersions` keeps at most `keep_adapters` of them,
+and unloads (`POST /unload_lora_adapter`) and deletes the oldest beyond that once no request
+of the engine's still uses it. `params` may be the whole model or the adapters alone (what
+the trainer sends once the base is frozen); the base is never read.
+
+What SGLang 0.5.23 needs for that, read in its source (sglang/srt/...): the launch flags
+`--enable-lora --max-lora-rank R --lora-target-modules all` (or the modules), and on a CPU
+server `--lora-backend torch_native`, the one backend not written in triton (the default,
+csgmv, is: lora/backend/lora_registry.py). Its scaling is `lora_alpha / r` whatever
+`use_rslora` says (lora/lora.py l. 71), so an rsLoRA adapter is exported with `lora_alpha`
+multiplied by sqrt(r) and `use_rslora` false, the same scale. It stacks q/k/v into one adapter
+from q_proj's and v_proj's (k_proj may be missing: zeros) and gate/up from gate_proj's (zeros
+for a missing up_proj): lora/lora.py `normalize_qkv_proj`, `normalize_gate_up_proj`; other
+target sets are refused here. It unloads an adapter only after its running requests end
+(`lora_registry.wait_for_unload`), and a request naming an unloaded adapter it once loaded
+reloads it from its path (`TokenizerManager._resolve_lora_path`): hence the engine never
+unloads a version a request of its own still carries, and deletes a dir only once unloaded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import json
+import logging
 import math
 import os
 import re
 import shutil
+import threading
 from typing import Optional
 
 import jax
+import numpy as np
 
-from rl_tpu.models import hf
-from rl_tpu.models.transformer import ModelConfig
+from rl_tpu import parallel
+from rl_tpu.models import hf, lora, peft_format
+from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.engine import RolloutError
 from rl_tpu.rollout.http_transport import HttpTransport, error_message
 
+log = logging.getLogger(__name__)
+
 EXPORT_MARKER = ".rl_tpu_weight_export"  # marks dirs update wrote (and may delete)
+ADAPTER_PREFIX = "adapter_"  # weights_dir/adapter_<version>: an adapter-only export
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# SGLang's LoRA module of each projection rl_tpu adapts: it fuses q/k/v and gate/up
+# (sglang/srt/lora/utils.py, get_normalized_target_modules).
+SGLANG_LORA_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                       "o_proj": "o_proj", "gate_proj": "gate_up_proj",
+                       "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
 def dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
@@ -86,8 +123,195 @@ def params_mismatches(cfg: ModelConfig, params) -> list[str]:
             f"implies {list(v)}" for k, v in expected.items() if shapes.get(k) != v]
 
 
+def dir_bytes(path: str) -> int:
+    """Bytes of the files directly in `path` (what one export wrote)."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if os.path.isfile(os.path.join(path, f)))
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def lora_launch_flags(rank: int) -> str:
+    """The SGLang launch flags that serve adapters of `rank` (module doc)."""
+    return (f"--enable-lora --max-lora-rank {rank} --lora-target-modules all (and "
+            "--lora-backend torch_native on a CPU server)")
+
+
+def sglang_target_problems(targets) -> list[str]:
+    """Why SGLang 0.5.23 would not serve adapters on `targets` as rl_tpu computes them (empty
+    when it would): it builds its fused q/k/v adapter from q_proj's and v_proj's, and its
+    gate/up one from gate_proj's (module doc)."""
+    targets, problems = set(targets), []
+    if targets & {"q_proj", "k_proj", "v_proj"} and not {"q_proj", "v_proj"} <= targets:
+        problems.append("SGLang reads a q/k/v adapter only with both q_proj and v_proj "
+                        "targeted (k_proj may be left out)")
+    if "up_proj" in targets and "gate_proj" not in targets:
+        problems.append("SGLang reads an up_proj adapter only beside a gate_proj one")
+    return problems
+
+
+def lora_server_problem(info: dict, cfg: lora.LoraConfig, keep: int) -> Optional[str]:
+    """What in a server's `/server_info` keeps it from serving these adapters (None when
+    nothing does, or when the reply does not say: a load then tells)."""
+    if "enable_lora" not in info:
+        return None
+    if not info["enable_lora"]:
+        return "it was launched without LoRA"
+    max_rank = info.get("max_lora_rank")
+    if max_rank is not None and int(max_rank) < cfg.rank:
+        return f"it was launched with --max-lora-rank {max_rank}, below the adapters' {cfg.rank}"
+    modules = info.get("lora_target_modules") or []
+    if modules and "all" not in modules:
+        served = {SGLANG_LORA_MODULES.get(m, m) for m in modules}
+        missing = sorted({SGLANG_LORA_MODULES[t] for t in cfg.targets} - served)
+        if missing:
+            return (f"its --lora-target-modules {sorted(modules)} leave out {missing} (the "
+                    f"adapters target {list(cfg.targets)})")
+    most = info.get("max_loaded_loras")
+    if most is not None and int(most) < keep:
+        return (f"it holds at most {most} adapters (--max-loaded-loras) but the engine keeps "
+                f"{keep} loaded (keep_adapters): launch it with --max-loaded-loras >= {keep} or "
+                "without that flag")
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(cfg: ModelConfig) -> dict:
+    """Param path -> shape of `Transformer(cfg)` (traced, never allocated)."""
+    abstract, _ = parallel.logical_axes_of(Transformer(cfg), np.zeros((1, 1), np.int32))
+    return {tuple(k.key for k in kp): tuple(v.shape)
+            for kp, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def adapter_mismatches(cfg: ModelConfig, params) -> list[str]:
+    """Where the adapters of `params` disagree with those `cfg.lora` implies (empty when
+    they agree; the base is not looked at)."""
+    want = {p: s for p, s in _abstract_params(cfg).items() if lora.is_adapter_path(p)}
+    got = {tuple(getattr(k, "key", k) for k in kp): tuple(np.shape(v))
+           for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]
+           if lora.is_adapter_path(tuple(getattr(k, "key", k) for k in kp))}
+    return [f"{'/'.join(p)} is {list(got[p]) if p in got else 'missing'}, the config implies "
+            f"{list(s)}" for p, s in want.items() if got.get(p) != s] + [
+        f"{'/'.join(p)} is not an adapter of the config" for p in got if p not in want]
+
+
+def _with_kernel_stand_ins(cfg: ModelConfig, params) -> dict:
+    """`params` plus, for each adapted kernel they lack (adapters sent alone), a zero-stride
+    stand-in of its shape: save_adapter checks that the kernels exist but reads only the
+    adapters, and the trainer sends the base once at most."""
+    flat = {tuple(k.key for k in kp): v
+            for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for path, shape in _abstract_params(cfg).items():
+        if path[-1] == "kernel" and path[:-1] + ("lora_a",) in flat and path not in flat:
+            flat[path] = np.broadcast_to(np.float32(0), shape)
+    return _nest(flat)
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def sglang_scale_config(path: str, cfg: lora.LoraConfig) -> None:
+    """Rewrites an rsLoRA adapter's adapter_config.json for SGLang, which scales by
+    lora_alpha / r and ignores use_rslora: lora_alpha * sqrt(r) / r = lora_alpha / sqrt(r)."""
+    if not cfg.rslora:
+        return
+    file = os.path.join(path, peft_format.CONFIG_FILE)
+    with open(file) as f:
+        config = json.load(f)
+    config.update(lora_alpha=cfg.alpha * math.sqrt(cfg.rank), use_rslora=False)
+    with open(file, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+class AdapterVersions:
+    """Which adapter versions the servers hold, the one new requests get (the newest), and
+    how many of the engine's requests in flight carry each (thread-safe).
+
+    `acquire` pins a request to the newest version and `release` unpins it; `add` makes a
+    just-loaded version the newest. Both return the versions to unload now: the oldest
+    beyond `keep`, never the newest, never one a request still carries (it waits for its
+    last `release`). `unloaded` forgets a version; `unload_failed` keeps it for the next try.
+    """
+
+    def __init__(self, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep_adapters={keep} must be >= 1 (the newest version is "
+                             "always loaded)")
+        self.keep = int(keep)
+        self._lock = threading.Lock()
+        self._loaded: list[str] = []  # oldest first
+        self._in_flight: dict[str, int] = {}
+        self._unloading: set[str] = set()
+
+    @property
+    def newest(self) -> Optional[str]:
+        with self._lock:
+            return self._loaded[-1] if self._loaded else None
+
+    def loaded(self) -> list[str]:
+        """Versions loaded on the servers (or being unloaded), oldest first."""
+        with self._lock:
+            return list(self._loaded)
+
+    def in_flight(self, version: str) -> int:
+        with self._lock:
+            return self._in_flight.get(version, 0)
+
+    def acquire(self, count: int = 1) -> Optional[str]:
+        """The newest version (None before the first load), now carried by `count` more
+        requests."""
+        with self._lock:
+            if not self._loaded:
+                return None
+            version = self._loaded[-1]
+            self._in_flight[version] = self._in_flight.get(version, 0) + count
+            return version
+
+    def release(self, version: Optional[str], count: int = 1) -> list[str]:
+        if version is None:
+            return []
+        with self._lock:
+            self._in_flight[version] -= count
+            if self._in_flight[version] <= 0:
+                del self._in_flight[version]
+            return self._to_unload()
+
+    def add(self, version: str) -> list[str]:
+        with self._lock:
+            if version in self._loaded:
+                raise ValueError(f"adapter version {version!r} is loaded already")
+            self._loaded.append(version)
+            return self._to_unload()
+
+    def unloaded(self, version: str) -> None:
+        with self._lock:
+            self._unloading.discard(version)
+            if version in self._loaded:
+                self._loaded.remove(version)
+
+    def unload_failed(self, version: str) -> None:
+        with self._lock:
+            self._unloading.discard(version)
+
+    def _to_unload(self) -> list[str]:
+        """The versions past `keep` (oldest first) no request carries, now marked unloading."""
+        excess = self._loaded[:max(0, len(self._loaded) - self.keep)]
+        out = [v for v in excess if v not in self._in_flight and v not in self._unloading]
+        self._unloading.update(out)
+        return out
+
+
 class DiskWeightSync:
-    """Exports params to `weights_dir/<version>` and has every server of `transport` load them.
+    """Exports params to `weights_dir/<version>` and has every server of `transport` load them
+    (with LoRA, the adapters to `weights_dir/adapter_<version>`: module doc).
 
     Args:
       transport: the servers.
@@ -100,12 +324,14 @@ class DiskWeightSync:
         servers' `model_path` is not a directory readable here.
       export_dtype: dtype of exported weights (default: the config's param dtype).
       update_timeout_s: seconds one server may take to load new weights.
+      keep_adapters: with LoRA, how many adapter versions stay loaded (an async run passes
+        max_staleness + 1, the versions its requests may still carry).
     """
 
     def __init__(self, transport: HttpTransport, *, weights_dir: Optional[str] = None,
                  model_config: Optional[ModelConfig] = None, tokenizer=None,
                  served_model_path: Optional[str] = None, export_dtype: Optional[str] = None,
-                 update_timeout_s: float = 600.0):
+                 update_timeout_s: float = 600.0, keep_adapters: int = 2):
         self.transport = transport
         self.weights_dir = weights_dir
         self.model_config = model_config
@@ -114,6 +340,11 @@ class DiskWeightSync:
         self.export_dtype = export_dtype
         self.update_timeout_s = float(update_timeout_s)
         self._served: dict[str, tuple[str, dict]] = {}  # url -> (model_path, name -> shape)
+        self.adapters = AdapterVersions(keep_adapters)
+        self._lora_ready: set[str] = set()  # servers whose launch flags serve the adapters
+        self.last_sync_bytes = 0  # bytes of the files the last update wrote
+        self.total_sync_bytes = 0
+        self.syncs = 0
 
     def model_info(self, url: str) -> dict:
         """`GET /model_info` of one server (`model_path`, `weight_version`, ...)."""
@@ -148,7 +379,9 @@ class DiskWeightSync:
         return None
 
     def update(self, params, version: str) -> None:
-        """Exports `params` as `version` and has every server load them.
+        """Exports `params` as `version` and has every server load them: the whole model, or
+        with `model_config.lora` the adapters alone (`_update_adapters`). Sets
+        `last_sync_bytes` to the bytes of the files written (0 on other hosts).
 
         Refuses (ValueError or RolloutError, before any request that could change a server)
         when the version cannot name a directory, the params do not match the config, or the
@@ -160,26 +393,19 @@ class DiskWeightSync:
         if self.model_config is None or self.weights_dir is None:
             raise ValueError("update_weights needs SGLangEngine(model_config=..., weights_dir=...)"
                              ": the trainer's ModelConfig and a directory every server can read")
+        self.last_sync_bytes = 0
+        if self.model_config.lora is not None:
+            return self._update_adapters(params, version)
         cfg = self.model_config
         bad = params_mismatches(cfg, params)
         if bad:
             raise RolloutError("update_weights: params do not match model_config: " +
                                "; ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6
                                                      else ""))
-        ours = tensor_shapes(cfg)
         writer = jax.process_index() == 0
         if writer:
-            for url in self.transport.urls:
-                model_path, served = self.served_shapes(url)
-                problems = shape_mismatches(ours, served)
-                if problems:
-                    raise RolloutError(
-                        f"refusing to update {url} to weight version {version!r}: the exported "
-                        f"tensors do not match the served model ({model_path}): "
-                        + "; ".join(problems) + ". Loading them would crash the server; "
-                        "restart it with a model of the new shapes instead.", url)
-        if not writer and all(getattr(x, "is_fully_addressable", True)
-                              for x in jax.tree.leaves(params)):
+            self._check_served_shapes(version)
+        if not writer and _host_copy(params):
             return  # this host's own copy (parallel.host_copies): process 0 exports its own
         path = os.path.abspath(os.path.join(self.weights_dir, version))
         os.makedirs(self.weights_dir, exist_ok=True)
@@ -187,6 +413,7 @@ class DiskWeightSync:
         if not writer:  # global params: every process gathers, process 0 writes and talks
             return
         open(os.path.join(path, EXPORT_MARKER), "w").close()
+        self._count(dir_bytes(path))
         body = {"model_path": path, "weight_version": version, "flush_cache": True}
 
         def push(url):
@@ -200,17 +427,170 @@ class DiskWeightSync:
                 raise RolloutError(f"{url} loaded {path} but reports weight_version "
                                    f"{served!r}, not {version!r}", url)
 
-        urls = self.transport.urls
-        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-            errors = [f.exception() for f in [pool.submit(push, u) for u in urls]]
-        errors = [e for e in errors if e is not None]
-        if errors:
-            raise errors[0] if len(errors) == 1 else RolloutError(
-                "update_weights failed on several servers: " + "; ".join(map(str, errors)))
-        self._delete_old_exports(keep=path)
+        failed = self._on_every_server(push)
+        if failed:
+            raise _one_error(failed, "update_weights")
+        self._delete_old_exports(keep={path})
 
-    def _delete_old_exports(self, keep: str) -> None:
+    def _count(self, nbytes: int) -> None:
+        self.last_sync_bytes = int(nbytes)
+        self.total_sync_bytes += int(nbytes)
+        self.syncs += 1
+
+    def _check_served_shapes(self, version: str) -> None:
+        """RolloutError unless every server serves a model of `model_config`'s shapes."""
+        ours = tensor_shapes(self.model_config)
+        for url in self.transport.urls:
+            model_path, served = self.served_shapes(url)
+            problems = shape_mismatches(ours, served)
+            if problems:
+                raise RolloutError(
+                    f"refusing to update {url} to weight version {version!r}: the exported "
+                    f"tensors do not match the served model ({model_path}): "
+                    + "; ".join(problems) + ". Loading them would crash the server; "
+                    "restart it with a model of the new shapes instead.", url)
+
+    def _on_every_server(self, fn, urls=None) -> dict[str, Exception]:
+        """Runs fn(url) for every server at once; url -> the exception of those that failed."""
+        urls = list(self.transport.urls if urls is None else urls)
+        if not urls:
+            return {}
+        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+            futures = {u: pool.submit(fn, u) for u in urls}
+        return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
+
+    def _delete_old_exports(self, keep: set) -> None:
         for name in os.listdir(self.weights_dir):
             old = os.path.join(self.weights_dir, name)
-            if old != keep and os.path.isfile(os.path.join(old, EXPORT_MARKER)):
+            if old not in keep and os.path.isfile(os.path.join(old, EXPORT_MARKER)):
                 shutil.rmtree(old, ignore_errors=True)
+
+    # -- LoRA: adapters alone ---------------------------------------------------------------
+
+    def adapter_path(self, version: str) -> str:
+        return os.path.abspath(os.path.join(self.weights_dir, ADAPTER_PREFIX + version))
+
+    def _update_adapters(self, params, version: str) -> None:
+        """Writes the adapters of `params` as `version` and has every server load them
+        (module doc); the versions past `keep_adapters` that no request carries are then
+        unloaded. A load that fails on some server is undone on the others, so the servers
+        keep serving the same versions."""
+        cfg = self.model_config
+        problems = sglang_target_problems(cfg.lora.targets)
+        if problems:
+            raise ValueError(f"lora targets {list(cfg.lora.targets)}: " + "; ".join(problems)
+                             + ". Train with targets SGLang reads (e.g. all seven, or q_proj and "
+                             "v_proj), or sync full weights (a ModelConfig without lora, merged "
+                             "params: lora.merge)")
+        if version in self.adapters.loaded():
+            raise ValueError(f"adapter version {version!r} is loaded on the servers already; "
+                             "give every update a new version")
+        if not lora.has_adapters(params):
+            raise RolloutError("update_weights: model_config.lora is set but the params hold no "
+                               "adapters (lora_a / lora_b): pass the trainer's params or its "
+                               "adapters (lora.adapters(params))")
+        bad = adapter_mismatches(cfg, params)
+        if bad:
+            raise RolloutError("update_weights: adapters do not match model_config.lora: " +
+                               "; ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6
+                                                     else ""))
+        writer = jax.process_index() == 0
+        if writer:
+            self._check_served_shapes(version)  # the adapters fit only the base they trained on
+            for url in self.transport.urls:
+                self.check_lora_server(url)
+        if not writer and _host_copy(params):
+            return
+        path = self.adapter_path(version)
+        os.makedirs(self.weights_dir, exist_ok=True)
+        base = self.served_shapes(self.transport.urls[0])[0] if writer else ""
+        peft_format.save_adapter(path, cfg, _with_kernel_stand_ins(cfg, params),
+                                 base_model_path=base)
+        if not writer:
+            return
+        sglang_scale_config(path, cfg.lora)
+        open(os.path.join(path, EXPORT_MARKER), "w").close()
+        nbytes = dir_bytes(path)
+        body = {"lora_name": version, "lora_path": path}
+        failed = self._on_every_server(lambda url: self._load_adapter(url, body))
+        if failed:
+            loaded = [u for u in self.transport.urls if u not in failed]
+            self._on_every_server(lambda url: self._unload(url, version), urls=loaded)
+            shutil.rmtree(path, ignore_errors=True)
+            raise _one_error(failed, "update_weights (adapter load)")
+        self._count(nbytes)
+        self.retire(self.adapters.add(version))
+        self._delete_old_exports(keep={self.adapter_path(v) for v in self.adapters.loaded()})
+
+    def server_info(self, url: str) -> dict:
+        """`GET /server_info` of one server (its launch arguments); {} when it has none."""
+        for route in ("/server_info", "/get_server_info"):  # the second: older SGLang
+            try:
+                reply = self.transport.call("GET", route, urls=[url])[1]
+                return reply if isinstance(reply, dict) else {}
+            except RolloutError as e:
+                if e.status != 404:
+                    raise
+        return {}
+
+    def check_lora_server(self, url: str) -> None:
+        """RolloutError naming the launch flags to add when `url` cannot serve the adapters
+        (read once per server: launch arguments do not change)."""
+        if url in self._lora_ready:
+            return
+        cfg = self.model_config.lora
+        problem = lora_server_problem(self.server_info(url), cfg, self.adapters.keep)
+        if problem:
+            raise RolloutError(
+                f"{url} cannot serve LoRA adapters: {problem}. Adapter-only weight sync needs "
+                f"SGLang launched with {lora_launch_flags(cfg.rank)}; or sync full weights "
+                "(a ModelConfig without lora, merged params: lora.merge).", url)
+        self._lora_ready.add(url)
+
+    def _load_adapter(self, url: str, body: dict) -> None:
+        what = f"POST {url}/load_lora_adapter ({body['lora_path']} as {body['lora_name']!r})"
+        try:
+            reply = self.transport.call("POST", "/load_lora_adapter", body, urls=[url],
+                                        timeout=self.update_timeout_s)[1]
+        except RolloutError as e:
+            if e.status == 404 or "not enabled" in str(e):
+                raise RolloutError(
+                    f"{e}. {url} does not load LoRA adapters: launch SGLang with "
+                    f"{lora_launch_flags(self.model_config.lora.rank)}", url, e.status) from e
+            raise
+        if not (isinstance(reply, dict) and reply.get("success")):
+            raise RolloutError(f"{what} did not succeed: "
+                               f"{(reply or {}).get('error_message') or error_message(reply, b'')}",
+                               url)
+
+    def _unload(self, url: str, version: str) -> None:
+        reply = self.transport.call("POST", "/unload_lora_adapter", {"lora_name": version},
+                                    urls=[url], timeout=self.update_timeout_s)[1]
+        if not (isinstance(reply, dict) and reply.get("success")):
+            raise RolloutError(f"POST {url}/unload_lora_adapter ({version!r}) did not succeed: "
+                               f"{(reply or {}).get('error_message') or error_message(reply, b'')}",
+                               url)
+
+    def retire(self, versions: list[str]) -> None:
+        """Unloads `versions` (as AdapterVersions handed them out) from every server and
+        deletes their dirs; one that fails stays loaded, tried again at the next retire."""
+        for version in versions:
+            failed = self._on_every_server(lambda url, v=version: self._unload(url, v))
+            if failed:
+                log.warning("adapter version %r stays loaded (tried again later): %s", version,
+                            "; ".join(map(str, failed.values())))
+                self.adapters.unload_failed(version)
+                continue
+            self.adapters.unloaded(version)
+            shutil.rmtree(self.adapter_path(version), ignore_errors=True)
+
+
+def _host_copy(params) -> bool:
+    """True for arrays this process holds whole (parallel.host_copies, numpy)."""
+    return all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(params))
+
+
+def _one_error(failed: dict[str, Exception], what: str) -> Exception:
+    errors = list(failed.values())
+    return errors[0] if len(errors) == 1 else RolloutError(
+        f"{what} failed on {len(errors)} servers: " + "; ".join(map(str, errors)))
