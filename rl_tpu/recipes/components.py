@@ -7,6 +7,7 @@ urls). Recipes call these in order; nothing here loops.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -316,7 +317,12 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
                           scan_layers=m.scan_layers, attention_block=m.attention_block,
                           attention_impl=m.attention_impl)
     adapter = lora_config(config)
-    if adapter is not None:  # fresh adapters on the loaded (frozen) base
+    if adapter is not None and m.lora.path:  # a PEFT adapter to start from
+        from rl_tpu.models import peft_format
+        cfg, params = peft_format.load_adapter(m.lora.path, cfg, params, mesh=mesh)
+        check_adapter_matches(cfg.lora, adapter, m.lora.path)
+        cfg = cfg.replace(lora=dataclasses.replace(cfg.lora, dropout=adapter.dropout))
+    elif adapter is not None:  # fresh adapters on the loaded (frozen) base
         cfg = cfg.replace(lora=adapter)
         model = Transformer(cfg, mesh=mesh)
         abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
@@ -324,6 +330,21 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
         params = lora.with_adapters(params, lora.init_adapters(model, (abstract, shardings),
                                                                config.seed))
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
+
+
+def check_adapter_matches(loaded: lora.LoraConfig, configured: lora.LoraConfig,
+                          path: str) -> None:
+    """The adapter of model.lora.path must be the one model.lora.* describes (rank, alpha,
+    targets, rslora), so a config read later (a resume, a sweep) means what ran."""
+    fields = ("rank", "alpha", "targets", "rslora")
+    diff = {f: (getattr(loaded, f), getattr(configured, f)) for f in fields
+            if (sorted(getattr(loaded, f)) if f == "targets" else getattr(loaded, f))
+            != (sorted(getattr(configured, f)) if f == "targets" else getattr(configured, f))}
+    if diff:
+        said = ", ".join(f"model.lora.{f}={theirs!r} (the adapter: {ours!r})"
+                         for f, (ours, theirs) in diff.items())
+        raise ValueError(f"model.lora.path={path} holds another adapter than the config "
+                         f"describes: {said}; set those keys to the adapter's values")
 
 
 def engine_weights(params):
@@ -362,6 +383,21 @@ def export_hf(path: str, model_cfg: ModelConfig, params, tokenizer: ChatTokenize
         raise
     except OSError as err:
         raise RunWriteError("the final HF export", path, err,
+                            "the checkpoints are intact: rerun the same command to export "
+                            "again") from err
+
+
+def export_adapter(path: str, model_cfg: ModelConfig, params, base_path: str) -> None:
+    """A LoRA policy's adapters as a PEFT adapter dir at `path` (peft_format.py: loads with
+    `PeftModel.from_pretrained(<the base at base_path>, path)`, or SGLang's --lora-paths);
+    a refused write is one RunWriteError, as for export_hf."""
+    from rl_tpu.checkpoint_errors import RunWriteError
+    from rl_tpu.models import peft_format
+
+    try:
+        peft_format.save_adapter(path, model_cfg, params, base_model_path=base_path)
+    except OSError as err:
+        raise RunWriteError("the final adapter export", path, err,
                             "the checkpoints are intact: rerun the same command to export "
                             "again") from err
 

@@ -97,6 +97,8 @@ def lora_block() -> ml_collections.ConfigDict:
     b.targets = "all"
     b.init = "default"  # default (PEFT's kaiming-uniform A) | gaussian
     b.rslora = False
+    # a PEFT adapter dir to start from (rank, alpha, targets and rslora above must be its own)
+    b.path = ""
     # the embedded sampler: merge (W + scale A B into its own kernels, plain-model decode) or
     # lowrank (base and adapters apart; no second copy of the kernels); adapter_weights.py
     b.sampler = "merge"

@@ -409,15 +409,20 @@ class Trainer:
         Non-finite params are never exported (nor is the run marked finished)."""
         self.ckpt.wait()
         self.learner.check_finite(self.config.train.steps, self.ckpt.latest_step)
+        lora_run = self.model_cfg.lora is not None
         if self.config.checkpoint.export_hf:
             components.export_hf(os.path.join(self.workdir, "final_hf"), self.model_cfg,
                                  self.learner.policy.params, self.tokenizer)
+            if lora_run:  # the adapters alone as well, in PEFT's format
+                components.export_adapter(os.path.join(self.workdir, "final_adapter"),
+                                          self.model_cfg, self.learner.policy.params,
+                                          components.model_path(self.config, self.workdir))
         outputs = [metrics_lib.METRICS_FILE]
         if self.is_chief and self.config.log.plot:
             metrics_lib.plot_curves(self.workdir, self.curve_keys)
             outputs.append("curves.png")
         if self.config.checkpoint.export_hf:
-            outputs.append("final_hf")
+            outputs += ["final_hf"] + (["final_adapter"] if lora_run else [])
         if self.is_chief:  # last: a run killed before this point resumes and finishes again
             record = {"step": self.config.train.steps, "config": self.config_record,
                       "eval": {k: float(v) for k, v in self.last_eval.items()

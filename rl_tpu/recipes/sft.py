@@ -448,6 +448,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
         components.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                              tokenizer)
+        if model_cfg.lora is not None:  # the adapters alone as well, in PEFT's format
+            components.export_adapter(os.path.join(workdir, "final_adapter"), model_cfg,
+                                      state.params, path)
     finally:
         try:
             ckpt.close()
