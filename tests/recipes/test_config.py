@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # (config file, variant) of every shipped experiment; the smoke variants also build their env
 VARIANTS = {"agentgym": ["babyai", "babyai,smoke", "textcraft,smoke", "sciworld,smoke",
                          "searchqa,smoke"],
-            "bapo_offpolicy": ["", "smoke"], "quickstart": ["", "smoke", "sft_only"]}
+            "bapo_offpolicy": ["", "smoke"], "quickstart": ["", "smoke", "sft_only"],
+            "lora_largest": ["", "smoke", "full,lr3,seed1,smoke"]}
 
 
 def load(name, variant):
