@@ -51,6 +51,7 @@ from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
+from rl_tpu.models import lora
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, sft, shapes
@@ -214,7 +215,7 @@ class Trainer:
                 wandb_config=self.config_record)
             log.warning("resumed from step %d", self.start)
         elif self.learner.reference_params is not None:
-            self.ckpt.save_static(REFERENCE, self.learner.reference_params)
+            self.ckpt.save_static(REFERENCE, self._reference_view())
         self.ckpt.prepare(self._checkpoint_state())  # the first save then compiles nothing
 
         # --- engines and the producer ---------------------------------------------------
@@ -593,8 +594,16 @@ class Trainer:
         if "critic" in restored:
             self.learner.critic = self.learner.critic.from_checkpoint(restored["critic"])
         if self.learner.reference_params is not None:
-            self.learner.reference_params = self.ckpt.restore_static(
-                REFERENCE, self.learner.reference_params)
+            restored = self.ckpt.restore_static(REFERENCE, self._reference_view())
+            self.learner.reference_params = (
+                lora.merge_into(self.learner.reference_params, restored)
+                if self.model_cfg.lora is not None else restored)
+
+    def _reference_view(self):
+        """What the run saves of the KL reference: all of it, or a LoRA policy's adapters at
+        the start (its base is the frozen one every start reloads)."""
+        ref = self.learner.reference_params
+        return lora.adapters(ref) if self.model_cfg.lora is not None else ref
 
 
 # ----------------------------------------------------------------------------- shapes

@@ -16,8 +16,10 @@ from rl_tpu.models.transformer import Transformer
 from rl_tpu.recipes import components, rl
 from test_rl import REPO, _cpu_env, _final_params, _finite, config, kill_mid_run, resumed_from
 
+# with a KL term, so the run's reference (the start's adapters on the base) is saved and
+# restored too
 LORA_FLAGS = ["--config.model.lora.rank=4", "--config.model.lora.alpha=8",
-              "--config.optim.lr=0.005", "--config.sft.steps=0"]
+              "--config.optim.lr=0.005", "--config.sft.steps=0", "--config.algo.kl_coef=0.01"]
 
 
 @pytest.fixture(scope="module")
