@@ -5,7 +5,7 @@
 
 1. The base: the quickstart model after a full SFT warm start (<root>/base/final_hf), built
    once; every RL run starts from it.
-2. Tuning: each method at each of its three learning rates, seed `--tune_seed`; the rate
+2. Tuning: each method at each of its four learning rates, seed `--tune_seed`; the rate
    kept is the one with the best mean held-out success over the last `--last` evals. (The
    held-out set is the eval set, as in the LoRA papers' sweeps: every method is tuned the same
    way, so the comparison is even, if each number is a little optimistic.)
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_runs import read, summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RATES = ("lr1", "lr2", "lr3")
+RATES = ("lr1", "lr2", "lr3", "lr4")
 
 
 def train(args: list[str], workdir: str) -> None:
@@ -74,8 +74,8 @@ def main():
         tuning.append((method, scores))
     print("\nTuning (seed %d): held-out success, mean of the last %d evals" % (args.tune_seed,
                                                                              args.last))
-    print("| method | lr1 | lr2 | lr3 | kept |")
-    print("|---|---|---|---|---|")
+    print("| method | " + " | ".join(RATES) + " | kept |")
+    print("|---|" + "---|" * len(RATES) + "---|")
     for method, scores in tuning:
         print(f"| {method} | " + " | ".join(f"{scores[r]:.3f}" for r in RATES)
               + f" | {kept[method]} |")

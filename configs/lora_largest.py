@@ -12,8 +12,9 @@ GRPO steps for every method, each at its own learning rate:
 
 Methods: `full` (every weight, Adam over all of them) and `r1`, `r8`, `r32` (adapters of that
 rank on all seven projections, alpha 32, so the update's scale is 32 / r as in PEFT; the base,
-embeddings and head frozen). Learning rates `lr1`-`lr3`: full 2.5e-4 / 5e-4 / 1e-3 (the
-quickstart uses 5e-4), LoRA 1e-3 / 3e-3 / 1e-2 (LoRA's best rate is commonly ~10x full's).
+embeddings and head frozen). Learning rates `lr1`-`lr4`: full 2.5e-4 / 5e-4 / 1e-3 / 2e-3
+(the quickstart uses 5e-4), LoRA 3e-4 / 1e-3 / 3e-3 / 1e-2 (LoRA's best rate is commonly
+several times full's).
 `seed<N>` picks the seed (RL's sampling and the adapters' init; the base is the same).
 `smoke` runs any of them in seconds on the tiny random model (no base needed).
 """
@@ -22,12 +23,12 @@ from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 METHODS = ("full", "r1", "r8", "r32")
-LEARNING_RATES = {"full": (2.5e-4, 5e-4, 1e-3), "lora": (1e-3, 3e-3, 1e-2)}
+LEARNING_RATES = {"full": (2.5e-4, 5e-4, 1e-3, 2e-3), "lora": (3e-4, 1e-3, 3e-3, 1e-2)}
 ALPHA = 32.0
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"method": METHODS, "lr": ("lr2", "lr1", "lr3")},
+    chosen, smoke = parse_variant(arg, {"method": METHODS, "lr": ("lr2", "lr1", "lr3", "lr4")},
                                   numbered={"seed": 0})
     method = chosen["method"]
     c = largest_task(base_config("grpo"))

@@ -134,8 +134,9 @@ def peft_config(cfg: lora.LoraConfig, base_model_path: str = "") -> dict[str, An
 
 
 def _check_params(cfg: ModelConfig, flat: dict, modules: dict) -> None:
-    """ValueError unless `flat` holds A, B and the kernel of exactly the modules cfg adapts."""
-    wanted = {m + (k,) for m in modules for k in ("kernel",) + lora.ADAPTER_KEYS}
+    """ValueError unless `flat` holds A and B of exactly the modules cfg adapts (the kernels
+    need not be there: a trainer's sync sends the adapters alone)."""
+    wanted = {m + (k,) for m in modules for k in lora.ADAPTER_KEYS}
     missing = sorted("/".join(p) for p in wanted - set(flat))
     extra = sorted("/".join(p) for p in flat if lora.is_adapter_path(p) and p not in wanted)
     if missing or extra:

@@ -502,7 +502,11 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     if r.engine == "sglang":
         from rl_tpu.rollout.sglang import SGLangEngine
         urls = [u.strip() for u in r.urls.split(",") if u.strip()]
-        engine = SGLangEngine(urls, model_config=model_cfg,
+        if model_cfg.lora is not None:  # versions in flight: up to max_staleness behind
+            kwargs = {"keep_adapters": r.max_staleness + 1}
+        else:
+            kwargs = {}
+        engine = SGLangEngine(urls, model_config=model_cfg, **kwargs,
                               weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
                               tokenizer=tokenizer, router_url=r.router_url or None,
                               # a server started with --api_key (launch.serve_rollout reads

@@ -237,9 +237,6 @@ def _check_lora(config: ml_collections.ConfigDict) -> None:
                          "train it whole: set model.lora.rank=0")
     if b.sampler not in LORA_SAMPLER_MODES:
         raise ValueError(f"model.lora.sampler={b.sampler!r}; choose one of {LORA_SAMPLER_MODES}")
-    if config.rollout.engine == "sglang":
-        raise ValueError("model.lora.rank > 0 with rollout.engine=sglang: adapter-only sync to "
-                         "SGLang is not wired into the recipes yet; use rollout.engine=jax")
 
 
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:

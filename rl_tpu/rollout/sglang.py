@@ -294,6 +294,9 @@ class SGLangEngine(RolloutEngine):
                 if adapter is not None:  # SGLang reports the base's version; this is the policy's
                     result.weight_version = adapter
                     result.info["adapter"] = adapter
+                    # every id sampled under the one adapter (the base's spans say nothing)
+                    result.info["weight_versions"] = [
+                        {"version": adapter, "start": 0, "end": len(result.output_ids)}]
         return [results[k * n:(k + 1) * n] for k in range(len(requests))]
 
     @staticmethod

@@ -27,12 +27,16 @@ Requests then pick an adapter per request (`lora_path` of `/generate`, the engin
 several versions serve side by side: `AdapterVersions` keeps at most `keep_adapters` of them,
 and unloads (`POST /unload_lora_adapter`) and deletes the oldest beyond that once no request
 of the engine's still uses it. `params` may be the whole model or the adapters alone (what
-the trainer sends once the base is frozen); the base is never read.
+the trainer sends once the base is frozen); the base is never read. On several hosts
+process 0 alone writes, loads and unloads; the others keep the same list of versions, which
+their requests name.
 
 What SGLang 0.5.23 needs for that, read in its source (sglang/srt/...): the launch flags
 `--enable-lora --max-lora-rank R --lora-target-modules all` (or the modules), and on a CPU
-server `--lora-backend torch_native`, the one backend not written in triton (the default,
-csgmv, is: lora/backend/lora_registry.py). Its scaling is `lora_alpha / r` whatever
+server `--lora-backend torch_native`, the one backend in plain torch (lora/backend/
+lora_registry.py: csgmv, the default, triton and triton_v2 run triton kernels; ascend needs an
+NPU), and pinned host memory turned off (tests/rollout/test_sglang_lora.py: SGLang pins it
+unconditionally, which torch refuses without a GPU). Its scaling is `lora_alpha / r` whatever
 `use_rslora` says (lora/lora.py l. 71), so an rsLoRA adapter is exported with `lora_alpha`
 multiplied by sqrt(r) and `use_rslora` false, the same scale. It stacks q/k/v into one adapter
 from q_proj's and v_proj's (k_proj may be missing: zeros) and gate/up from gate_proj's (zeros
@@ -194,28 +198,6 @@ def adapter_mismatches(cfg: ModelConfig, params) -> list[str]:
     return [f"{'/'.join(p)} is {list(got[p]) if p in got else 'missing'}, the config implies "
             f"{list(s)}" for p, s in want.items() if got.get(p) != s] + [
         f"{'/'.join(p)} is not an adapter of the config" for p in got if p not in want]
-
-
-def _with_kernel_stand_ins(cfg: ModelConfig, params) -> dict:
-    """`params` plus, for each adapted kernel they lack (adapters sent alone), a zero-stride
-    stand-in of its shape: save_adapter checks that the kernels exist but reads only the
-    adapters, and the trainer sends the base once at most."""
-    flat = {tuple(k.key for k in kp): v
-            for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for path, shape in _abstract_params(cfg).items():
-        if path[-1] == "kernel" and path[:-1] + ("lora_a",) in flat and path not in flat:
-            flat[path] = np.broadcast_to(np.float32(0), shape)
-    return _nest(flat)
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
 
 
 def sglang_scale_config(path: str, cfg: lora.LoraConfig) -> None:
@@ -500,13 +482,16 @@ class DiskWeightSync:
             for url in self.transport.urls:
                 self.check_lora_server(url)
         if not writer and _host_copy(params):
+            # Process 0 loads it; this host's requests name it from now on (they sample after
+            # the barrier that follows every load: components.wait_for_shared_weights).
+            self.retire(self.adapters.add(version))
             return
         path = self.adapter_path(version)
         os.makedirs(self.weights_dir, exist_ok=True)
         base = self.served_shapes(self.transport.urls[0])[0] if writer else ""
-        peft_format.save_adapter(path, cfg, _with_kernel_stand_ins(cfg, params),
-                                 base_model_path=base)
+        peft_format.save_adapter(path, cfg, params, base_model_path=base)
         if not writer:
+            self.retire(self.adapters.add(version))
             return
         sglang_scale_config(path, cfg.lora)
         open(os.path.join(path, EXPORT_MARKER), "w").close()
@@ -515,7 +500,10 @@ class DiskWeightSync:
         failed = self._on_every_server(lambda url: self._load_adapter(url, body))
         if failed:
             loaded = [u for u in self.transport.urls if u not in failed]
-            self._on_every_server(lambda url: self._unload(url, version), urls=loaded)
+            stuck = self._on_every_server(lambda url: self._unload(url, version), urls=loaded)
+            if stuck:  # harmless but for memory: requests never name this version
+                log.warning("adapter version %r stays loaded on %s after a failed update: %s",
+                            version, sorted(stuck), "; ".join(map(str, stuck.values())))
             shutil.rmtree(path, ignore_errors=True)
             raise _one_error(failed, "update_weights (adapter load)")
         self._count(nbytes)
@@ -573,7 +561,13 @@ class DiskWeightSync:
 
     def retire(self, versions: list[str]) -> None:
         """Unloads `versions` (as AdapterVersions handed them out) from every server and
-        deletes their dirs; one that fails stays loaded, tried again at the next retire."""
+        deletes their dirs; one that fails stays loaded, tried again at the next retire. On
+        other hosts than process 0 (which alone loads and unloads) only forgets them: hosts
+        sharing servers sample in lock step, so none holds a request across an update."""
+        if jax.process_index() != 0:
+            for version in versions:
+                self.adapters.unloaded(version)
+            return
         for version in versions:
             failed = self._on_every_server(lambda url, v=version: self._unload(url, v))
             if failed:

@@ -2,6 +2,7 @@
 the adapter version that sampled each token, a checkpoint holds the adapters and their moments
 only, and a run killed with SIGKILL resumes exactly."""
 
+import os
 import subprocess
 import sys
 
@@ -157,3 +158,31 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly(tmp_path, sft_base):
     first, second = _final_params(straight), _final_params(resumed)
     for key in first:
         np.testing.assert_array_equal(second[key], first[key], err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_a_lora_run_on_sglang_syncs_adapters_alone(tmp_path, sft_base):
+    """rollout.engine=sglang with LoRA: a real CPU SGLang server with LoRA on (its base the
+    run's model.path) gets a PEFT adapter dir a version and nothing else; the run trains,
+    sampling version k-1 at step k, and the engine keeps at most max_staleness + 1 adapters."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "rollout"))
+    from sglang_server import lora_flags, lora_server_env, start_sglang_server
+
+    server = start_sglang_server(sft_base, *lora_flags(),
+                                 env=lora_server_env(str(tmp_path / "server_env")))
+    try:
+        c = lora_config(sft_base, **{"train.steps": 3, "rollout.engine": "sglang",
+                                     "rollout.urls": server.url})
+        rl.run(c, str(tmp_path / "run"), trainer_class=RecordingTrainer)
+    finally:
+        server.stop()
+    records = [r for r in read_metrics(str(tmp_path / "run")) if "rollout/reward" in r]
+    assert [r["rollout/weight_version"] for r in records] == [0, 1, 2]
+    assert all(r["train/skipped"] == 0 for r in records)
+    synced = sorted(os.listdir(tmp_path / "run" / "sync"))
+    # only adapter dirs (no full HF export), the newest max_staleness + 1 = 1 of them kept
+    assert synced == ["adapter_3"], synced
+    assert set(os.listdir(tmp_path / "run" / "sync" / "adapter_3")) >= {
+        "adapter_config.json", "adapter_model.safetensors"}

@@ -260,3 +260,45 @@ def start_sglang_server(model_dir: str, *flags: str, timeout: float = SGLANG_STA
            "--max-total-tokens", "4096", "--dtype", "float32", "--host", "127.0.0.1",
            "--port", str(port), *flags]
     return ServerProcess(cmd, port, env=env, name="sglang", cleanup=[stub_dir]).wait_ready(timeout)
+
+
+# SGLang serving LoRA adapters on CPU (rl_tpu/rollout/weight_sync.py says what it needs).
+PIN_MEMORY_SHIM = '''\
+"""Written by rl_tpu's tests: SGLang 0.5.23's LoRA layers pin host memory unconditionally
+(sglang/srt/lora/layers.py), which torch refuses without an NVIDIA driver. Pinning only speeds
+host-to-GPU copies: without a GPU, make it a no-op."""
+import functools
+
+import torch
+
+if not torch.cuda.is_available():
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+    def _unpinned(make):
+        @functools.wraps(make)
+        def wrapper(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return make(*args, **kwargs)
+        return wrapper
+
+    for _name in ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like",
+                  "zeros_like", "ones_like", "full_like", "empty_strided"):
+        setattr(torch, _name, _unpinned(getattr(torch, _name)))
+'''
+
+
+def lora_server_env(directory: str, shim: bool = True) -> dict:
+    """The environment of a CPU SGLang server that serves LoRA: PYTHONPATH with the sgl_kernel
+    stand-in and (`shim`) the pin_memory sitecustomize, both written into `directory`."""
+    write_sgl_kernel_stub(directory)
+    if shim:
+        with open(os.path.join(directory, "sitecustomize.py"), "w") as f:
+            f.write(PIN_MEMORY_SHIM)
+    return {"PYTHONPATH": directory}
+
+
+def lora_flags(rank: int = 8) -> tuple[str, ...]:
+    """A CPU SGLang server's LoRA flags: adapters up to `rank` on every projection, the
+    plain-torch backend (the others run triton kernels)."""
+    return ("--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", "all",
+            "--lora-backend", "torch_native")
