@@ -67,10 +67,7 @@ def run_mode(mode: str) -> dict:
     kwargs = {} if mode == "plain" else {"lora_mode": mode}
     batches = [int(b) for b in FLAGS.batches.split(",")]
     sampler = JaxSampler(cfg, params, max_batch=max(batches), **kwargs)
-    held = sum(x.nbytes for x in jax.tree.leaves(sampler._params))
-    if mode != "plain":
-        held += sum(x.nbytes for x in jax.tree.leaves(sampler._adapters._base)) \
-            if mode == "merge" else 0
+    held = sampler.stats()["weight_bytes"]
 
     tokens_per_s = {}
     for b in batches:
@@ -91,7 +88,7 @@ def run_mode(mode: str) -> dict:
     for k in range(6):
         start = time.perf_counter()
         sampler.update_weights(update, str(k))
-        jax.block_until_ready(sampler._params)
+        jax.block_until_ready(sampler.weights()[0])
         seconds.append(time.perf_counter() - start)
     return dict(tokens_per_s=tokens_per_s, update_s=statistics.median(seconds[1:]),
                 update_bytes=sampler.stats()["last_sync_bytes"], held_bytes=held,

@@ -131,11 +131,13 @@ def is_adapter_path(path: tuple[str, ...]) -> bool:
     return bool(path) and path[-1] in ADAPTER_KEYS
 
 
-def _flat(tree) -> dict[tuple[str, ...], Any]:
+def flat_paths(tree) -> dict[tuple[str, ...], Any]:
+    """{(key, ..., leaf name): leaf} of a nested-dict params tree."""
     return {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+def nested(flat: dict[tuple[str, ...], Any]) -> dict:
+    """The nested dicts `flat_paths` came from (any subset of its paths)."""
     out: dict = {}
     for path, value in flat.items():
         node = out
@@ -148,17 +150,17 @@ def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
 def select(params, trainable: frozenset[str]) -> dict:
     """The sub-tree of `params` whose leaves have a path element in `trainable` (e.g. the
     adapters' `lora_a`/`lora_b`, a value head's name), nested as in `params`."""
-    return _nest({p: v for p, v in _flat(params).items() if trainable.intersection(p)})
+    return nested({p: v for p, v in flat_paths(params).items() if trainable.intersection(p)})
 
 
 def merge_into(params, sub) -> dict:
     """`params` with the leaves of `sub` (a `select` of it, maybe updated) put back."""
-    flat = _flat(params)
-    for path, value in _flat(sub).items():
+    flat = flat_paths(params)
+    for path, value in flat_paths(sub).items():
         if path not in flat:
             raise KeyError(f"{'/'.join(path)} is not a param of the model")
         flat[path] = value
-    return _nest(flat)
+    return nested(flat)
 
 
 def adapters(params) -> dict:
@@ -167,12 +169,12 @@ def adapters(params) -> dict:
 
 
 def has_adapters(params) -> bool:
-    return any(is_adapter_path(p) for p in _flat(params))
+    return any(is_adapter_path(p) for p in flat_paths(params))
 
 
 def without_adapters(params) -> dict:
     """`params` with every adapter leaf dropped (the base, as the plain model reads it)."""
-    return _nest({p: v for p, v in _flat(params).items() if not is_adapter_path(p)})
+    return nested({p: v for p, v in flat_paths(params).items() if not is_adapter_path(p)})
 
 
 def merged_kernel(kernel: Array, a: Array, b: Array, scale: float) -> Array:
@@ -189,23 +191,23 @@ def merge(params, cfg: LoraConfig) -> dict:
     """Plain params (no adapter leaves) computing what `params` with adapters computes: every
     adapted kernel replaced by W + scale * A B. Jit it to run on device, in the kernels'
     shardings."""
-    flat = _flat(params)
+    flat = flat_paths(params)
     out = {p: v for p, v in flat.items() if not is_adapter_path(p)}
     for path in [p for p in flat if p[-1] == "lora_a"]:
         module = path[:-1]
         out[module + ("kernel",)] = merged_kernel(flat[module + ("kernel",)], flat[path],
                                                   flat[module + ("lora_b",)], cfg.scale)
-    return _nest(out)
+    return nested(out)
 
 
 def adapter_count(params) -> int:
     """Number of adapter parameters (elements) in `params`."""
-    return int(sum(np.prod(v.shape) for p, v in _flat(params).items() if is_adapter_path(p)))
+    return int(sum(np.prod(v.shape) for p, v in flat_paths(params).items() if is_adapter_path(p)))
 
 
 def with_adapters(params, extra) -> dict:
     """`params` plus the leaves of `extra` (new adapters) at their paths."""
-    return _nest({**_flat(params), **_flat(extra)})
+    return nested({**flat_paths(params), **flat_paths(extra)})
 
 
 def init_adapters(model: nn.Module, shardings_of_params, seed: int) -> dict:

@@ -98,11 +98,6 @@ def from_peft(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(x, np.float32).T.reshape(shape)
 
 
-def _flat(tree) -> dict[tuple[str, ...], Any]:
-    return {tuple(k.key for k in kp): v
-            for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def adapter_bytes(params) -> int:
     """Bytes the adapters of `params` take as float32 (what save_adapter writes)."""
     return 4 * lora.adapter_count(params)
@@ -160,7 +155,7 @@ def save_adapter(path: str, cfg: ModelConfig, params, base_model_path: str = "")
     if cfg.lora is None:
         raise ValueError("save_adapter: cfg.lora is None (a model without adapters); export "
                          "it with hf.save, or set model.lora.rank > 0")
-    modules, flat = adapted_modules(cfg), _flat(params)
+    modules, flat = adapted_modules(cfg), lora.flat_paths(params)
     _check_params(cfg, flat, modules)
     writer = jax.process_index() == 0
     tensors = {}
@@ -332,8 +327,8 @@ def load_adapter(path: str, cfg: ModelConfig, params, mesh=None, rules=parallel.
     cfg = cfg.replace(lora=read_peft_config(path, cfg))
     mesh = mesh if mesh is not None else _mesh_of(params)
     abstract, names = parallel.logical_axes_of(Transformer(cfg), np.zeros((1, 1), np.int32))
-    shardings = _flat(lora.adapters(parallel.param_shardings(abstract, names, mesh, rules)))
-    abstract = _flat(abstract)
+    shardings = lora.flat_paths(lora.adapters(parallel.param_shardings(abstract, names, mesh, rules)))
+    abstract = lora.flat_paths(abstract)
     modules = adapted_modules(cfg)
 
     def layer_shape(module, key):  # one layer's shape of the (maybe stacked) leaf
@@ -345,7 +340,7 @@ def load_adapter(path: str, cfg: ModelConfig, params, mesh=None, rules=parallel.
                 for key in lora.ADAPTER_KEYS}
     files = _read_tensors(path, expected)
     base = lora.without_adapters(params)
-    kernels = _flat(base)
+    kernels = lora.flat_paths(base)
     missing = sorted("/".join(m + ("kernel",)) for m in modules if m + ("kernel",) not in kernels)
     if missing:
         raise ValueError(f"params do not match the config (scan_layers={cfg.scan_layers}): "
@@ -360,7 +355,7 @@ def load_adapter(path: str, cfg: ModelConfig, params, mesh=None, rules=parallel.
             # host builds its own devices' shards, as hf.read_params does for the base.
             new[module + (key,)] = jax.make_array_from_callback(
                 value.shape, shardings[module + (key,)], lambda index, v=value: v[index])
-    return cfg, lora.with_adapters(base, _nest(new))
+    return cfg, lora.with_adapters(base, lora.nested(new))
 
 
 def _read_finite(files: hf.SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -380,13 +375,3 @@ def _mesh_of(params) -> Mesh:
         if isinstance(getattr(leaf, "sharding", None), NamedSharding):
             return leaf.sharding.mesh
     return parallel.make_mesh({}, devices=jax.devices()[:1])
-
-
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out

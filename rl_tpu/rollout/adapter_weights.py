@@ -91,6 +91,10 @@ class AdapterWeights:
             return self._merge(self._base, adapters)
         return lora.with_adapters(self._base, adapters)
 
+    def extra_bytes(self) -> int:
+        """Bytes held beside the params the sampler's model reads: merge mode's base copy."""
+        return _nbytes(self._base) if self.mode == "merge" and self._base is not None else 0
+
     def _check(self, adapters) -> None:
         want = self._adapter_abstract
         got = unstack_layers(adapters, self.cfg.num_layers) if "layers" in adapters else adapters

@@ -193,13 +193,18 @@ class JaxSampler(RolloutEngine):
         (rows looked up / that reused a prefix), and the cache's own `cache_entries`,
         `cache_tokens_used`, `cache_pages_used`, `cache_pages`, `cache_capacity_tokens`,
         `cache_evictions`, `cache_flushes`; `last_sync_bytes`, the bytes the last weight
-        update copied (a LoRA policy's adapters, once the base is held); `compiled_programs`, the XLA programs its device
+        update copied (a LoRA policy's adapters, once the base is held), `weight_bytes`, those
+        of the weights it holds; `compiled_programs`, the XLA programs its device
         work has compiled (or loaded from the persistent cache) in this process, as JAX
         reports them: the weight copy, prefill, decode, the prefix cache's and a
         `ContinuousBatcher`'s programs (flat after `warmup` when the run stays in its
         buckets; compile_count.py)."""
+        with self._weights_lock:
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self._params)) + (
+                0 if self._adapters is None else self._adapters.extra_bytes())
         with self._control_lock:
-            out = dict(self._counts, compiled_programs=self.compiles.count)
+            out = dict(self._counts, compiled_programs=self.compiles.count,
+                       weight_bytes=weight_bytes)
         out["reuse_fraction"] = out["reused_tokens"] / max(out["prompt_tokens"], 1)
         if self._prefix is not None:
             out.update(self._prefix.stats())
