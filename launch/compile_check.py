@@ -9,9 +9,13 @@ chip's HBM and its compile time. The shapes are the trainer's, by the same funct
 (recipes/shapes.py), and the chips the trainer gives the learner and the embedded sampler
 (components.split_devices: an asynchronous run's sampler has part of each host). Several
 topologies: `--topology v5p:4x4x4,v5e:4x4`. The policy is `--model` (a preset of
-rl_tpu/models/presets.py), else `model.path`'s config.json, else the config's tiny model.
-Config overrides work as in launch.train (`--config.mesh.fsdp=64`). Exit status 1 when a
-program does not fit, naming it and the config keys that would shrink it.
+rl_tpu/models/presets.py), else `model.path`'s config.json, else the config's tiny model;
+with `--config.model.lora.rank=8` it is a LoRA run's (adapters trained on the frozen base,
+the sampler per `model.lora.sampler`). Each program's peak adds what its chip holds for the
+rest of the run meanwhile (the learner's state, a synchronous run's sampler weights); the
+report says what that is and what a weight sync moves. Config overrides work as in
+launch.train (`--config.mesh.fsdp=64`). Exit status 1 when a program does not fit, naming it
+and the config keys that would shrink it.
 """
 
 import os

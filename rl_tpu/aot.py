@@ -24,7 +24,20 @@ and the embedded sampler, each host gives rollout.sampler_devices of its chips t
 sampler a host's) and a step's global rows (recipes/shapes.step_rows: tasks x samples, plus
 replayed groups and self-play's solver rows, padded to the learner's row multiple).
 
-Memory per chip = arguments + outputs - donated (aliased) buffers + temporaries.
+Memory per chip = arguments + outputs - donated (aliased) buffers + temporaries: a program's
+own `total`. Its `peak` adds what the chip `held` for the rest of the run meanwhile
+(`held_by`): the learner's other trees (the policy's optimizer state beside the score pass, a
+critic's state, the KL reference's copy of the params), and where the embedded sampler shares
+the learner's chips (a synchronous run) its weights and prefix pool beside the learner's
+programs and the learner's state beside the sampler's. A program fits when its peak does.
+
+LoRA (`model.lora.rank` > 0, models/lora.py) is checked as the trainer runs it: the policy is
+the model with adapters (their shardings from the kernels' logical axes), its TrainState trains
+the adapters alone (a critic: its adapters and value head), so the update holds no fp32
+master, Adam moments or weight gradients of the frozen base; the sampler is a LoRA sampler
+(`model.lora.sampler`: "merge" runs the plain model on merged kernels and keeps its copy of the
+base beside them, "lowrank" runs the model with adapters on the base it holds once); and a
+weight sync moves the adapters alone (`Report.sync`).
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
-from rl_tpu.models import hf
+from rl_tpu.models import hf, lora
 from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
@@ -71,10 +84,15 @@ class ProgramMemory:
     refused: str = ""
     shape: str = ""  # rows x tokens (/ micro-batches) it was compiled for
     mesh: str = ""  # its mesh, when not the trainer's (the sampler's, on one host)
+    held: int = 0  # what the chip keeps for the run's other device state meanwhile (held_by)
 
     @property
     def total(self) -> int:
         return self.argument + self.output - self.alias + self.temp
+
+    @property
+    def peak(self) -> int:
+        return self.total + self.held
 
 
 @dataclasses.dataclass
@@ -86,25 +104,31 @@ class Report:
     mesh: dict  # the learner's
     programs: list[ProgramMemory]
     learner_chips: int = 0  # of `chips` (0: all); an asynchronous run's sampler has the rest
+    sync: str = ""  # what one weight sync moves (`sync_of`)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what `held` counts
 
     def misfits(self) -> list[ProgramMemory]:
-        return [p for p in self.programs if p.refused or p.total > self.hbm]
+        return [p for p in self.programs if p.refused or p.peak > self.hbm]
 
     def table(self) -> str:
         rows = [f"{self.model} on {self.topology} ({self.chips} chips, {self.hbm / GIB:.1f} GiB "
                 f"HBM each), mesh {self.mesh}",
                 f"{'program':<17}{'shape':>16}{'compile s':>10}{'args GiB':>10}"
-                f"{'temp GiB':>10}{'total GiB':>11}  fits"]
+                f"{'temp GiB':>10}{'total GiB':>11}{'held GiB':>10}{'peak GiB':>10}  fits"]
         for p in self.programs:
             rows.append(f"{p.name:<17}{p.shape:>16}{p.compile_s:>10.1f}{p.argument / GIB:>10.2f}"
-                        f"{p.temp / GIB:>10.2f}{p.total / GIB:>11.2f}  "
-                        f"{'yes' if p.total <= self.hbm else 'NO'}"
+                        f"{p.temp / GIB:>10.2f}{p.total / GIB:>11.2f}{p.held / GIB:>10.2f}"
+                        f"{p.peak / GIB:>10.2f}  "
+                        f"{'yes' if not p.refused and p.peak <= self.hbm else 'NO'}"
                         + (f" (XLA: {p.refused})" if p.refused else ""))
         rows += sorted({f"{p.name.split('_')[0]} programs on mesh {p.mesh}"
                         for p in self.programs if p.mesh})
         if self.learner_chips and self.learner_chips < self.chips:
             rows.append(f"learner programs on {self.learner_chips} of the {self.chips} chips "
                         "(the embedded sampler runs beside it on the others)")
+        rows += self.notes
+        if self.sync:
+            rows.append(f"a weight sync moves {self.sync}")
         return "\n".join(rows)
 
     @property
@@ -133,17 +157,20 @@ def topology_devices(name: str) -> tuple[list, int]:
 def model_config(config: ml_collections.ConfigDict, model: str = "") -> tuple[str, ModelConfig]:
     """(name, ModelConfig) of the policy a run of `config` trains: the preset `model`, else
     `model.path`'s config.json, else the config's tiny random model; with the config's
-    numerics (dtype, remat, scanned layers, attention block)."""
+    numerics (dtype, remat, scanned layers, attention block) and LoRA adapters
+    (`model.lora.*`, as components.load_policy adds them)."""
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
                     scan_layers=m.scan_layers, attention_block=m.attention_block,
                     attention_impl=m.attention_impl)
     if model:
-        return model, preset_config(model, **numerics)
-    if m.path:
-        return m.path, hf.read_config(m.path, **numerics)
-    return "tiny", tiny_config(m.tiny_arch, m.tiny_vocab, **components.tiny_shape(config),
-                               **numerics)
+        name, cfg = model, preset_config(model, **numerics)
+    elif m.path:
+        name, cfg = m.path, hf.read_config(m.path, **numerics)
+    else:
+        name, cfg = "tiny", tiny_config(m.tiny_arch, m.tiny_vocab,
+                                        **components.tiny_shape(config), **numerics)
+    return name, cfg.replace(lora=components.lora_config(config))
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh, rules=parallel.DEFAULT_RULES, module=None):
@@ -160,6 +187,44 @@ def _sds(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def chip_bytes(tree) -> int:
+    """Bytes one chip holds of `tree` (ShapeDtypeStructs or arrays in NamedShardings): each
+    leaf's shard, the largest where a dim does not divide evenly."""
+    return int(sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def _size(n: float) -> str:
+    """A byte count in GiB, MiB or KiB, whichever reads best."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2 ** 10:.1f} KiB"
+
+
+def _nbytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def trainable(params, heads: tuple[str, ...] = ()) -> Optional[frozenset]:
+    """What a TrainState of `params` trains, as components.new_state picks it: with LoRA
+    adapters in `params`, the adapters (and `heads`, e.g. a critic's value head); else all."""
+    return frozenset(lora.ADAPTER_KEYS + heads) if lora.has_adapters(params) else None
+
+
+def sync_of(params) -> str:
+    """What one weight sync to the sampler moves for `params` (global, abstract): the adapters
+    alone when they hold adapters (the sampler copies the frozen base once), else every
+    param in its dtype (components.engine_weights)."""
+    if not lora.has_adapters(params):
+        dtypes = sorted({str(jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)})
+        return f"{_size(_nbytes(params))} (every param, {'/'.join(dtypes)})"
+    base = lora.without_adapters(params)
+    return (f"{_size(_nbytes(lora.adapters(params)))} (the adapters, float32; the "
+            f"{_size(_nbytes(base))} base once, at the first sync)")
+
+
 def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> dict:
     """An RL batch of `rows` x `length` as the trainer builds it, sharded on rows."""
     return abstract_batch(rows, length, NamedSharding(mesh, parallel.batch_spec(1)), keys)
@@ -171,7 +236,9 @@ _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 _REFUSAL = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM")
 
 
-def _memory(name: str, lowered) -> ProgramMemory:
+def _memory(name: str, lowered, weights: int = 0) -> ProgramMemory:
+    """`lowered` compiled and measured. When XLA refuses it, only its temporaries are known:
+    `weights` (bytes a chip holds of its params or state) stands for its arguments then."""
     start = time.time()
     try:
         compiled = lowered.compile()
@@ -181,7 +248,7 @@ def _memory(name: str, lowered) -> ProgramMemory:
             raise
         needed = int(float(found.group(1)) * _UNITS[found.group(2)])
         message = str(err).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
-        return ProgramMemory(name, time.time() - start, 0, 0, 0, needed, refused=message)
+        return ProgramMemory(name, time.time() - start, weights, 0, 0, needed, refused=message)
     seconds = time.time() - start
     m = compiled.memory_analysis()
     return ProgramMemory(name, seconds, m.argument_size_in_bytes, m.output_size_in_bytes,
@@ -242,12 +309,13 @@ def plan(config: ml_collections.ConfigDict, topology: str, cfg: Optional[ModelCo
 
 
 def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, dict]:
-    """The trainer's Learner on `mesh` over abstract states, and the abstract policy params."""
+    """The trainer's Learner on `mesh` over abstract states, and the abstract policy params
+    (with LoRA, the base and its adapters, and states that train the adapters alone)."""
     algo = config.algo
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
     tx = make_optimizer(components.rl_optim_config(config, config.optim.lr))
-    state = abstract_state(params, tx)
+    state = abstract_state(params, tx, trainable(params))
     update_cfg = algorithms.update_config(config)
     loss_cfg = algorithms.loss_config(algo, config.env.max_new_tokens)
     critic = value_model = None
@@ -256,16 +324,37 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
         value_model = ValueModel(cfg, mesh=mesh)
         # its shapes traced off the mesh, as the policy's: on a TPU mesh a 1-token trace would
         # take the splash kernel, which refuses it
-        critic = abstract_state(abstract_params(cfg, mesh, module=ValueModel(cfg)),
-                                make_optimizer(components.rl_optim_config(config, algo.value_lr)))
+        critic_params = abstract_params(cfg, mesh, module=ValueModel(cfg))
+        critic = abstract_state(critic_params,
+                                make_optimizer(components.rl_optim_config(config, algo.value_lr)),
+                                trainable(critic_params, heads=("head",)))
+    # the trainer's reference is a copy of the initial params (a LoRA policy's: base and
+    # adapters), a second params-sized tree on every chip: `held_by` counts it
     learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
                       value_model=value_model,
                       reference_params=params if update_cfg.use_reference else None)
     return learner, params
 
 
-def learner_programs(planned: Plan) -> list[ProgramMemory]:
-    """policy_update and score (and critic_update, values) at the plan's batch shape."""
+def learner_resident(learner: Learner) -> int:
+    """Bytes a learner chip holds between programs: policy state, critic state, reference."""
+    trees = (learner.policy, learner.critic, learner.reference_params)
+    return sum(chip_bytes(t) for t in trees if t is not None)
+
+
+def held_by(learner: Learner) -> dict[str, int]:
+    """Bytes a learner chip holds for the rest of the run while each learner program runs: the
+    learner's trees (`learner_resident`) less that program's own arguments."""
+    policy, critic, every = learner.policy, learner.critic, learner_resident(learner)
+    return {"policy_update": every - chip_bytes(policy),
+            "score": every - chip_bytes(policy.params),
+            "critic_update": every - (chip_bytes(critic) if critic else 0),
+            "values": every - (chip_bytes(critic.params) if critic else 0)}
+
+
+def learner_programs(planned: Plan, beside: int = 0) -> list[ProgramMemory]:
+    """policy_update and score (and critic_update, values) at the plan's batch shape; `beside`:
+    bytes a learner chip holds besides the learner's own (a synchronous run's sampler)."""
     learner, rows, length = planned.learner, planned.rows, planned.length
     batch_keys = ["behaviour_logprobs"]
     if learner.cfg.use_reference:
@@ -273,15 +362,19 @@ def learner_programs(planned: Plan) -> list[ProgramMemory]:
     if learner.loss_cfg.fixed_normalizer is not None:
         batch_keys.append("length_normalizer")
     lower = functools.partial(learner.lower, rows=rows, length=length, batch_keys=batch_keys)
-    out = [_memory("policy_update", lower("policy_update")), _memory("score", lower("logprobs"))]
-    if learner.critic is not None:
-        out += [_memory("critic_update", lower("value_update")),
-                _memory("values", lower("values"))]
+    policy, critic = learner.policy, learner.critic
+    out = [_memory("policy_update", lower("policy_update"), chip_bytes(policy)),
+           _memory("score", lower("logprobs"), chip_bytes(policy.params))]
+    if critic is not None:
+        out += [_memory("critic_update", lower("value_update"), chip_bytes(critic)),
+                _memory("values", lower("values"), chip_bytes(critic.params))]
     micro = {"policy_update": learner.update_micro_batches(rows, length),
              "score": learner.score_micro_batches(rows, length)}
     micro.update(critic_update=micro["policy_update"], values=micro["score"])
+    held = held_by(learner)
     for p in out:
         p.shape = f"{rows}x{length}/{micro[p.name]}"
+        p.held = held[p.name] + beside
     return out
 
 
@@ -309,12 +402,44 @@ def sampler_slice(topology: str, devices: list, sampler: list) -> list:
     return sampler
 
 
-def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory]:
-    """The embedded sampler's prefill and one decode chunk on one host's chips (`host`), at
-    rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them)."""
-    from rl_tpu.rollout import decoding as sampling
+@dataclasses.dataclass
+class SamplerWeights:
+    """The embedded sampler's model and abstract params on one host's chips, as JaxSampler
+    builds them (unrolled layers, no remat, `model.sampler_dtype`, `rollout.kv_dtype`; a LoRA
+    policy's per `model.lora.sampler`), and what else it keeps there for the run."""
 
-    r, env = config.rollout, config.env
+    cfg: ModelConfig  # the model it runs
+    mesh: Mesh
+    model: Transformer
+    params: dict
+    base_copy: int  # bytes a chip keeps of a merge sampler's copy of the base
+    prefix_pool: int  # bytes a chip keeps of the prefix cache's pool
+
+    @property
+    def held(self) -> int:
+        """Bytes a sampler chip keeps beside the params its programs read."""
+        return self.base_copy + self.prefix_pool
+
+    @property
+    def resident(self) -> int:
+        """Bytes a sampler chip holds between batches."""
+        return chip_bytes(self.params) + self.held
+
+    def describe(self) -> str:
+        parts = [f"weights {_size(chip_bytes(self.params))}"]
+        if self.base_copy:
+            parts.append(f"the base it merges from {_size(self.base_copy)}")
+        if self.prefix_pool:
+            parts.append(f"prefix pool {_size(self.prefix_pool)}")
+        return (f"the embedded sampler holds {_size(self.resident)} a chip between batches ("
+                + ", ".join(parts) + ")")
+
+
+def sampler_weights(config, cfg: ModelConfig, host: list) -> SamplerWeights:
+    """The `SamplerWeights` of policy `cfg` on one host's chips `host`."""
+    from rl_tpu.rollout import adapter_weights
+
+    r = config.rollout
     mesh = parallel.sampler_mesh(host, cfg.num_kv_heads, r.sampler_tensor)  # as make_engine
     cfg = cfg.replace(scan_layers=False, remat="none")
     if config.model.sampler_dtype:
@@ -322,8 +447,44 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     if r.kv_dtype:
         cfg = cfg.replace(cache_dtype=str(jnp.dtype(r.kv_dtype)))
-    model = Transformer(cfg, mesh=mesh, rules=parallel.SAMPLER_RULES)
-    params = abstract_params(cfg, mesh, parallel.SAMPLER_RULES)
+    base_copy = pool = 0
+    if cfg.lora is not None:
+        mode = config.model.lora.sampler
+        if mode not in adapter_weights.MODES:
+            raise ValueError(f"model.lora.sampler={mode!r}; choose one of "
+                             f"{adapter_weights.MODES}")
+        if mode == "merge":
+            cfg = cfg.replace(lora=None)
+            # AdapterWeights keeps the base and merges each sync's adapters into a new tree:
+            # every param of it a buffer of its own (jit copies the unadapted ones too)
+            base_copy = chip_bytes(abstract_params(cfg, mesh, parallel.SAMPLER_RULES))
+    if r.prefix_reuse and r.prefix_cache_tokens:
+        pool = _prefix_pool_bytes(cfg, mesh, r.prefix_cache_tokens)
+    return SamplerWeights(cfg, mesh, Transformer(cfg, mesh=mesh, rules=parallel.SAMPLER_RULES),
+                          abstract_params(cfg, mesh, parallel.SAMPLER_RULES), base_copy, pool)
+
+
+def _prefix_pool_bytes(cfg: ModelConfig, mesh: Mesh, tokens: int) -> int:
+    """Bytes a chip holds of the prefix cache's pool (prefix_cache.py: K and V pages of every
+    layer, allocated whole at its first use, kv heads split as the cache's)."""
+    page = 16  # JaxSampler's prefix_page_size, which make_engine leaves at its default
+    shape = ((tokens // page), cfg.num_kv_heads, page, cfg.head_dim)
+    spec = parallel.logical_to_spec((None, "kv_heads", None, "kv"), mesh,
+                                    parallel.SAMPLER_RULES, shape)
+    pool = _sds(shape, cfg.kv_dtype, NamedSharding(mesh, spec))
+    return 2 * cfg.num_layers * chip_bytes(pool)
+
+
+def sampler_programs(config, cfg: ModelConfig, host: list,
+                     beside: int = 0) -> list[ProgramMemory]:
+    """The embedded sampler's prefill and one decode chunk on one host's chips (`host`), at
+    rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them); `beside`:
+    bytes a sampler chip holds besides the sampler's own (a synchronous run's learner)."""
+    from rl_tpu.rollout import decoding as sampling
+
+    r, env = config.rollout, config.env
+    weights = sampler_weights(config, cfg, host)
+    mesh, model, params = weights.mesh, weights.model, weights.params
     new = _bucket(env.max_new_tokens, 16)
     prompt = _bucket(max(env.max_context_tokens - env.max_new_tokens, 1), 16)
     b = _bucket(r.max_batch, 1)
@@ -338,7 +499,7 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
         _sds(keys.shape, keys.dtype, rep)]
     prefill = _memory("sampler_prefill",
                       sampling.prefill.lower(model, params, *args, max_steps=new,
-                                             chunk=r.prefill_chunk))
+                                             chunk=r.prefill_chunk), chip_bytes(params))
     # The decode state's shardings are the compiler's choice for prefill's outputs; they do not
     # depend on the prompt's length, so a 16-token prefill (cheap, and it always fits) gives
     # them even when the real one does not fit.
@@ -348,11 +509,13 @@ def sampler_programs(config, cfg: ModelConfig, host: list) -> list[ProgramMemory
     shapes = jax.eval_shape(functools.partial(sampling.prefill, model, max_steps=new),
                             params, *args)
     state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), shapes, shardings)
-    decode = _memory("sampler_decode", sampling.decode.lower(model, params, state, chunk=64))
+    decode = _memory("sampler_decode", sampling.decode.lower(model, params, state, chunk=64),
+                     chip_bytes(params))
     prefill.shape = f"{b}x{prompt}"
     decode.shape = f"{b}x{prompt + new}"
     where = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
     prefill.mesh = decode.mesh = f"{where} (one host's {len(host)} chips)"
+    prefill.held = decode.held = weights.held + beside
     return [prefill, decode]
 
 
@@ -362,26 +525,50 @@ def check(config: ml_collections.ConfigDict, topology: str, model: str = "",
     devices, hbm = topology_devices(topology)
     name, cfg = model_config(config, model)
     planned = plan(config, topology, cfg, devices)
+    learner = planned.learner
+    sampler, host, shared = None, [], False
+    if config.rollout.engine == "jax":
+        host = sampler_slice(topology, devices, planned.sampler_devices)
+        sampler = sampler_weights(config, cfg, host)
+        # a synchronous run's sampler and learner take turns on the same chips: each program
+        # there runs beside the other's weights (an asynchronous run's have chips of their own)
+        shared = bool(set(planned.sampler_devices) & set(planned.learner_devices))
     out = []
     if programs is None or programs & {"policy_update", "score", "critic_update", "values"}:
-        out += learner_programs(planned)
-    if config.rollout.engine == "jax" and (
-            programs is None or programs & {"sampler_prefill", "sampler_decode"}):
-        out += sampler_programs(config, cfg, sampler_slice(topology, devices,
-                                                           planned.sampler_devices))
+        out += learner_programs(planned, sampler.resident if shared else 0)
+    if sampler and (programs is None or programs & {"sampler_prefill", "sampler_decode"}):
+        out += sampler_programs(config, cfg, host, learner_resident(learner) if shared else 0)
     if programs is not None:
         out = [p for p in out if p.name in programs]
+    notes = [f"the learner holds {_size(learner_resident(learner))} a chip between programs"
+             + (f" (the KL reference's copy of the params: "
+                f"{_size(chip_bytes(learner.reference_params))})"
+                if learner.reference_params is not None else "")]
+    if sampler:
+        notes.append(sampler.describe() + ("; on learner chips (a synchronous run)"
+                                           if shared else ""))
+    return Report(topology, len(devices), hbm, _model_name(name, cfg, planned.params),
+                  dict(planned.mesh.shape), out, learner_chips=planned.learner_chips,
+                  sync=sync_of(planned.params), notes=notes)
+
+
+def _model_name(name: str, cfg: ModelConfig, params) -> str:
+    """E.g. "qwen2.5-7b (7.62B params) + LoRA rank 8 on 7 projections (20.2M adapter params)"."""
     n = cfg.num_params()
-    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
-    return Report(topology, len(devices), hbm, f"{name} ({size} params)",
-                  dict(planned.mesh.shape), out, learner_chips=planned.learner_chips)
+    name = f"{name} ({n / 1e9:.2f}B params)" if n >= 1e8 else f"{name} ({n / 1e6:.1f}M params)"
+    if cfg.lora is None:
+        return name
+    count = lora.adapter_count(params)
+    count = f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e3:.1f}K"
+    return (f"{name} + LoRA rank {cfg.lora.rank} on {len(cfg.lora.targets)} projections "
+            f"({count} adapter params)")
 
 
 def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
     """For each program that does not fit, the config keys that would shrink it."""
     lines = []
     for p in report.misfits():
-        over = f"{p.name} needs {p.total / GIB:.1f} GiB of {report.hbm / GIB:.1f} GiB"
+        over = f"{p.name} needs {p.peak / GIB:.1f} GiB of {report.hbm / GIB:.1f} GiB"
         keys = []
         if p.refused:  # the compiler names the temporaries alone
             over = f"{p.name} needs {p.temp / GIB:.1f} GiB of temporaries ({p.refused})"
@@ -410,5 +597,9 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
                                               else "full"))
             if p.argument <= p.temp and report.mesh.get("fsdp", 1) < report.fsdp_chips:
                 keys.append(f"mesh.fsdp={report.fsdp_chips}")
+            if p.argument + p.held > p.temp and not config.model.lora.rank:
+                # last: it changes what trains, not only how (docs/lora.md)
+                keys.append("model.lora.rank=8 (adapters on a frozen base: no optimizer state "
+                            "or fp32 master of the base)")
         lines.append(f"{over}: try " + ", ".join(f"--config.{k}" for k in keys))
     return lines

@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from rl_tpu import aot
+from rl_tpu.models import lora
 from rl_tpu.models.presets import PRESETS, preset_config
 from rl_tpu.recipes.config import base_config
 
@@ -50,6 +52,12 @@ def test_a_program_fits_when_its_whole_footprint_does():
     assert not _report(update).misfits()
     bigger = aot.ProgramMemory("policy_update", 1.0, 60 * GIB, 60 * GIB, 60 * GIB, 36 * GIB)
     assert _report(bigger).misfits() == [bigger]
+    # what the chip holds meanwhile (a synchronous run's sampler weights) counts too
+    beside = aot.ProgramMemory("policy_update", 1.0, 60 * GIB, 60 * GIB, 60 * GIB, 30 * GIB,
+                               held=6 * GIB)
+    assert beside.peak == 96 * GIB and _report(beside).misfits() == [beside]
+    (line,) = aot.advice(_report(beside, fsdp=16), base_config("grpo"))
+    assert line.startswith("policy_update needs 96.0 GiB") and "model.lora.rank=8" in line
 
 
 def test_advice_names_the_keys_that_shrink_a_program():
@@ -80,6 +88,78 @@ def test_advice_shards_over_the_learners_chips_when_the_sampler_has_some():
     (line,) = aot.advice(report, config)
     assert "--config.mesh.fsdp=8 " in line
     assert "learner programs on 8 of the 16 chips" in report.table()
+
+
+def _tiny_bf16(rank=0, algo="grpo"):
+    """A bf16 tiny policy (2 layers of 256) on 4 fake CPU devices, params sharded over them:
+    the setting where full fine-tuning's fp32 master and Adam moments outweigh the base."""
+    config = base_config(algo)
+    config.model.dtype = "bfloat16"
+    config.model.tiny_hidden, config.model.tiny_vocab = 256, 512
+    config.model.lora.rank = rank
+    config.mesh.data, config.mesh.fsdp = 1, -1
+    config.train.tasks_per_step, config.train.samples_per_task = 4, 2
+    config.train.minibatches = 1
+    config.train.length_buckets = (128,)
+    config.env.max_context_tokens = 128
+    return config
+
+
+def _cpu_plan(config):
+    return aot.plan(config, "cpu:4", devices=jax.devices()[:4])
+
+
+def _path_keys(tree):
+    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path), x)
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_a_lora_policy_update_needs_less_than_full_fine_tuning():
+    """A LoRA config's abstract state trains the adapters alone (optimizer moments of their
+    shapes, no fp32 master: fp32 adapters on the bf16 base), and its compiled policy update
+    holds a fraction of full fine-tuning's state and less in all."""
+    full_plan, lora_plan = _cpu_plan(_tiny_bf16()), _cpu_plan(_tiny_bf16(rank=4))
+    state = lora_plan.learner.policy
+    assert state.trainable == frozenset(lora.ADAPTER_KEYS) and state.master is None
+    adapter_shapes = {x.shape for _, x in _path_keys(lora.adapters(lora_plan.params))}
+    moments = [(path, x) for path, x in _path_keys(state.opt_state) if x.ndim]
+    assert moments and all(path[-1] in lora.ADAPTER_KEYS and x.shape in adapter_shapes
+                           for path, x in moments), moments
+    assert sum(x.size for _, x in moments) == 2 * lora.adapter_count(lora_plan.params)  # mu, nu
+    assert full_plan.learner.policy.master is not None  # the bf16 base's fp32 copy
+
+    (full,), (low,) = [[p for p in aot.learner_programs(planned) if p.name == "policy_update"]
+                       for planned in (full_plan, lora_plan)]
+    # bf16 params + fp32 master + two fp32 moments (14 bytes a param) against the bf16 base
+    # and fp32 adapters with their moments (2 bytes a param and a little); the batch beside
+    assert aot.chip_bytes(state) < aot.chip_bytes(full_plan.learner.policy) / 4
+    assert low.argument < full.argument / 3, (low, full)
+    assert low.total < full.total and low.peak < full.peak, (low, full)
+
+
+def test_a_lora_critic_trains_its_adapters_and_head_and_the_sampler_holds_its_mode():
+    """PPO with LoRA: the critic's optimizer covers its adapters and value head only. The
+    sampler in merge mode runs the plain model and keeps the base it merges from beside the
+    merged params; in lowrank mode it runs the adapters and holds the base once."""
+    config = _tiny_bf16(rank=4, algo="ppo")
+    critic = _cpu_plan(config).learner.critic
+    assert critic.trainable == frozenset(lora.ADAPTER_KEYS + ("head",))
+    trained = {path[-1] if path[-1] in lora.ADAPTER_KEYS else path[-2]
+               for path, x in _path_keys(critic.opt_state) if x.ndim}
+    assert trained == {"lora_a", "lora_b", "head"}
+
+    cfg = aot.model_config(config)[1]
+    host = jax.devices()[:4]
+    merge = aot.sampler_weights(config, cfg, host)
+    config.model.lora.sampler = "lowrank"
+    low = aot.sampler_weights(config, cfg, host)
+    assert merge.cfg.lora is None and not lora.has_adapters(merge.params)
+    assert low.cfg.lora == cfg.lora and lora.has_adapters(low.params)
+    # the base it merges from, beside the merged tree; the same prefix pool in both
+    assert merge.held - low.held == aot.chip_bytes(merge.params) > 0
+    config.model.lora.sampler = "fused"
+    with pytest.raises(ValueError, match="model.lora.sampler='fused'.*merge"):
+        aot.sampler_weights(config, cfg, host)
 
 
 def _compile_check(*args, timeout=900):

@@ -6,7 +6,7 @@ rank 8, ~20M parameters against 7B). What the sampler then samples with is one o
 
   * "merge": W + scale * A B computed on device into the sampler's own merged kernels; decode
     runs the plain model, at full-fine-tuning speed, and holds a second copy of every adapted
-    kernel (base + merged);
+    kernel (base + merged; embeddings, head and norms are shared);
   * "lowrank": the base and the adapters as they are; every adapted projection adds
     scale * (x A) B in prefill and decode (two thin matmuls a projection), and the sampler holds
     the base once.
@@ -57,8 +57,12 @@ class AdapterWeights:
         self._adapter_abstract = lora.adapters(abstract)
         self._copy_adapters = jax.jit(functools.partial(_owned, num_layers=cfg.num_layers),
                                       out_shardings=shardings)
-        self._merge = jax.jit(lambda base, a: lora.merge(lora.with_adapters(base, a), cfg.lora),
-                              out_shardings=base_shardings)
+        # only the adapted kernels come out of the merge: the rest of the merged params are
+        # the base's own buffers (a jit output is always a new buffer, so merging the whole
+        # tree would hold a second embedding, head and norms)
+        kernel_shardings = lora.select(base_shardings, frozenset(("kernel",)))
+        self._merge = jax.jit(lambda base, a: _merged_kernels(base, a, cfg.lora),
+                              out_shardings=_adapted_only(kernel_shardings, shardings))
         self._devices = set(mesh.devices.flat)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._base = None
@@ -88,12 +92,17 @@ class AdapterWeights:
         adapters = self._copy_adapters(adapters)
         self.last_sync_bytes = moved + _nbytes(adapters)
         if self.mode == "merge":
-            return self._merge(self._base, adapters)
+            return lora.merge_into(self._base, self._merge(self._base, adapters))
         return lora.with_adapters(self._base, adapters)
 
     def extra_bytes(self) -> int:
-        """Bytes held beside the params the sampler's model reads: merge mode's base copy."""
-        return _nbytes(self._base) if self.mode == "merge" and self._base is not None else 0
+        """Bytes held beside the params the sampler's model reads: in merge mode, the base's
+        adapted kernels (the merged ones replace them in what the model reads)."""
+        if self.mode != "merge" or self._base is None:
+            return 0
+        adapted = _adapted_only(lora.select(self._base, frozenset(("kernel",))),
+                                self._adapter_abstract)
+        return _nbytes(adapted)
 
     def _check(self, adapters) -> None:
         want = self._adapter_abstract
@@ -105,6 +114,22 @@ class AdapterWeights:
                 f"the adapters do not fit the sampler's LoRA (rank {self.cfg.lora.rank}, "
                 f"targets {list(self.cfg.lora.targets)}): pass params of the ModelConfig the "
                 "sampler was built with")
+
+
+def _adapted_only(kernels, adapters) -> dict:
+    """The leaves of `kernels` ({.../kernel}) whose module has adapters in `adapters`."""
+    modules = {path[:-1] for path in lora.flat_paths(adapters)}
+    return lora.nested({p: v for p, v in lora.flat_paths(kernels).items() if p[:-1] in modules})
+
+
+def _merged_kernels(base, adapters, cfg: lora.LoraConfig) -> dict:
+    """W + scale * A B of every adapted kernel of `base`, nested as in `base`."""
+    flat_a = lora.flat_paths(adapters)
+    flat_b = lora.flat_paths(base)
+    return lora.nested({module + ("kernel",): lora.merged_kernel(
+        flat_b[module + ("kernel",)], flat_a[module + ("lora_a",)],
+        flat_a[module + ("lora_b",)], cfg.scale)
+        for module in {p[:-1] for p in flat_a}})
 
 
 def _nbytes(tree) -> int:

@@ -222,7 +222,16 @@ def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatc
     # compiler orders collectives. Unscanned layers: the scanned update's in-process
     # all-reduce deadlocks now and then (tests/recipes/test_rl.py's _train_smoke).
     ("tl_grpo_babyai.py:smoke", ("--config.model.scan_layers=False",), 1),
-], ids=["rl_sync", "sync_replay", "ppo_critic", "tl_grpo"])
+    # LoRA: adapters trained on a frozen base, synced alone to each host's sampler; with a
+    # critic (its adapters and value head); asynchronous at staleness 2
+    ("quickstart.py:smoke", ("--config.rollout.sampler_devices=1", "--config.model.lora.rank=4",
+                             "--config.sft.steps=30", "--config.optim.lr=0.005"), 2),
+    ("quickstart.py:smoke", ("--config.algo.name=ppo", "--config.algo.advantage=gae",
+                             "--config.model.lora.rank=4", "--config.sft.steps=30"), 2),
+    ("bapo_offpolicy.py:bapo,s2,smoke", ("--config.train.steps=4", "--config.sft.steps=30",
+                                         "--config.model.lora.rank=4"), 2),
+], ids=["rl_sync", "sync_replay", "ppo_critic", "tl_grpo", "lora", "lora_ppo_critic",
+        "lora_async"])
 def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides, devices):
     _run_like_one(tmp_path, name, *overrides, devices=devices)
 
