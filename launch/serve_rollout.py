@@ -16,6 +16,10 @@ the trainer sends RL_TPU_ROLLOUT_API_KEY. --docs serves /docs, /redoc and /opena
 It also speaks OpenAI's API (GET /v1/models, POST /v1/chat/completions and /v1/completions,
 streaming included), so an OpenAI client or SGLang's bench_serving drives it unchanged; the
 model id it lists is --served_model_name (default: --model_path).
+LoRA (--enable_lora): SGLang's /load_lora_adapter, /unload_lora_adapter and a request's
+`lora_path`; up to --max_loaded_loras PEFT adapters of rank <= --max_lora_rank on
+--lora_target_modules decode side by side with the base (rl_tpu/rollout/adapter_slots.py), and
+--lora_paths name=dir,... loads some at start.
 JAX's persistent compilation cache is on, as in the training launchers (launch/__init__.py).
 Before it listens, the server compiles every program a request can need (--warmup, on by
 default: `ContinuousBatcher.warmup`), so no request waits on a compile; the first start
@@ -32,8 +36,9 @@ from absl import app, flags
 from launch import parse_flags, use_compilation_cache
 from rl_tpu import parallel, serving
 from rl_tpu.http_limits import HttpLimits
-from rl_tpu.models import hf
+from rl_tpu.models import hf, lora
 from rl_tpu.models.tokenizer import load_tokenizer
+from rl_tpu.rollout.adapter_slots import slot_config
 from rl_tpu.rollout.continuous import ContinuousBatcher
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.server import RolloutService, ServerLimits, serve
@@ -75,6 +80,30 @@ flags.DEFINE_integer("max_request_tokens", _LIMITS.max_request_tokens, "Rows x (
                      "max_new_tokens) in one request.")
 
 
+flags.DEFINE_bool("enable_lora", False, "Serve LoRA adapters (SGLang's --enable-lora).")
+flags.DEFINE_integer("max_lora_rank", 16, "The largest adapter rank that can be loaded.")
+flags.DEFINE_integer("max_loaded_loras", 4, "Adapters held at once (each a slot every decode "
+                     "step computes: K thin matmuls a projection).")
+flags.DEFINE_list("lora_target_modules", ["all"], "Projections adapters may target: 'all' or "
+                  f"some of {', '.join(lora.TARGETS)}.")
+flags.DEFINE_list("lora_paths", [], "Adapters loaded at start: name=PEFT dir, ...")
+
+
+def lora_setup(f) -> tuple:
+    """(targets, [(name, dir)]) of the LoRA flags; UsageError naming the bad one."""
+    targets = tuple(lora.TARGETS if f.lora_target_modules == ["all"] else f.lora_target_modules)
+    unknown = sorted(set(targets) - set(lora.TARGETS))
+    if unknown:
+        raise app.UsageError(f"--lora_target_modules: {unknown} are not projections; use 'all' "
+                             f"or some of {list(lora.TARGETS)}")
+    paths = [item.split("=", 1) for item in f.lora_paths]
+    if any(len(p) != 2 or not all(p) for p in paths):
+        raise app.UsageError(f"--lora_paths={','.join(f.lora_paths)}: give name=dir pairs")
+    if paths and not f.enable_lora:
+        raise app.UsageError("--lora_paths needs --enable_lora")
+    return targets, paths
+
+
 def pool_shape(max_batch: int, kv_tokens: int, context: int, positions: int
                ) -> tuple[int, int]:
     """(rows, slots a row) of the KV pool: slots a multiple of 16 (the prompt bucket and the
@@ -101,12 +130,17 @@ def main(argv):
     parallel.maybe_initialize_distributed()
     mesh = parallel.make_mesh({"fsdp": -1})
     cfg, params = hf.load(f.model_path, mesh=mesh, dtype=f.dtype)
+    targets, adapter_paths = lora_setup(f)
+    if f.enable_lora:
+        cfg = slot_config(cfg, f.max_lora_rank, f.max_loaded_loras, targets)
     rows, slots = pool_shape(f.max_batch, f.kv_tokens, f.max_context_tokens,
                              cfg.max_position_embeddings)
     tokenizer = None if f.skip_tokenizer_init else load_tokenizer(f.model_path)
     sampler = JaxSampler(cfg, params, tokenizer=tokenizer, max_batch=rows,
                          mesh=parallel.sampler_mesh(jax.local_devices(), cfg.num_kv_heads),
                          version=f.weight_version, prefix_cache_tokens=f.prefix_cache_tokens)
+    for name, path in adapter_paths:
+        sampler.load_adapter(name, path)
     batcher = ContinuousBatcher(sampler, slots=rows, slot_tokens=slots,
                                 decode_chunk=f.decode_chunk)
     if f.warmup:

@@ -496,7 +496,7 @@ def sampler_programs(config, cfg: ModelConfig, host: list,
     keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((b,), jnp.uint32)))
     args = [_sds((b, prompt), i32, rep)] + [_sds((b,), i32, rep)] * 3 + [
         _sds((b,), f32, rep)] * 2 + [_sds((b,), i32, rep)] + [_sds((b, 2), i32, rep)] * 2 + [
-        _sds(keys.shape, keys.dtype, rep)]
+        _sds(keys.shape, keys.dtype, rep), _sds((b,), i32, rep)]
     prefill = _memory("sampler_prefill",
                       sampling.prefill.lower(model, params, *args, max_steps=new,
                                              chunk=r.prefill_chunk), chip_bytes(params))

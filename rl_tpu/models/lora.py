@@ -57,6 +57,9 @@ class LoraConfig:
     targets: tuple[str, ...] = TARGETS
     init: str = "default"  # default (PEFT's True: kaiming-uniform A) | gaussian
     rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
+    # > 0: a serving model's K adapter slots (adapter_slots.py): lora_a [K, in..., r] and
+    # lora_b [K, r, out...], each row of a batch computing with the slot `adapter_rows` names
+    slots: int = 0
 
     def __post_init__(self):
         if self.rank < 1:
@@ -70,6 +73,8 @@ class LoraConfig:
                              f"choose among {list(TARGETS)}")
         if self.init not in INITS:
             raise ValueError(f"lora init={self.init!r}; choose one of {INITS}")
+        if self.slots < 0:
+            raise ValueError(f"lora slots={self.slots} must be >= 0 (0: one adapter)")
 
     @property
     def scale(self) -> float:
@@ -97,7 +102,9 @@ class LoraDenseGeneral(nn.DenseGeneral):
     kernel_axes: tuple = ()
 
     @nn.compact
-    def __call__(self, inputs: Array) -> Array:
+    def __call__(self, inputs: Array, adapter_rows: Optional[Array] = None) -> Array:
+        """inputs [B, ...]; adapter_rows [B] int32, with `lora.slots`, the slot each row's
+        adapter is in (None: slot 0); ignored otherwise."""
         out = super().__call__(inputs)
         if self.lora is None:
             return out
@@ -107,20 +114,37 @@ class LoraDenseGeneral(nn.DenseGeneral):
         in_shape = tuple(inputs.shape[a] for a in axis)
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         n_in = len(in_shape)
+        slots = (cfg.slots,) if cfg.slots else ()
+        slot_axis = (None,) * len(slots)
         a = self.param("lora_a", nn.with_logical_partitioning(
-            lambda k, s, d: init_a(k, s, d, cfg, n_in), self.kernel_axes[:n_in] + (None,)),
-            in_shape + (cfg.rank,), ADAPTER_DTYPE)
+            lambda k, s, d: init_a(k, s, d, cfg, n_in),
+            slot_axis + self.kernel_axes[:n_in] + (None,)),
+            slots + in_shape + (cfg.rank,), ADAPTER_DTYPE)
         b = self.param("lora_b", nn.with_logical_partitioning(
-            nn.initializers.zeros, (None,) + self.kernel_axes[n_in:]),
-            (cfg.rank,) + features, ADAPTER_DTYPE)
+            nn.initializers.zeros, slot_axis + (None,) + self.kernel_axes[n_in:]),
+            slots + (cfg.rank,) + features, ADAPTER_DTYPE)
         x = inputs
         if cfg.dropout > 0 and self.has_rng("dropout"):  # only where a step passes a key
             x = nn.Dropout(cfg.dropout, deterministic=False)(x, rng=self.make_rng("dropout"))
         dtype = self.dtype or inputs.dtype
+        first_a = len(slots)  # A's input dims start after the slot dim
         low = jax.lax.dot_general(x.astype(dtype), a.astype(dtype),
-                                  ((axis, tuple(range(n_in))), ((), ())))  # [rows..., r]
+                                  ((axis, tuple(range(first_a, first_a + n_in))), ((), ())))
+        if not cfg.slots:  # low [rows..., r]
+            delta = jax.lax.dot_general(low, b.astype(dtype),
+                                        (((low.ndim - 1,), (0,)), ((), ())))
+            return out + (cfg.scale * delta).astype(out.dtype)
+        # low [B, rows..., K, r]: every slot's down-projection (K thin matmuls, cheaper than
+        # gathering a [B, in, r] adapter per row), then each row keeps its own slot's (a where,
+        # not a product: another slot's values never reach this row) and B contracts slot and
+        # rank at once
+        rows = (jnp.zeros((inputs.shape[0],), jnp.int32) if adapter_rows is None
+                else adapter_rows)
+        mine = rows[:, None] == jnp.arange(cfg.slots)[None, :]  # [B, K]
+        mine = mine.reshape((mine.shape[0],) + (1,) * (low.ndim - 3) + (cfg.slots, 1))
+        low = jnp.where(mine, low, 0)
         delta = jax.lax.dot_general(low, b.astype(dtype),
-                                    (((low.ndim - 1,), (0,)), ((), ())))  # [rows..., out...]
+                                    (((low.ndim - 2, low.ndim - 1), (0, 1)), ((), ())))
         return out + (cfg.scale * delta).astype(out.dtype)
 
 

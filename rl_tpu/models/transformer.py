@@ -317,12 +317,16 @@ class Attention(nn.Module):
     rules: Any = None
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, mask: Array, cache: Optional[dict]):
+    def __call__(self, x: Array, positions: Array, mask: Array, cache: Optional[dict],
+                 adapter_rows: Optional[Array] = None):
         cfg = self.cfg
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = _dense((n, h), -1, ("embed", "heads", "kv"), cfg, "q_proj", cfg.qkv_bias)(x)
-        key = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "k_proj", cfg.qkv_bias)(x)
-        value = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "v_proj", cfg.qkv_bias)(x)
+        rows = adapter_rows
+        q = _dense((n, h), -1, ("embed", "heads", "kv"), cfg, "q_proj", cfg.qkv_bias)(x, rows)
+        key = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "k_proj",
+                     cfg.qkv_bias)(x, rows)
+        value = _dense((k, h), -1, ("embed", "kv_heads", "kv"), cfg, "v_proj",
+                       cfg.qkv_bias)(x, rows)
         if cfg.qk_norm:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype,
                                         "kv", name=name)
@@ -350,7 +354,8 @@ class Attention(nn.Module):
                                                cfg.attention_block)
             else:
                 out = causal_attention(q, key, value, mask, cfg.attention_block, causal=False)
-        out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out)
+        out = _dense(cfg.hidden_size, (-2, -1), ("heads", "kv", "embed"), cfg, "o_proj")(out,
+                                                                                        rows)
         return out, new_cache
 
 
@@ -385,14 +390,15 @@ class MLP(nn.Module):
     rules: Any = None
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, adapter_rows: Optional[Array] = None) -> Array:
         cfg = self.cfg
         f = cfg.intermediate_size
-        gate = _dense(f, -1, ("embed", "mlp"), cfg, "gate_proj")(x)
-        up = _dense(f, -1, ("embed", "mlp"), cfg, "up_proj")(x)
+        gate = _dense(f, -1, ("embed", "mlp"), cfg, "gate_proj")(x, adapter_rows)
+        up = _dense(f, -1, ("embed", "mlp"), cfg, "up_proj")(x, adapter_rows)
         hidden = parallel.constrain(swiglu(gate, up), ("act_batch", "act_len", "act_mlp"),
                                     self.mesh, self.rules)
-        return _dense(cfg.hidden_size, -1, ("mlp", "embed"), cfg, "down_proj")(hidden)
+        return _dense(cfg.hidden_size, -1, ("mlp", "embed"), cfg, "down_proj")(hidden,
+                                                                               adapter_rows)
 
 
 class Block(nn.Module):
@@ -403,13 +409,14 @@ class Block(nn.Module):
     rules: Any = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache):
+    def __call__(self, x, positions, mask, cache, adapter_rows=None):
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
         attn_out, new_cache = Attention(cfg, self.mesh, self.rules, name="attn")(
-            norm("input_norm")(x), positions, mask, cache)
+            norm("input_norm")(x), positions, mask, cache, adapter_rows)
         x = x + attn_out
-        x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x))
+        x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x),
+                                                            adapter_rows)
         x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         return x, new_cache
 
@@ -428,7 +435,8 @@ class Transformer(nn.Module):
     """Decoder-only LM. `mesh`/`rules` (optional) turn logical activation names into constraints.
 
     __call__(tokens [B, T], positions [B, T] = arange, segment_ids [B, T] = ones,
-             cache = None, return_hidden = False)
+             cache = None, return_hidden = False, adapter_rows [B] = None: the adapter slot of
+             each row, for a serving model with `lora.slots`)
       -> logits [B, T, V] float32 (or final-normed hidden [B, T, D] with return_hidden),
          plus the updated cache when a cache is given.
     """
@@ -448,7 +456,7 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             self.layers = nn.scan(
                 block, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, 0), length=cfg.num_layers,
+                in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, self.mesh, self.rules)
         else:
@@ -458,7 +466,8 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _dense(cfg.vocab_size, -1, ("embed", "vocab"), cfg, "lm_head")
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, return_hidden=False):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, return_hidden=False,
+                 adapter_rows=None):
         cfg = self.cfg
         b, t = tokens.shape
         if positions is None:
@@ -473,12 +482,12 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         if cfg.scan_layers:
-            x, new_cache = self.layers(x, positions, mask, cache)
+            x, new_cache = self.layers(x, positions, mask, cache, adapter_rows)
         else:
             written = []
             for i, layer in enumerate(self.layers):
                 layer_cache = None if cache is None else {n: c[i] for n, c in cache.items()}
-                x, layer_cache = layer(x, positions, mask, layer_cache)
+                x, layer_cache = layer(x, positions, mask, layer_cache, adapter_rows)
                 written.append(layer_cache)
             new_cache = None if cache is None else {
                 n: tuple(c[n] for c in written) for n in ("k", "v")}

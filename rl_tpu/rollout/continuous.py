@@ -571,7 +571,9 @@ class ContinuousBatcher:
                     seqs[j] = np.concatenate([np.asarray(row.request.prompt_ids),
                                               tokens[i, :count - 1]]).astype(np.int32)
                     hashes[j] = row.hashes or []
-                prefix.insert(seqs, hashes, self._pool.cache, generation, rows=take)
+                salts = [self.sampler.prefix_salt(row.request.lora_slot) for _, row in part]
+                prefix.insert(seqs, hashes, self._pool.cache, generation, rows=take,
+                              salts=salts + [0] * (f - len(part)))
 
     def _fail_all(self, error: BaseException, queued_too: bool) -> None:
         """Fails the running rows' tickets (their K/V is suspect: a fresh pool is built at the

@@ -177,6 +177,7 @@ class DecodeState:
     stop_ids: jax.Array  # [B, X] ids that end a sample (-1 = none)
     ban_ids: jax.Array  # [B, X] ids masked before min_new (eos + stop_token_ids, -1 = none)
     keys: jax.Array  # [B] PRNG keys
+    adapter: jax.Array  # [B] i32 the LoRA slot each row samples with (a serving model's; 0)
 
 
 def _emit(model: Transformer, params, hidden, state: DecodeState, index):
@@ -195,7 +196,8 @@ def _emit(model: Transformer, params, hidden, state: DecodeState, index):
     return token, logprob, is_stop
 
 
-def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, last, chunk: int):
+def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, last, chunk: int,
+                   adapter):
     """(hidden [B, D] of each row's token at index last [B] of prompt_ids [B, P], the cache
     with every prompt token's K/V written at positions [B, P]).
 
@@ -207,7 +209,7 @@ def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, las
     b, t = prompt_ids.shape
     if not chunk or t <= chunk:
         hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
-                                    return_hidden=True)
+                                    return_hidden=True, adapter_rows=adapter)
         return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache
     if t % chunk:
         raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {t}; use a "
@@ -218,7 +220,7 @@ def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, las
         cache, picked = carry
         k, ids, pos = xs
         hidden, cache = model.apply({"params": params}, ids, pos, cache=cache,
-                                    return_hidden=True)
+                                    return_hidden=True, adapter_rows=adapter)
         local = last - k * chunk  # the wanted token's index inside this chunk, if it is here
         here = (local >= 0) & (local < chunk)
         mine = jnp.take_along_axis(hidden, jnp.clip(local, 0, chunk - 1)[:, None, None],
@@ -234,12 +236,13 @@ def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, las
 
 @functools.partial(jax.jit, static_argnames=("model", "max_steps", "chunk"))
 def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_new, temperature,
-            top_p, top_k, stop_ids, ban_ids, keys, max_steps: int, starts=None, pool=None,
-            page_table=None, chunk: int = 0) -> DecodeState:
+            top_p, top_k, stop_ids, ban_ids, keys, adapter=None, *, max_steps: int,
+            starts=None, pool=None, page_table=None, chunk: int = 0) -> DecodeState:
     """Runs the prompts [B, P] (right-padded) through the model and samples token 0.
 
     prompt_lens, max_new, min_new [B] i32; temperature, top_p [B] f32; top_k [B] i32 (-1 =
-    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; max_steps = L, the
+    all); stop_ids, ban_ids [B, X] i32 (-1 = none); keys [B] PRNG keys; adapter [B] i32 each
+    row's LoRA slot (a serving model's `lora.slots`; None: 0, else unused); max_steps = L, the
     output capacity.
 
     Prefix reuse: with `pool`, the first starts[r] [B] prompt tokens of row r have K/V in the
@@ -250,6 +253,7 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     `_prompt_hidden`.
     """
     b, t = prompt_ids.shape
+    adapter = jnp.zeros((b,), jnp.int32) if adapter is None else adapter
     if pool is None:
         cache, starts = init_cache(model.cfg, b, t + max_steps), jnp.zeros((b,), jnp.int32)
     else:
@@ -259,14 +263,14 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     positions = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32),
                             cache_slots(cache) - 1)
     last, cache = _prompt_hidden(model, params, prompt_ids, positions, cache,
-                                 prompt_lens - starts - 1, chunk)
+                                 prompt_lens - starts - 1, chunk, adapter)
     state = DecodeState(
         step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logprobs=jnp.zeros((b, max_steps), jnp.float32), count=jnp.ones((b,), jnp.int32),
         done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
         max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys)
+        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys, adapter=adapter)
     token, logprob, is_stop = _emit(model, params, last, state, jnp.zeros((b,), jnp.int32))
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
@@ -300,7 +304,7 @@ def decode(model: Transformer, params, state: DecodeState, chunk, min_chunk=None
         i, st = carry
         pos = (st.prompt_lens + st.count - 1)[:, None]
         hidden, cache = model.apply({"params": params}, st.token[:, None], pos, cache=st.cache,
-                                    return_hidden=True)
+                                    return_hidden=True, adapter_rows=st.adapter)
         new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.count)
         live = ~st.done
         at = jnp.where(live, st.count, capacity)  # done rows write nothing (dropped)

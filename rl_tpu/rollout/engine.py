@@ -54,6 +54,9 @@ class GenerateRequest:
     prompt_ids: Sequence[int]
     sampling: SamplingParams = SamplingParams()
     request_id: Optional[str] = None
+    # a serving sampler's LoRA slot (adapter_slots.py: what `AdapterSlots.acquire` gave for
+    # the request's lora_path); 0, the base, everywhere else
+    lora_slot: int = 0
 
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -32,7 +32,8 @@ def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeS
         stopped=none(dtype=bool), prompt_lens=none(), max_new=none(), min_new=none(),
         temperature=none(dtype=f32), top_p=none(dtype=f32), top_k=none(),
         stop_ids=none(width), ban_ids=none(width),
-        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32))), rows, slots, width)
+        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32)), adapter=none()),
+        rows, slots, width)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -84,7 +85,8 @@ def grow_pool(pool: DecodeState, rows: int, slots: int, width: int) -> DecodeSta
         max_new=pad(pool.max_new, 1), min_new=pad(pool.min_new),
         temperature=pad(pool.temperature), top_p=pad(pool.top_p, 1.0),
         top_k=pad(pool.top_k, -1), stop_ids=pad(pool.stop_ids, -1, x),
-        ban_ids=pad(pool.ban_ids, -1, x), keys=jnp.concatenate([pool.keys, fresh_keys]))
+        ban_ids=pad(pool.ban_ids, -1, x), keys=jnp.concatenate([pool.keys, fresh_keys]),
+        adapter=pad(pool.adapter))
 
 
 def ladder(low: int, high: int, step: int) -> tuple[int, ...]:

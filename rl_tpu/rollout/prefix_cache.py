@@ -88,12 +88,15 @@ def _save_rows(pool: dict, cache: dict, rows, table) -> dict:
     return _scatter_pages(pool, jax.tree.map(lambda x: x[rows], cache), table)
 
 
-def chain_hashes(tokens: np.ndarray, page: int, known: Sequence[int] = ()) -> list[int]:
-    """One hash per full page of `tokens`: h_j = hash(h_{j-1}, ids of page j). `known`: the
-    hashes of a prefix of these tokens already computed (extended, not recomputed)."""
+def chain_hashes(tokens: np.ndarray, page: int, known: Sequence[int] = (),
+                 salt: int = 0) -> list[int]:
+    """One hash per full page of `tokens`: h_j = hash(h_{j-1}, ids of page j), h_0 = salt.
+    `known`: the hashes of a prefix of these tokens already computed (extended, not
+    recomputed). `salt` keys K/V that other weights computed (a LoRA adapter's): the same
+    ids under another salt share no hash, so never a page."""
     tokens = np.asarray(tokens, np.int32)  # the bytes hashed: one dtype for every caller
     out = list(known)
-    h = out[-1] if out else 0
+    h = out[-1] if out else salt
     for j in range(len(out), len(tokens) // page):
         h = hash((h, tokens[j * page:(j + 1) * page].tobytes()))
         out.append(h)
@@ -184,12 +187,12 @@ class PrefixCache:
     def pool(self) -> Optional[dict]:
         return self._pool
 
-    def lookup(self, prompt: np.ndarray) -> Match:
+    def lookup(self, prompt: np.ndarray, salt: int = 0) -> Match:
         """The longest cached prefix of `prompt` [P] that leaves at least one token to prefill
-        (its hidden state gives the first sample), at least one page long; refreshes the
-        entry's place in the LRU order."""
+        (its hidden state gives the first sample), at least one page long, among entries
+        saved under `salt` (chain_hashes); refreshes the entry's place in the LRU order."""
         with self._lock:
-            hashes = chain_hashes(prompt, self.page)
+            hashes = chain_hashes(prompt, self.page, salt=salt)
             entry, length = self._best(prompt, hashes, cap=len(prompt) - 1)
             if entry is None or length < self.page:
                 return Match(0, [], hashes)
@@ -198,14 +201,15 @@ class PrefixCache:
 
     def plan(self, ids: np.ndarray, lens: np.ndarray, n: int, slots: int,
              min_bucket: int, bucket: Optional[Callable[[int], int]] = None,
-             always: bool = False) -> Plan:
+             always: bool = False, salts: Optional[Sequence[int]] = None) -> Plan:
         """Looks up the n real rows of ids [B, P] (lengths lens [B]) for a cache of `slots`
         S = P + L per row. Q, the suffix length, is bucketed to a power of two >= min_bucket
         like P (or by `bucket`, Q = bucket(longest suffix)): one compile per (B, Q, P, L),
         whatever the starts. `always`: a suffix and table even when nothing matched (starts
-        0), so every prefill of a batcher is the pool's one program."""
+        0), so every prefill of a batcher is the pool's one program. `salts`: each row's
+        (lookup), 0 when not given."""
         b = ids.shape[0]
-        matches = [self.lookup(ids[i, :lens[i]]) for i in range(n)]
+        matches = [self.lookup(ids[i, :lens[i]], salts[i] if salts else 0) for i in range(n)]
         starts = np.zeros((b,), np.int32)
         starts[:n] = [m.length for m in matches]
         if not (starts.any() or always):
@@ -257,12 +261,14 @@ class PrefixCache:
             self._pool = self._save(self._pool, cache, np.asarray(rows, np.int32), table)
 
     def insert(self, sequences: Sequence[Optional[np.ndarray]], known_hashes: Sequence[list],
-               cache: dict, generation: int, rows=None) -> int:
+               cache: dict, generation: int, rows=None,
+               salts: Optional[Sequence[int]] = None) -> int:
         """Saves cache row rows[r] (Y-tuples [B, K, S, H]; rows [F] defaults to every row)
         as an entry of `sequences[r]`, the ids whose K/V sit in its slots 0..E-1 (None: skip
         the row; rows past the list's end are padding). `known_hashes[r]`: chain hashes of a
-        prefix of it (the prompt's, from `lookup`). Nothing is saved when the cache was cleared
-        since `generation` was read. Returns the number of pages written."""
+        prefix of it (the prompt's, from `lookup`); `salts[r]`: the salt it was looked up with
+        (0 when not given). Nothing is saved when the cache was cleared since `generation` was
+        read. Returns the number of pages written."""
         with self._lock:
             if generation != self.generation:
                 return 0
@@ -275,15 +281,17 @@ class PrefixCache:
                 raise ValueError(f"a sequence is longer than the cache's {s} slots")
             for r, seq in enumerate(sequences):
                 if seq is not None and len(seq) >= self.page:
-                    self._insert_row(seq, known_hashes[r], table[r], call)
+                    self._insert_row(seq, known_hashes[r], table[r], call,
+                                     salts[r] if salts else 0)
             written = int((table >= 0).sum())
             if written:
                 table[table < 0] = self._num_pages  # out of range: dropped by the scatter
                 self._pool = self._save(self._pool, cache, rows, table.astype(np.int32))
             return written
 
-    def _insert_row(self, seq: np.ndarray, known: list, table_row: np.ndarray, call: int):
-        hashes = chain_hashes(seq, self.page, known[:len(seq) // self.page])
+    def _insert_row(self, seq: np.ndarray, known: list, table_row: np.ndarray, call: int,
+                    salt: int):
+        hashes = chain_hashes(seq, self.page, known[:len(seq) // self.page], salt)
         base, length = self._best(seq, hashes, cap=len(seq))
         if base is not None and length == len(seq):  # an entry already holds all of it
             self._entries.move_to_end(base.key)

@@ -21,7 +21,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu import parallel
+from rl_tpu.models import lora
 from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
+from rl_tpu.rollout.adapter_slots import AdapterSlots
 from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
@@ -119,7 +121,10 @@ class JaxSampler(RolloutEngine):
         copy_dtype = None if dtype is None else cfg.param_dtype  # None: keep the trainer's
         self._copy_fn = jax.jit(functools.partial(_owned_copy, num_layers=cfg.num_layers,
                                                   dtype=copy_dtype), out_shardings=self._shardings)
-        self._adapters = None if cfg.lora is None else AdapterWeights(
+        # a serving model's adapter slots (cfg.lora.slots: adapter_slots.py), loaded by name
+        self.adapter_slots = AdapterSlots(cfg, self.mesh, rules) if (
+            cfg.lora is not None and cfg.lora.slots) else None
+        self._adapters = None if cfg.lora is None or self.adapter_slots else AdapterWeights(
             cfg, self.mesh, rules, lora_mode, self._copy_plain, self._shardings)
         model_cfg = cfg if self._adapters is None else self._adapters.model_cfg
         self.model = Transformer(model_cfg, mesh=self.mesh, rules=rules)
@@ -179,6 +184,25 @@ class JaxSampler(RolloutEngine):
             if self._prefix is not None and not self.keep_prefix_cache_on_update:
                 self._prefix.clear()  # K/V of the old weights (batches in flight skip saving)
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Loads the PEFT dir `path` into a free adapter slot under `name` (a serving sampler's:
+        `cfg.lora.slots`); requests naming it (`GenerateRequest.lora_slot`, from
+        `adapter_slots.acquire(name)`) sample with it from their first token. Rows running
+        meanwhile keep their own slots' values (adapter_slots.py)."""
+        if self.adapter_slots is None:
+            raise ValueError("this sampler serves no LoRA adapters: build it with a ModelConfig "
+                             "from adapter_slots.slot_config (launch.serve_rollout --enable_lora)")
+        with self._weights_lock:
+            base = lora.without_adapters(self._params)
+        self.adapter_slots.load(name, path, self.cfg.replace(lora=None), base)
+        with self._weights_lock:  # the newest stack (another load may have finished first)
+            self._params = lora.with_adapters(lora.without_adapters(self._params),
+                                              self.adapter_slots.stacked)
+
+    def prefix_salt(self, slot: int) -> int:
+        """The prefix-cache salt of rows sampling with adapter slot `slot` (0: the base)."""
+        return self.adapter_slots.salt(slot) if slot and self.adapter_slots else 0
+
     def flush_cache(self) -> None:
         """Drops every cached prefix (SGLang's /flush_cache). Under the weights lock, as a
         weight update clears it: a batch in flight then sees a new generation and skips saving."""
@@ -230,7 +254,7 @@ class JaxSampler(RolloutEngine):
             keys = keys_from_seeds(np.arange(b, dtype=np.uint32))
             sampling = (np.ones((b,), i32), np.zeros((b,), i32), np.zeros((b,), np.float32),
                         np.ones((b,), np.float32), np.full((b,), -1, i32), stop_ids, stop_ids,
-                        keys)
+                        keys, np.zeros((b,), i32))
             with self._device_lock:
                 params, _ = self.weights()
                 state = prefill(self.model, params, np.zeros((b, p), i32), np.ones((b,), i32),
@@ -311,6 +335,10 @@ class JaxSampler(RolloutEngine):
                              f"[0, {self.cfg.vocab_size})")
         if req.sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: build the sampler with tokenizer=")
+        slots = self.adapter_slots.spec.slots if self.adapter_slots else 1
+        if not 0 <= req.lora_slot < slots:
+            raise ValueError(f"lora_slot={req.lora_slot}: this sampler has {slots} adapter "
+                             "slot(s); a request's slot comes from adapter_slots.acquire")
         # row_arrays keeps these in int32: a bigger number must be refused here, with its
         # name, not fail while the row is built beside other requests' rows
         s = req.sampling
@@ -345,7 +373,8 @@ class JaxSampler(RolloutEngine):
             return self._pool_prefill(params, n, ids, lens, sampling, slots, bucket,
                                       blank_pool)
         plan = None if self._prefix is None else self._prefix.plan(
-            ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket)
+            ids, lens, n, ids.shape[1] + steps, self.min_prompt_bucket,
+            salts=self._salts(sampling, n))
         self._count_prefill(n, lens, plan)
         matches = None if plan is None else plan.matches
         if plan is None or plan.suffix is None:
@@ -395,6 +424,10 @@ class JaxSampler(RolloutEngine):
             params = self._adapters.own_copy(params)
             self._counts["last_sync_bytes"] = self._adapters.last_sync_bytes
             return params
+        if self.adapter_slots is not None:  # a new base under the loaded adapters
+            base = self._copy_plain(lora.without_adapters(params))
+            self._counts["last_sync_bytes"] = sum(x.nbytes for x in jax.tree.leaves(base))
+            return lora.with_adapters(base, self.adapter_slots.stacked)
         params = self._copy_plain(params)
         self._counts["last_sync_bytes"] = sum(x.size * x.dtype.itemsize
                                          for x in jax.tree.leaves(params))
@@ -505,7 +538,8 @@ class JaxSampler(RolloutEngine):
                 # (sampled, never fed back). Raw ids: a stop-string cut changes nothing here.
                 seqs = [np.concatenate([ids[i, :lens[i]], tokens[i, :count[i] - 1]])
                         for i in range(n)]
-                self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation)
+                self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation,
+                                    salts=self._salts(sampling, n))
         return [self.result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
                              bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
 
@@ -518,7 +552,8 @@ class JaxSampler(RolloutEngine):
 
     def row_arrays(self, rows, b: int, p: int, width: int):
         """(ids [B, P] right-padded, lens [B], the per-row sampling arrays `prefill` takes:
-        max_new, min_new, temperature, top_p, top_k [B], stop_ids, ban_ids [B, X], keys [B])
+        max_new, min_new, temperature, top_p, top_k [B], stop_ids, ban_ids [B, X], keys [B],
+        adapter slots [B])
         of `rows`, (request, sample index) pairs, padded to B rows (padding rows end at their
         first token). A sample's key depends on its request's seed and its index alone."""
         ids = np.zeros((b, p), np.int32)
@@ -531,6 +566,7 @@ class JaxSampler(RolloutEngine):
         stop_ids = np.full((b, width), -1, np.int32)
         ban_ids = np.full((b, width), -1, np.int32)
         seeds = np.zeros((b,), np.uint32)
+        adapter = np.zeros((b,), np.int32)
         for i, (req, k) in enumerate(rows):
             s = req.sampling
             stops, bans = self._stop_ids(req), self._ban_ids(req)  # at most `width` each
@@ -542,14 +578,22 @@ class JaxSampler(RolloutEngine):
             ban_ids[i, :len(bans)] = bans
             seed = s.seed if s.seed is not None else hash((self._seed, next(self._counter)))
             seeds[i] = np.uint32(hash((seed, k)) & 0xFFFFFFFF)
+            adapter[i] = req.lora_slot
         keys = keys_from_seeds(seeds)
-        return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys)
+        return ids, lens, (max_new, min_new, temperature, top_p, top_k, stop_ids, ban_ids, keys,
+                           adapter)
+
+    def _salts(self, sampling, n: int) -> Optional[list[int]]:
+        """The prefix-cache salts of the n real rows of `row_arrays`' sampling arrays."""
+        if self.adapter_slots is None:
+            return None
+        return [self.prefix_salt(int(slot)) for slot in sampling[-1][:n]]
 
     def _pool_prefill(self, params, n: int, ids, lens, sampling, slots: int, bucket,
                       blank_pool):
         if self._prefix is not None:
             plan = self._prefix.plan(ids, lens, n, slots, self.min_prompt_bucket, bucket,
-                                     always=True)
+                                     always=True, salts=self._salts(sampling, n))
             pool, matches = self._prefix.ensure_pool(), plan.matches
         else:
             b, page = ids.shape[0], blank_pool["k"][0].shape[2]

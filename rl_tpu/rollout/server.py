@@ -8,8 +8,11 @@ arriving while others decode joins at the next chunk, a finished row leaves at o
 request is answered as soon as its last row ends, and a client that disconnects aborts its rows.
 
 Endpoints: POST /generate, /update_weights_from_disk, /flush_cache, /abort_request,
-/pause_generation, /continue_generation; GET /health, /health_generate, /model_info,
-/get_model_info, /load; /generate with "stream": true answers server-sent events as its rows
+/pause_generation, /continue_generation, /load_lora_adapter, /unload_lora_adapter; GET /health,
+/health_generate, /model_info, /get_model_info, /server_info, /load; with LoRA on
+(`launch.serve_rollout --enable_lora`) a /generate request's `lora_path` names a loaded adapter
+(one for every prompt, or one a prompt), and several adapters decode side by side
+(adapter_slots.py); /generate with "stream": true answers server-sent events as its rows
 decode (streaming.py), and OpenAI's /v1/models, /v1/chat/completions and /v1/completions
 are served too (openai_routes.py). Every error is `{"error": {"message": ...}}`
 (rl_tpu/serving.py): 400 for a malformed request and for one over a `ServerLimits` limit
@@ -35,107 +38,18 @@ from pydantic import BaseModel, ConfigDict
 
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout.adapter_slots import AdapterSlotsError
 from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket, TokensCallback
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
+# (sampling_from_json and ServerLimits live in server_requests.py; imported from here too)
+from rl_tpu.rollout.server_requests import ServerLimits, sampling_from_json
 from rl_tpu.rollout.streaming import TicketEvents, generate_events, sse_stream
 from rl_tpu.http_limits import HttpLimits
-from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, Server,
-                            docs_routes, error_response, flag_field, guard,
-                            install_error_handlers, integer_field, number_field, read_json,
-                            shown, text_field)
+from rl_tpu.serving import (BadRequest, Server, docs_routes, error_response, flag_field, guard,
+                            install_error_handlers, read_json, shown, text_field)
 
 log = logging.getLogger(__name__)
-
-
-def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingParams:
-    """SGLang `sampling_params` dict -> SamplingParams (unknown keys ignored, as SGLang does).
-    Every key it reads is checked here, so a bad one is a BadRequest naming `where.<key>`,
-    what it must be and what was sent, never an error while the request runs."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"'{where}' must be an object, got {shown(raw)}")
-    given = lambda name: raw.get(name) is not None  # noqa: E731 - null is "not given"
-    stop = raw["stop"] if given("stop") else []
-    stop = ([stop] if stop else []) if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest(f"'{where}.stop' must be a string or a list of strings, got "
-                         f"{shown(raw.get('stop'))}")
-    for i, s in enumerate(stop):
-        text_field(s, f"{where}.stop[{i}]")
-    stop_ids = raw["stop_token_ids"] if given("stop_token_ids") else ()
-    if not isinstance(stop_ids, (list, tuple)):
-        raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
-                         f"{shown(stop_ids)}")
-
-    def integer(name: str, low: int, high: int, default: Any) -> int:
-        # every integer is bounded here: one that does not fit the sampler's arrays would
-        # otherwise pass and fail later, while its row is built beside other requests'
-        return integer_field(raw[name] if given(name) else default, f"{where}.{name}", low, high)
-
-    def number(name: str, low: float, high: float, default: float, low_open=False) -> float:
-        return number_field(raw[name], f"{where}.{name}", low, high, low_open) if given(name) \
-            else default
-
-    max_new = integer("max_new_tokens", 0, INT32_MAX, 128)
-    min_new = integer("min_new_tokens", 0, INT32_MAX, 0)
-    if min_new > max_new:
-        raise BadRequest(f"'{where}.min_new_tokens' must be at most max_new_tokens={max_new}, "
-                         f"got {min_new}")
-    top_k = integer("top_k", -1, INT32_MAX, -1)
-    if top_k == 0:
-        raise BadRequest(f"'{where}.top_k' must be -1 (all tokens) or >= 1, got 0")
-    try:
-        return SamplingParams(
-            max_new_tokens=max_new, min_new_tokens=min_new,
-            temperature=number("temperature", 0.0, float("inf"), 1.0),
-            top_p=number("top_p", 0.0, 1.0, 1.0, low_open=True), top_k=top_k,
-            stop_token_ids=tuple(integer_field(t, f"{where}.stop_token_ids[{i}]", 0, INT32_MAX)
-                                 for i, t in enumerate(stop_ids)),
-            stop=tuple(stop),
-            ignore_eos=flag_field(raw["ignore_eos"], f"{where}.ignore_eos") if given("ignore_eos")
-            else False,
-            n=integer("n", 1, INT32_MAX, 1),
-            seed=integer("sampling_seed", INT64_MIN, INT64_MAX, None) if given("sampling_seed")
-            else None)
-    except BadRequest:
-        raise
-    except ValueError as err:  # SamplingParams' own checks, should one be missed above
-        raise BadRequest(f"bad {where}: {err}") from err
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """What one /generate request may ask for; over any of them it is answered 400, naming the
-    limit and the flag of `launch.serve_rollout` that sets it."""
-
-    max_n: int = 64  # samples per prompt (--max_n)
-    max_rows: int = 1024  # prompts x n (--max_rows)
-    max_context_tokens: int = 0  # prompt + max_new_tokens a row; 0 = the model's positions
-    max_request_tokens: int = 1 << 22  # rows x (prompt + max_new_tokens) (--max_request_tokens)
-
-    def check(self, prompts: list[list[int]], sampling: list[SamplingParams],
-              context: int) -> None:
-        context = min(self.max_context_tokens or context, context)
-        rows = tokens = 0
-        for prompt, s in zip(prompts, sampling):
-            if s.n > self.max_n:
-                raise BadRequest(f"n={s.n} is over this server's limit of {self.max_n} samples "
-                                 "a prompt (--max_n)")
-            if len(prompt) + s.max_new_tokens > context:
-                raise BadRequest(f"a prompt of {len(prompt)} tokens + max_new_tokens="
-                                 f"{s.max_new_tokens} is over the context length of {context} "
-                                 "tokens (--max_context_tokens, at most the model's positions)")
-            rows += s.n
-            tokens += s.n * (len(prompt) + s.max_new_tokens)
-        if rows > self.max_rows:
-            raise BadRequest(f"{rows} rows (prompts x n) are over this server's limit of "
-                             f"{self.max_rows} a request (--max_rows); split the request")
-        if tokens > self.max_request_tokens:
-            raise BadRequest(f"{tokens} tokens (rows x (prompt + max_new_tokens)) are over this "
-                             f"server's limit of {self.max_request_tokens} a request "
-                             "(--max_request_tokens); split the request or ask for fewer tokens")
 
 
 class GenerateBody(BaseModel):
@@ -149,6 +63,7 @@ class GenerateBody(BaseModel):
     input_ids: Optional[list[Any]] = None
     sampling_params: Optional[Union[dict[str, Any], list[Any]]] = None
     rid: Optional[Union[str, list[Optional[str]]]] = None
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None  # loaded adapters' names
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     stream: bool = False
@@ -158,6 +73,12 @@ class WeightsBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model_path: str
     weight_version: Optional[str] = None
+
+
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    lora_name: Optional[str] = None
+    lora_path: Optional[str] = None
 
 
 class AbortBody(BaseModel):
@@ -178,6 +99,7 @@ class Prepared:
     requests: list[GenerateRequest]
     raw_params: list[dict]
     single: bool
+    loras: Optional[list[Optional[str]]] = None  # each request's adapter name (lora_path)
 
 
 class RolloutService:
@@ -237,13 +159,42 @@ class RolloutService:
         context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
         self.limits.check(prompts, sampling, context)
         return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
-                        [r or {} for r in raw], single)
+                        [r or {} for r in raw], single, self._loras(body, len(prompts)))
+
+    def _loras(self, body: dict, n: int) -> Optional[list[Optional[str]]]:
+        names = body.get("lora_path")
+        if names is None:
+            return None
+        if self.sampler.adapter_slots is None:
+            raise BadRequest("'lora_path' names a LoRA adapter, but this server was launched "
+                             "without LoRA (launch.serve_rollout --enable_lora)")
+        names = names if isinstance(names, list) else [names] * n
+        if len(names) != n:
+            raise BadRequest(f"'lora_path': {len(names)} names for {n} prompts; send one, or "
+                             "one a prompt")
+        return [text_field(name, "lora_path") if name else None for name in names]
 
     def submit(self, prepared: Prepared, on_tokens: Optional[TokensCallback] = None) -> Ticket:
+        """Queues the requests, each holding its adapter's slot (if any) until its ticket is
+        done, so that an unload cannot hand the slot to another adapter under it."""
+        slots, requests = [], prepared.requests
         try:
-            return self.batcher.submit(prepared.requests, on_tokens)
-        except ValueError as err:
+            if prepared.loras is not None:
+                for name in prepared.loras:
+                    slots.append(self.sampler.adapter_slots.acquire(name))
+                requests = [dataclasses.replace(req, lora_slot=slot)
+                            for req, slot in zip(requests, slots)]
+            ticket = self.batcher.submit(requests, on_tokens)
+        except ValueError as err:  # (AdapterSlotsError too)
+            self._release(slots)
             raise BadRequest(str(err)) from err
+        if slots:
+            ticket.add_done_callback(lambda _: self._release(slots))
+        return ticket
+
+    def _release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.sampler.adapter_slots.release(slot)
 
     def replies(self, prepared: Prepared, body: dict, results: list[GenerateResult]) -> Any:
         expanded = [(req, r) for req, r in zip(prepared.requests, prepared.raw_params)
@@ -347,12 +298,46 @@ class RolloutService:
                 f"{type(err).__name__}: {err}"
             return 400, {"success": False, "message": f"failed to load {path}: {what}",
                          "num_paused_requests": 0}
-        if new_cfg.replace(eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id) != cfg:
+        if new_cfg.replace(eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id,
+                           lora=cfg.lora) != cfg:  # (the served adapters stay loaded)
             return 400, {"success": False, "num_paused_requests": 0,
                          "message": f"{path} has a different architecture than the served model"}
         self.sampler.update_weights(params, version if version is not None else path)
         self.model_path = path
         return 200, {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+
+    def load_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        """SGLang's /load_lora_adapter {lora_name, lora_path}: the PEFT dir into a free slot."""
+        return self._adapter_call(lambda: self.sampler.load_adapter(
+            text_field(body.get("lora_name") or "", "lora_name"),
+            text_field(body.get("lora_path") or "", "lora_path")))
+
+    def unload_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        return self._adapter_call(lambda: self.sampler.adapter_slots.unload(
+            text_field(body.get("lora_name") or "", "lora_name")))
+
+    def _adapter_call(self, call) -> tuple[int, dict]:
+        """(status, SGLang's reply: success, error_message, loaded_adapters)."""
+        slots = self.sampler.adapter_slots
+        if slots is None:
+            return 400, {"success": False, "loaded_adapters": {}, "error_message":
+                         "LoRA is not enabled on this server: launch it with --enable_lora"}
+        try:
+            call()
+        except AdapterSlotsError as err:
+            log.info("LoRA adapter call refused: %s", err)
+            return 400, {"success": False, "error_message": str(err),
+                         "loaded_adapters": slots.loaded()}
+        return 200, {"success": True, "error_message": "", "loaded_adapters": slots.loaded()}
+
+    def server_info(self) -> dict:
+        """The launch settings a client checks (SGLang's /server_info): LoRA's, with the
+        adapters loaded now."""
+        slots = self.sampler.adapter_slots
+        info = {"model_path": self.model_path, "enable_lora": slots is not None}
+        if slots is not None:
+            info.update(slots.server_info(), loaded_adapters=slots.loaded())
+        return info
 
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
@@ -480,6 +465,23 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
         # loading blocks: a worker thread, so generation requests go on being served
         status, reply = await run_in_threadpool(service.update_weights_from_disk, body)
         return JSONResponse(reply, status_code=status)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = (await read_json(request, AdapterBody)).model_dump()
+        status, reply = await run_in_threadpool(service.load_lora_adapter, body)  # reads files
+        return JSONResponse(reply, status_code=status)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        status, reply = service.unload_lora_adapter(
+            (await read_json(request, AdapterBody)).model_dump())
+        return JSONResponse(reply, status_code=status)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    def server_info():
+        return service.server_info()
 
     @app.post("/flush_cache")
     def flush_cache():  # the sampler's prefix cache, as SGLang's radix cache

@@ -79,7 +79,35 @@ def test_async_lora_behaviour_logprobs_are_their_adapter_versions(tmp_path, sft_
     it (1e-4), and some tokens were sampled by an older version than the newest."""
     c = lora_config(sft_base, **{"rollout.max_staleness": 2, "train.steps": 6})
     rl.run(c, str(tmp_path), trainer_class=RecordingTrainer)
-    trainer = RecordingTrainer.last
+    _check_behaviour_logprobs(c, RecordingTrainer.last)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_async_lora_on_rl_tpus_own_server_samples_each_token_under_its_version(tmp_path,
+                                                                               sft_base):
+    """The same against rl_tpu's own rollout server with LoRA on (rollout.engine=sglang): the
+    engine loads every version as an adapter and keeps max_staleness + 1 = 3 of them, requests
+    of several versions decode side by side, and each trained token's behaviour log-prob is
+    its version's (1e-4)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "rollout"))
+    from sglang_server import start_rollout_server
+
+    server = start_rollout_server(sft_base, "--enable_lora", "--max_lora_rank=4",
+                                  "--max_loaded_loras=3")
+    try:
+        c = lora_config(sft_base, **{"rollout.max_staleness": 2, "train.steps": 6,
+                                     "rollout.engine": "sglang", "rollout.urls": server.url})
+        rl.run(c, str(tmp_path / "run"), trainer_class=RecordingTrainer)
+    finally:
+        server.stop()
+    _check_behaviour_logprobs(c, RecordingTrainer.last)
+    assert sorted(os.listdir(tmp_path / "run" / "sync")) == ["adapter_4", "adapter_5",
+                                                            "adapter_6"]
+
+
+def _check_behaviour_logprobs(c, trainer):
     base = lora.without_adapters(jax.tree.map(np.asarray, trainer.learner.policy.params))
     model = Transformer(trainer.model_cfg)
     used, checked = set(), 0
