@@ -1,5 +1,6 @@
 """The embedded sampler with a LoRA policy: merged kernels against the low-rank path in
-decode, beside the same model without adapters (rollout/adapter_weights.py).
+decode, beside the same model without adapters (rollout/adapter_weights.py), and a serving
+sampler holding several adapters at once (rollout/adapter_slots.py).
 
     python benchmarks/lora_sampler.py --shape peer --rank 8 --batches 8,32,128
     python benchmarks/lora_sampler.py --shape qwen2.5-0.5b --dtype bfloat16 --rank 16 \\
@@ -7,7 +8,9 @@ decode, beside the same model without adapters (rollout/adapter_weights.py).
 
 For each mode (`plain`: no adapters, a full weight copy per update; `merge`: adapters copied
 and merged into the sampler's own kernels; `lowrank`: adapters copied, applied in prefill and
-decode) in a process of its own, rounds interleaved (plain, merge, lowrank, lowrank, merge,
+decode; `slots`: --slots adapters loaded by name as rl_tpu's rollout server holds them, each
+batch's rows spread over them, an update = unloading one and loading a PEFT dir) in a process
+of its own, rounds interleaved (plain, merge, lowrank, lowrank, merge,
 ...): generated tokens/s at each batch (fresh prompts every call, temperature 1, every row
 exactly --new_tokens; median of --calls timed calls after one warm-up call), the seconds of a
 weight update (median of 5, after one), the bytes it copies, and the sampler's weight bytes.
@@ -35,10 +38,11 @@ flags.DEFINE_integer("new_tokens", 64, "tokens generated per row.")
 flags.DEFINE_integer("prompt_len", 32, "prompt ids per row.")
 flags.DEFINE_integer("calls", 3, "timed calls per batch.")
 flags.DEFINE_integer("rounds", 2, "processes per mode, interleaved.")
-flags.DEFINE_string("mode", "", "Internal: run one mode (plain | merge | lowrank).")
+flags.DEFINE_integer("slots", 4, "Adapters the `slots` mode holds, rows spread over them.")
+flags.DEFINE_string("modes", "plain,merge,lowrank,slots", "Modes compared.")
+flags.DEFINE_string("mode", "", "Internal: run one mode (plain | merge | lowrank | slots).")
 flags.DEFINE_string("result", "", "Internal: where the mode's process writes its result.")
 FLAGS = flags.FLAGS
-MODES = ("plain", "merge", "lowrank")
 
 
 def run_mode(mode: str) -> dict:
@@ -64,9 +68,14 @@ def run_mode(mode: str) -> dict:
             lambda kp, x: 0.01 * jax.random.normal(jax.random.key(1), x.shape)
             if kp[-1].key == "lora_b" else x, adapters)
         params = lora.with_adapters(params, adapters)
-    kwargs = {} if mode == "plain" else {"lora_mode": mode}
     batches = [int(b) for b in FLAGS.batches.split(",")]
-    sampler = JaxSampler(cfg, params, max_batch=max(batches), **kwargs)
+    if mode == "slots":
+        sampler, adapter_dir, names = _slots_sampler(cfg, params, max(batches))
+        rows_slots = [sampler.adapter_slots.acquire(name) for name in names]
+    else:
+        kwargs = {} if mode == "plain" else {"lora_mode": mode}
+        sampler = JaxSampler(cfg, params, max_batch=max(batches), **kwargs)
+        rows_slots = [0]
     held = sampler.stats()["weight_bytes"]
 
     tokens_per_s = {}
@@ -76,7 +85,8 @@ def run_mode(mode: str) -> dict:
             prompts = np.random.RandomState([b, k, os.getpid()]).randint(
                 3, cfg.vocab_size, (b, FLAGS.prompt_len))
             requests = [GenerateRequest(p, SamplingParams(
-                max_new_tokens=FLAGS.new_tokens, temperature=1.0, ignore_eos=True, seed=i))
+                max_new_tokens=FLAGS.new_tokens, temperature=1.0, ignore_eos=True, seed=i),
+                lora_slot=rows_slots[i % len(rows_slots)])
                 for i, p in enumerate(prompts.tolist())]
             start = time.perf_counter()
             sampler.generate(requests)
@@ -85,14 +95,40 @@ def run_mode(mode: str) -> dict:
 
     update = params if mode == "plain" else lora.adapters(params)
     seconds = []
+    if mode == "slots":
+        for slot in rows_slots:
+            sampler.adapter_slots.release(slot)
     for k in range(6):
         start = time.perf_counter()
-        sampler.update_weights(update, str(k))
+        if mode == "slots":  # the oldest out, a new version in (weight_sync's order reversed)
+            sampler.adapter_slots.unload(names[k])
+            names.append(f"new{k}")
+            sampler.load_adapter(names[-1], adapter_dir)
+        else:
+            sampler.update_weights(update, str(k))
         jax.block_until_ready(sampler.weights()[0])
         seconds.append(time.perf_counter() - start)
+    moved = (sum(os.path.getsize(os.path.join(adapter_dir, f)) for f in os.listdir(adapter_dir))
+             if mode == "slots" else sampler.stats()["last_sync_bytes"])
     return dict(tokens_per_s=tokens_per_s, update_s=statistics.median(seconds[1:]),
-                update_bytes=sampler.stats()["last_sync_bytes"], held_bytes=held,
-                load=os.getloadavg()[0])
+                update_bytes=moved, held_bytes=held, load=os.getloadavg()[0])
+
+
+def _slots_sampler(cfg, params, max_batch: int):
+    """(a serving sampler holding FLAGS.slots copies of these adapters by name, the PEFT dir
+    they were loaded from, their names)."""
+    from rl_tpu.models import lora, peft_format
+    from rl_tpu.rollout.adapter_slots import slot_config
+    from rl_tpu.rollout.sampler import JaxSampler
+
+    adapter_dir = tempfile.mkdtemp(prefix="lora_sampler_")
+    peft_format.save_adapter(adapter_dir, cfg, params)
+    sampler = JaxSampler(slot_config(cfg.replace(lora=None), FLAGS.rank, FLAGS.slots),
+                         lora.without_adapters(params), max_batch=max_batch)
+    names = [f"v{k}" for k in range(FLAGS.slots)]
+    for name in names:
+        sampler.load_adapter(name, adapter_dir)
+    return sampler, adapter_dir, names
 
 
 def main(argv):
@@ -101,9 +137,10 @@ def main(argv):
         with open(FLAGS.result, "w") as f:
             json.dump(run_mode(FLAGS.mode), f)
         return
-    results = {m: [] for m in MODES}
+    modes = tuple(FLAGS.modes.split(","))
+    results = {m: [] for m in modes}
     for r in range(FLAGS.rounds):
-        for mode in MODES if r % 2 == 0 else tuple(reversed(MODES)):
+        for mode in modes if r % 2 == 0 else tuple(reversed(modes)):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 args = [a for a in sys.argv[1:] if not a.startswith(("--mode", "--result"))]
                 subprocess.run([sys.executable, __file__, *args, f"--mode={mode}",

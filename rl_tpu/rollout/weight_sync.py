@@ -173,10 +173,11 @@ def lora_server_problem(info: dict, cfg: lora.LoraConfig, keep: int) -> Optional
             return (f"its --lora-target-modules {sorted(modules)} leave out {missing} (the "
                     f"adapters target {list(cfg.targets)})")
     most = info.get("max_loaded_loras")
-    if most is not None and int(most) < keep:
+    # a new version loads before the oldest unloads: keep + 1 at once
+    if most is not None and int(most) < keep + 1:
         return (f"it holds at most {most} adapters (--max-loaded-loras) but the engine keeps "
-                f"{keep} loaded (keep_adapters): launch it with --max-loaded-loras >= {keep} or "
-                "without that flag")
+                f"{keep} loaded (keep_adapters) and loads the next before it unloads the "
+                f"oldest: launch it with --max-loaded-loras >= {keep + 1} or without that flag")
     return None
 
 

@@ -87,7 +87,8 @@ def test_async_lora_behaviour_logprobs_are_their_adapter_versions(tmp_path, sft_
 def test_async_lora_on_rl_tpus_own_server_samples_each_token_under_its_version(tmp_path,
                                                                                sft_base):
     """The same against rl_tpu's own rollout server with LoRA on (rollout.engine=sglang): the
-    engine loads every version as an adapter and keeps max_staleness + 1 = 3 of them, requests
+    engine loads every version as an adapter and keeps max_staleness + 1 = 3 of them (+ 1 as it
+    loads the next: --max_loaded_loras=4, the least it accepts), requests
     of several versions decode side by side, and each trained token's behaviour log-prob is
     its version's (1e-4)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -95,7 +96,7 @@ def test_async_lora_on_rl_tpus_own_server_samples_each_token_under_its_version(t
     from sglang_server import start_rollout_server
 
     server = start_rollout_server(sft_base, "--enable_lora", "--max_lora_rank=4",
-                                  "--max_loaded_loras=3")
+                                  "--max_loaded_loras=4")
     try:
         c = lora_config(sft_base, **{"rollout.max_staleness": 2, "train.steps": 6,
                                      "rollout.engine": "sglang", "rollout.urls": server.url})

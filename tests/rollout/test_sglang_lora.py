@@ -130,7 +130,7 @@ def test_server_info_problems_name_the_flag():
     wide = lora.LoraConfig(rank=8, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
     assert "leave out ['o_proj', 'qkv_proj']" in problem(
         {**ok, "lora_target_modules": ["down_proj"]}, wide, 2)
-    assert "--max-loaded-loras >= 3" in problem({**ok, "max_loaded_loras": 2}, cfg, 3)
+    assert "--max-loaded-loras >= 4" in problem({**ok, "max_loaded_loras": 3}, cfg, 3)
 
 
 def test_rslora_is_exported_with_the_scale_sglang_computes(tmp_path):
