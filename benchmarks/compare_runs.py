@@ -28,7 +28,10 @@ TITLES = dict(PANELS) | {"eval/turns": "held-out turns per episode",
                          "train/horizon": "training turn limit",
                          "rollout/violation_rate": "rule violations, sampled (training)",
                          "eval/violation_rate": "rule violations, greedy (held out)",
-                         "train/kl": "KL to the reference"}
+                         "train/kl": "KL to the reference",
+                         "eval/distinct@8": "distinct right answers in 8 samples",
+                         "eval/mean@8": "success of one sample (temperature 1)",
+                         "eval/pass@8": "pass@8"}
 
 
 def read(workdir: str) -> list[dict]:

@@ -9,7 +9,9 @@ combined across hosts, so every host returns the same numbers.
 Metrics (under the caller's prefix, e.g. `eval/`): success, reward, turns (mean actions an
 episode), tokens (mean generated tokens an episode), num_tasks, env_errors, weight_version
 (the oldest policy version that sampled the greedy episodes: an eval at step s shows s), and
-pass@k; and
+with `pass_k = k` pass@k, mean@k (the k samples' mean success: pass@1 at the rollout
+temperature) and distinct@k (the distinct successful replies of a task's k samples, averaged
+over tasks: how spread over several right answers the policy stays); and
 violation_rate (rule-breaking decisions / valid decisions) and format_valid_rate (valid
 decisions / decisions asked for) for envs whose steps report `info["violation"]` (the
 alignment-tipping testbeds, rl_tpu/envs/tipping.py). A reply the env could not parse
@@ -98,8 +100,20 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")
         samples = play(engine, make_env, list(tasks), samples_per_task=pass_k,
                        sampling=dataclasses.replace(sampling, seed=seed), **common)
-        solved = np.array([any(t.success for t in samples[i * pass_k:(i + 1) * pass_k])
-                           for i in range(len(tasks))], np.float64)
-        total = global_sums(np.array([solved.sum(), len(tasks)], np.float64))
-        out[f"pass@{pass_k}"] = total[0] / max(total[1], 1)
+        groups = [samples[i * pass_k:(i + 1) * pass_k] for i in range(len(tasks))]
+        solved = sum(any(t.success for t in group) for group in groups)
+        wins = sum(t.success for t in samples)
+        distinct = sum(len({_replies(t) for t in group if t.success}) for group in groups)
+        total = global_sums(np.array([solved, wins, distinct, len(tasks)], np.float64))
+        per = max(total[3], 1)
+        out[f"pass@{pass_k}"] = total[0] / per
+        out[f"mean@{pass_k}"] = total[1] / (per * pass_k)
+        out[f"distinct@{pass_k}"] = total[2] / per
     return {k: float(v) for k, v in out.items()}
+
+
+def _replies(trajectory: Trajectory) -> tuple[str, ...]:
+    """The episode's replies (its assistant messages), stripped: what tells two right samples
+    apart."""
+    return tuple(str(m.get("content", "")).strip() for m in trajectory.messages
+                 if m.get("role") == "assistant")

@@ -18,6 +18,7 @@ ENV_MODULES: dict[str, str] = {
     "reasoning_gym": "reasoning",
     "math": "math",
     "largest": "largest",
+    "evens": "evens",
     "selfplay_arithmetic": "selfplay",
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",

@@ -98,6 +98,9 @@ def shared_algo_block() -> ml_collections.ConfigDict:
     # (recomputed at the start of the update) or by the behaviour policy (the engine's
     # log-probs; BAPO's r = pi_theta / pi_rollout, which sees the staleness).
     c.ratio_against = "proximal"
+    # log where the policy gradient comes from: train/pg_weight_{pos,neg}, and the clip rate by
+    # advantage sign and probability bucket (losses.clip_mechanism_metrics; the BAPO testbed)
+    c.mechanism_metrics = False
     # False: no proximal forward; the behaviour log-probs stand in for it. Exact on-policy
     # with full-distribution log-probs, and whenever the ratio is against behaviour.
     c.recompute_proximal = True
@@ -258,7 +261,8 @@ def loss_config(algo: ml_collections.ConfigDict, max_new_tokens: int) -> PolicyL
         fixed_normalizer=(max_new_tokens if algo.aggregation == "fixed_normalizer" else None),
         behaviour_is=algo.behaviour_is, behaviour_is_cap=algo.behaviour_is_cap,
         entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-        bapo=BapoConfig(**algo.bapo.to_dict()), ratio_against=algo.ratio_against)
+        bapo=BapoConfig(**algo.bapo.to_dict()), ratio_against=algo.ratio_against,
+        mechanism_metrics=algo.mechanism_metrics)
 
 
 def advantage_options(algo: ml_collections.ConfigDict) -> tuple:

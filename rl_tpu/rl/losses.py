@@ -263,6 +263,8 @@ class PolicyLossConfig:
     kl_estimator: str = "k3"
     bapo: BapoConfig = dataclasses.field(default_factory=BapoConfig)
     ratio_against: str = "proximal"  # the ratio's denominator: "proximal" | "behaviour"
+    # log where the clipped surrogate's gradient comes from (`clip_mechanism_metrics`)
+    mechanism_metrics: bool = False
 
     def __post_init__(self):
         kind = POLICY_LOSSES.get(self.kind)
@@ -493,11 +495,53 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
         "ratio_min": Metric.of(jnp.where(n_tokens > 0, jnp.min(jnp.where(m > 0, r, big)), 0.0),
                                "min", n_tokens),
     })
+    dual_binds = None
     if config.dual_clip is not None:
         undual = jnp.maximum(-adv * r, -adv * jnp.clip(r, lower, upper))
         dual_binds = (adv < 0) & (undual > -config.dual_clip * adv)
         metrics["dual_clip_frac"] = per_token(dual_binds.astype(jnp.float32))
+    if config.mechanism_metrics:
+        metrics.update(clip_mechanism_metrics(r, adv, lower, upper, old_logprobs, per_token,
+                                              dual_binds))
     return loss, metrics
+
+
+# the behaviour (or proximal) probability buckets of `clip_mechanism_metrics`: [0, 0.1),
+# [0.1, 0.5), [0.5, 1]
+PROB_BUCKETS = (("plow", 0.0, 0.1), ("pmid", 0.1, 0.5), ("phigh", 0.5, 1.01))
+
+
+def clip_mechanism_metrics(r, adv, lower, upper, denominator_logprobs, per_token,
+                           dual_binds=None) -> dict:
+    """Where a clipped surrogate's policy gradient comes from, as BAPO's analysis reads it
+    (all per-token means over the masked tokens, so that ratios of them are exact after the
+    micro-batch reduction):
+
+      pg_weight_pos / pg_weight_neg: |r A| over tokens whose term still has a gradient
+        (not clipped: r <= upper for A > 0, r >= lower and no dual clip for A < 0), of
+        positive / negative advantage. d(-r A)/d log pi = -r A, so the negative tokens' share
+        of the gradient is pg_weight_neg / (pg_weight_pos + pg_weight_neg);
+      tokens_{pos,neg}_{bucket} and clipped_{pos,neg}_{bucket}: the fraction of tokens of that
+        advantage sign whose probability under the ratio's denominator (the behaviour policy
+        for BAPO) lies in the bucket (PROB_BUCKETS), and of those the fraction clipped; their
+        ratio is the clip rate by sign and bucket (clip-higher's and BAPO's case: low-
+        probability positive tokens clipped by a fixed upper bound)."""
+    pos, neg = adv > 0, adv < 0
+    clipped_pos = pos & (r > upper)
+    clipped_neg = neg & (r < lower)
+    if dual_binds is not None:
+        clipped_neg = clipped_neg | dual_binds
+    grad = jnp.abs(r * adv)
+    out = {"pg_weight_pos": per_token(jnp.where(pos & ~clipped_pos, grad, 0.0)),
+           "pg_weight_neg": per_token(jnp.where(neg & ~clipped_neg, grad, 0.0))}
+    prob = jnp.exp(jnp.minimum(sg(denominator_logprobs), 0.0))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    for name, low, high in PROB_BUCKETS:
+        inside = (prob >= low) & (prob < high)
+        for sign, where, clipped in (("pos", pos, clipped_pos), ("neg", neg, clipped_neg)):
+            out[f"tokens_{sign}_{name}"] = per_token(f32(where & inside))
+            out[f"clipped_{sign}_{name}"] = per_token(f32(clipped & inside))
+    return out
 
 
 # ----------------------------------------------------------------------------- value loss

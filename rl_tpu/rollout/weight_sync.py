@@ -380,11 +380,7 @@ class DiskWeightSync:
         if self.model_config.lora is not None:
             return self._update_adapters(params, version)
         cfg = self.model_config
-        bad = params_mismatches(cfg, params)
-        if bad:
-            raise RolloutError("update_weights: params do not match model_config: " +
-                               "; ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6
-                                                     else ""))
+        _refuse_mismatches("params do not match model_config", params_mismatches(cfg, params))
         writer = jax.process_index() == 0
         if writer:
             self._check_served_shapes(version)
@@ -472,11 +468,8 @@ class DiskWeightSync:
             raise RolloutError("update_weights: model_config.lora is set but the params hold no "
                                "adapters (lora_a / lora_b): pass the trainer's params or its "
                                "adapters (lora.adapters(params))")
-        bad = adapter_mismatches(cfg, params)
-        if bad:
-            raise RolloutError("update_weights: adapters do not match model_config.lora: " +
-                               "; ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6
-                                                     else ""))
+        _refuse_mismatches("adapters do not match model_config.lora",
+                           adapter_mismatches(cfg, params))
         writer = jax.process_index() == 0
         if writer:
             self._check_served_shapes(version)  # the adapters fit only the base they trained on
@@ -578,6 +571,13 @@ class DiskWeightSync:
                 continue
             self.adapters.unloaded(version)
             shutil.rmtree(self.adapter_path(version), ignore_errors=True)
+
+
+def _refuse_mismatches(what: str, bad: list[str]) -> None:
+    """RolloutError naming the first six mismatches (and how many more), if there are any."""
+    if bad:
+        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+        raise RolloutError(f"update_weights: {what}: " + "; ".join(bad[:6]) + more)
 
 
 def _host_copy(params) -> bool:

@@ -156,6 +156,29 @@ def test_dual_clip():
         PolicyLossConfig(dual_clip=0.5)
 
 
+def test_clip_mechanism_metrics_by_hand():
+    """Clip [0.8, 1.2], five tokens (r, A, behaviour p): (0.5, +1, 0.05), (1.0, +1, 0.3),
+    (1.5, +1, 0.05) clipped, (0.9, -1, 0.7), (0.7, -1, 0.3) clipped. The gradient weight |r A|
+    of unclipped tokens: positive (0.5 + 1.0) / 5 = 0.3, negative 0.9 / 5 = 0.18 (the negative
+    share 0.18 / 0.48 = 0.375). Buckets: positive low-p tokens 2 of 5, one clipped; positive
+    mid 1, none clipped; negative high 1, none; negative mid 1, clipped."""
+    r = jnp.array([[0.5, 1.0, 1.5, 0.9, 0.7]])
+    adv = jnp.array([[1.0, 1.0, 1.0, -1.0, -1.0]])
+    old = jnp.log(jnp.array([[0.05, 0.3, 0.05, 0.7, 0.3]]))
+    cfg = PolicyLossConfig(mechanism_metrics=True)
+    _, m = jit_policy_loss(old + jnp.log(r), old, adv, jnp.ones_like(r), cfg)
+    close(m["pg_weight_pos"], 0.3)
+    close(m["pg_weight_neg"], 0.18)
+    want = {"tokens_pos_plow": 0.4, "clipped_pos_plow": 0.2, "tokens_pos_pmid": 0.2,
+            "clipped_pos_pmid": 0.0, "tokens_pos_phigh": 0.0, "tokens_neg_plow": 0.0,
+            "tokens_neg_pmid": 0.2, "clipped_neg_pmid": 0.2, "tokens_neg_phigh": 0.2,
+            "clipped_neg_phigh": 0.0}
+    for name, value in want.items():
+        close(m[name], value)
+    assert "pg_weight_pos" not in jit_policy_loss(old, old, adv, jnp.ones_like(r),
+                                                  PolicyLossConfig())[1]
+
+
 def test_per_sequence_advantages_broadcast():
     logp, old, adv, mask = _ppo_batch()
     # A of shape [B] = [2] -> every token has A=2; r = (1.5, 1.5, 0.5, 0.5, 1, 1.25) in

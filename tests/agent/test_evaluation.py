@@ -1,0 +1,47 @@
+"""The eval suite's sampled metrics (rl_tpu/agent/evaluation.py): pass@k, mean@k and
+distinct@k, counted by hand on `evens` with a scripted policy."""
+
+import itertools
+
+from rl_tpu.agent.evaluation import evaluate
+from rl_tpu.envs.base import make
+from rl_tpu.models.tiny_tokenizer import build_tokenizer
+from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout.engine import SamplingParams
+from rl_tpu.rollout.scripted import ScriptedEngine
+
+
+def test_pass_mean_and_distinct_at_k_by_hand():
+    """Two tasks, k = 4. Greedy replies (temperature 0) are the first number; samples cycle
+    over a script. Task 0's samples: two different right answers, one of them twice, and a
+    wrong one (distinct 2, 3 right); task 1's: all wrong. pass@4 = 1/2, mean@4 = 3/8,
+    distinct@4 = (2 + 0) / 2 = 1."""
+    env = make("evens")
+    tasks = [env.tasks().get("eval", i) for i in range(2)]
+    evens = [t.data["answers"] for t in tasks]
+    odd = next(str(n) for n in range(1, 10, 2))
+    scripts = {0: itertools.cycle([evens[0][0], evens[0][-1], evens[0][0], odd]),
+               1: itertools.cycle([odd])}
+    assert evens[0][0] != evens[0][-1]  # (the task has two different even numbers)
+
+    def policy(prompt, turn):
+        which = 0 if " ".join(map(str, tasks[0].data["numbers"])) in prompt else 1
+        if "greedy" in policy.mode:
+            return str(tasks[which].data["numbers"][0])
+        return next(scripts[which])
+
+    tok = ChatTokenizer(build_tokenizer(512))
+    engine = ScriptedEngine(tok, policy)
+    original = engine.generate
+
+    def generate(requests):  # which policy answers: greedy (the success pass) or sampled
+        policy.mode = "greedy" if requests[0].sampling.temperature == 0 else "sampled"
+        return original(requests)
+
+    engine.generate = generate
+    out = evaluate(engine, lambda: make("evens"), tasks, tokenizer=tok, max_turns=1,
+                   max_new_tokens=4, max_context_tokens=128, pass_k=4,
+                   sampling=SamplingParams(temperature=1.0))
+    greedy = [str(t.data["numbers"][0]) in t.data["answers"] for t in tasks]
+    assert out["success"] == sum(greedy) / 2
+    assert out["pass@4"] == 0.5 and out["mean@4"] == 3 / 8 and out["distinct@4"] == 1.0
