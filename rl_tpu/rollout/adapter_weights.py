@@ -34,7 +34,7 @@ MODES = ("merge", "lowrank")
 
 def _owned(tree, num_layers: int):
     """Unstacked (scanned layers) fp32 adapters in buffers of their own (see sampler.py's
-    `_owned_copy`: an output is never the input itself)."""
+    `_owned_copy` in own_copy.py: an output is never the input itself)."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True), unstack_layers(tree, num_layers))
 
 

@@ -18,27 +18,18 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rl_tpu import parallel
 from rl_tpu.models import lora
-from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
+from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.adapter_slots import AdapterSlots
 from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine
+from rl_tpu.rollout.own_copy import OwnCopy
 from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, next_power_of_two
-
-def _owned_copy(params, num_layers: int, dtype: Optional[str]):
-    """Jitted with the sampler's out_shardings: unstacked, cast, and in buffers of its own.
-    `jnp.array(copy=True)` keeps the output from being the input itself (jit may forward an
-    output that is an unchanged input); XLA never aliases a non-donated input to an output."""
-    def own(x):
-        return jnp.array(x, dtype=dtype if jnp.issubdtype(x.dtype, jnp.floating) else None,
-                         copy=True)
-    return jax.tree.map(own, unstack_layers(params, num_layers))
-
 
 STOP_WIDTH = 4  # the fewest stop-id slots a row has (more round up to a power of two)
 INT32_MAX = 2**31 - 1  # the largest length, top_k or stop id a row's int32 arrays hold
@@ -114,18 +105,13 @@ class JaxSampler(RolloutEngine):
         self.mesh = mesh or parallel.make_mesh({}, devices=jax.devices()[:1])
         # The base model's params (a LoRA policy's frozen base, or the whole policy) and, for
         # LoRA, the adapters beside them: copied once, adapters each update (adapter_weights.py)
-        base = Transformer(cfg.replace(lora=None), mesh=self.mesh, rules=rules)
-        abstract, names = parallel.logical_axes_of(base, np.zeros((1, 1), np.int32))
-        self._abstract = abstract
-        self._shardings = parallel.param_shardings(abstract, names, self.mesh, rules)
-        copy_dtype = None if dtype is None else cfg.param_dtype  # None: keep the trainer's
-        self._copy_fn = jax.jit(functools.partial(_owned_copy, num_layers=cfg.num_layers,
-                                                  dtype=copy_dtype), out_shardings=self._shardings)
+        self._copy_plain = OwnCopy(cfg.replace(lora=None), self.mesh, rules,
+                                   None if dtype is None else cfg.param_dtype)
         # a serving model's adapter slots (cfg.lora.slots: adapter_slots.py), loaded by name
         self.adapter_slots = AdapterSlots(cfg, self.mesh, rules) if (
             cfg.lora is not None and cfg.lora.slots) else None
         self._adapters = None if cfg.lora is None or self.adapter_slots else AdapterWeights(
-            cfg, self.mesh, rules, lora_mode, self._copy_plain, self._shardings)
+            cfg, self.mesh, rules, lora_mode, self._copy_plain, self._copy_plain.shardings)
         model_cfg = cfg if self._adapters is None else self._adapters.model_cfg
         self.model = Transformer(model_cfg, mesh=self.mesh, rules=rules)
         self.tokenizer = tokenizer
@@ -432,45 +418,6 @@ class JaxSampler(RolloutEngine):
         self._counts["last_sync_bytes"] = sum(x.size * x.dtype.itemsize
                                          for x in jax.tree.leaves(params))
         return params
-
-    def _copy_plain(self, params):
-        """`_own_copy` of params without adapters."""
-        self._check_layout(params)
-        devices = set(self.mesh.devices.flat)
-        if any(not isinstance(x, jax.Array) or x.sharding.device_set != devices
-               for x in jax.tree.leaves(params)):
-            # Another device set (a trainer mesh over more chips) cannot feed one compiled
-            # program: move there first, device to device. device_put may hand back the source's
-            # own buffer for a shard already in place (e.g. a replicated leaf), even with
-            # may_alias=False, so the copy below still runs.
-            params = jax.device_put(params, self._layout_shardings(params))
-        return self._copy_fn(params)
-
-    def _layout_shardings(self, params):
-        """The sampler's shardings for params laid out as given: stacked [L, ...] leaves under
-        'layers' (scan_layers) take layer 0's sharding with the layer axis unsharded."""
-        if "layers" not in params:  # (_check_layout has made sure params is the model's dict)
-            return self._shardings
-        out = {k: v for k, v in self._shardings.items() if not k.startswith("layers_")}
-        out["layers"] = jax.tree.map(
-            lambda s: NamedSharding(s.mesh, PartitionSpec(None, *s.spec)),
-            self._shardings["layers_0"])
-        return out
-
-    def _check_layout(self, params):
-        want = self._abstract
-        if isinstance(params, dict) and "layers" in params:  # scanned: [L, ...] per leaf
-            want = {k: v for k, v in want.items() if not k.startswith("layers_")}
-            want["layers"] = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((self.cfg.num_layers,) + x.shape, x.dtype),
-                self._abstract["layers_0"])
-        if jax.tree.structure(params) != jax.tree.structure(want) or any(
-                np.shape(x) != y.shape for x, y in zip(jax.tree.leaves(params),
-                                                        jax.tree.leaves(want))):
-            raise ValueError(
-                f"params do not fit the sampler's model ({self.cfg.num_layers} layers, vocab "
-                f"{self.cfg.vocab_size}, hidden {self.cfg.hidden_size}): pass the params of the "
-                "model the sampler was built for (same ModelConfig), scanned or not")
 
     def _aborted_rows(self, rows, epoch: int, b: int) -> np.ndarray:
         with self._control_lock:
