@@ -3,9 +3,8 @@
 `libtpu` can compile for a TPU topology it is not running on:
 `jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4")`
 gives the slice's abstract devices, a mesh over them lowers the real jitted functions against
-ShapeDtypeStructs (abstract params, optimizer state and batches with their shardings, nothing
-allocated), and `compiled.memory_analysis()` says what each program needs per chip. This is
-how a run is checked before anyone pays for a pod (MaxText does the same).
+ShapeDtypeStructs (nothing allocated), and `compiled.memory_analysis()` says what each program
+needs per chip: a run is checked before anyone pays for a pod (as MaxText does).
 
 `check(config, topology)` compiles, at the config's own shapes and with the same builders the
 trainer uses:
@@ -17,12 +16,10 @@ trainer uses:
   sampler_prefill  the embedded sampler's prefill of rollout.max_batch prompts of the longest
   sampler_decode   bucket, and one decode chunk, on one host's sampler chips (its mesh)
 
-`plan(config, topology)` is where those shapes come from, by the functions the trainer calls:
-the learner's and the sampler's chips (components.split_devices: with rollout.max_staleness > 0
-and the embedded sampler, each host gives rollout.sampler_devices of its chips to the sampler,
-0 = half, and the learner's mesh is the rest; otherwise the learner has every chip and the
-sampler a host's) and a step's global rows (recipes/shapes.step_rows: tasks x samples, plus
-replayed groups and self-play's solver rows, padded to the learner's row multiple).
+`plan(config, topology)` gives those shapes by the functions the trainer calls: the learner's
+and the sampler's chips (components.split_devices: asynchronous with the embedded sampler,
+each host gives rollout.sampler_devices of its chips to the sampler, 0 = half; else the learner
+has every chip and the sampler a host's) and a step's global rows (shapes.step_rows).
 
 Memory per chip = arguments + outputs - donated (aliased) buffers + temporaries: a program's
 own `total`. Its `peak` adds what the chip `held` for the rest of the run meanwhile
@@ -31,13 +28,11 @@ critic's state, the KL reference's copy of the params), and where the embedded s
 the learner's chips (a synchronous run) its weights and prefix pool beside the learner's
 programs and the learner's state beside the sampler's. A program fits when its peak does.
 
-LoRA (`model.lora.rank` > 0, models/lora.py) is checked as the trainer runs it: the policy is
-the model with adapters (their shardings from the kernels' logical axes), its TrainState trains
-the adapters alone (a critic: its adapters and value head), so the update holds no fp32
-master, Adam moments or weight gradients of the frozen base; the sampler is a LoRA sampler
-(`model.lora.sampler`: "merge" runs the plain model on merged kernels and keeps its copy of the
-base beside them, "lowrank" runs the model with adapters on the base it holds once); and a
-weight sync moves the adapters alone (`Report.sync`).
+LoRA (`model.lora.rank` > 0) is checked as the trainer runs it: the TrainState trains the
+adapters alone (a critic: its adapters and value head: no fp32 master, moments or weight
+gradients of the frozen base), the sampler is a LoRA sampler (`model.lora.sampler`: "merge"
+holds merged kernels beside its base, "lowrank" the base once), and a weight sync moves the
+adapters alone (`Report.sync`).
 """
 
 from __future__ import annotations
