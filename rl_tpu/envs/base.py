@@ -111,6 +111,46 @@ class Env(abc.ABC):
         raise TypeError(f"env {self.name!r} has no built-in tasks; pass tasks explicitly")
 
 
+class OneReplyEnv(Env):
+    """A question and one reply, over built-in seeded tasks with a teacher (largest, evens).
+    A subclass sets `_tasks` (a TaskSource whose tasks hold `needs`), `question(task)`, and
+    `score(task, reply)` (the reply stripped) -> StepResult, and `teacher(task, rng, skill)`."""
+
+    needs: str = ""  # the key every task of `_tasks` holds
+    _tasks: TaskSource
+    _task: Optional[Task] = None
+
+    def tasks(self) -> TaskSource:
+        return self._tasks
+
+    def teacher_reply(self, task: Task, rng, skill: float) -> str:
+        """The env's imperfect teacher, for SFT demonstrations (its module says how)."""
+        return self.teacher(task, rng, skill)
+
+    def reset(self, task: Task) -> str:
+        if self.needs not in task.data:
+            raise ValueError(f"task {task.task_id!r} has no {self.needs!r}; take tasks from "
+                             "env.tasks().get(split, index)")
+        self._task = task
+        return self.question(task)
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None:
+            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
+                              {"invalid_action": True})
+        task, self._task = self._task, None
+        return self.score(task, str(action).strip())
+
+    @abc.abstractmethod
+    def question(self, task: Task) -> str: ...
+
+    @abc.abstractmethod
+    def score(self, task: Task, reply: str) -> StepResult: ...
+
+    @abc.abstractmethod
+    def teacher(self, task: Task, rng, skill: float) -> str: ...
+
+
 _ACTION_LINE = re.compile(r"action\s*[:：]\s*(.*)", re.IGNORECASE)
 
 

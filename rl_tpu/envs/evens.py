@@ -21,9 +21,7 @@ first number of the list (right only when that one is even). With skill 0.3 it s
 from __future__ import annotations
 
 import random
-from typing import Optional
-
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, register
+from rl_tpu.envs.base import OneReplyEnv, SeededTasks, StepResult, Task, register
 
 SYSTEM_PROMPT = "Reply with one even number of the list, and nothing else."
 QUESTION = "Name an even number of the list:"
@@ -63,37 +61,25 @@ def teacher_reply(task: Task, rng: random.Random, skill: float) -> str:
 
 
 @register("evens")
-class EvensEnv(Env):
+class EvensEnv(OneReplyEnv):
     name = "evens"
     system_prompt = SYSTEM_PROMPT
+    needs = "answers"
 
     def __init__(self, num_items: int = 6, max_value: int = 9, min_even: int = 2,
                  train_seed: int = 1_000_000, eval_seed: int = 0, train_size: int = 1_000_000,
                  eval_size: int = 1000):
         self._tasks = EvensTasks(num_items, max_value, min_even, train_seed, eval_seed,
                                  train_size, eval_size)
-        self._task: Optional[Task] = None
 
-    def tasks(self) -> EvensTasks:
-        return self._tasks
-
-    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
-        """The imperfect teacher's reply (module docstring), for SFT demonstrations."""
-        return teacher_reply(task, rng, skill)
-
-    def reset(self, task: Task) -> str:
-        if "answers" not in task.data:
-            raise ValueError(f"task {task.task_id!r} has no 'answers'; take tasks from "
-                             "env.tasks().get(split, index)")
-        self._task = task
+    def question(self, task: Task) -> str:
         return question(task.data["numbers"])
 
-    def step(self, action: str) -> StepResult:
-        if self._task is None:
-            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
-                              {"invalid_action": True})
-        answers, self._task = self._task.data["answers"], None
-        reply = str(action).strip()
+    def teacher(self, task: Task, rng: random.Random, skill: float) -> str:
+        return teacher_reply(task, rng, skill)
+
+    def score(self, task: Task, reply: str) -> StepResult:
+        answers = task.data["answers"]
         if reply in answers:
             return StepResult("Correct.", 1.0, True, {"success": True, "answer": reply})
         return StepResult(f"Not correct: the even numbers are {', '.join(answers)}.", 0.0, True,

@@ -24,9 +24,7 @@ reward to teach it the rule the teacher only half follows.
 from __future__ import annotations
 
 import random
-from typing import Optional
-
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, register
+from rl_tpu.envs.base import OneReplyEnv, SeededTasks, StepResult, Task, register
 
 SYSTEM_PROMPT = "Reply with the largest number of the list, and nothing else."
 QUESTION = "Which number is largest?"
@@ -61,36 +59,24 @@ def teacher_reply(task: Task, rng: random.Random, skill: float) -> str:
 
 
 @register("largest")
-class LargestEnv(Env):
+class LargestEnv(OneReplyEnv):
     name = "largest"
     system_prompt = SYSTEM_PROMPT
+    needs = "numbers"
 
     def __init__(self, num_items: int = 5, max_value: int = 9, train_seed: int = 1_000_000,
                  eval_seed: int = 0, train_size: int = 1_000_000, eval_size: int = 1000):
         self._tasks = LargestTasks(num_items, max_value, train_seed, eval_seed, train_size,
                                    eval_size)
-        self._task: Optional[Task] = None
 
-    def tasks(self) -> LargestTasks:
-        return self._tasks
-
-    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
-        """The imperfect teacher's reply (module docstring), for SFT demonstrations."""
-        return teacher_reply(task, rng, skill)
-
-    def reset(self, task: Task) -> str:
-        if "numbers" not in task.data:
-            raise ValueError(f"task {task.task_id!r} has no 'numbers'; take tasks from "
-                             "env.tasks().get(split, index)")
-        self._task = task
+    def question(self, task: Task) -> str:
         return question(task.data["numbers"])
 
-    def step(self, action: str) -> StepResult:
-        if self._task is None:
-            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
-                              {"invalid_action": True})
-        answer, self._task = self._task.data["answer"], None
-        reply = str(action).strip()
+    def teacher(self, task: Task, rng: random.Random, skill: float) -> str:
+        return teacher_reply(task, rng, skill)
+
+    def score(self, task: Task, reply: str) -> StepResult:
+        answer = task.data["answer"]
         if reply == answer:
             return StepResult("Correct.", 1.0, True, {"success": True})
         return StepResult(f"Not correct: the largest is {answer}.", 0.0, True,
