@@ -323,11 +323,11 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
         critic = abstract_state(critic_params,
                                 make_optimizer(components.rl_optim_config(config, algo.value_lr)),
                                 trainable(critic_params, heads=("head",)))
-    # the trainer's reference is a copy of the initial params (a LoRA policy's: base and
-    # adapters), a second params-sized tree on every chip: `held_by` counts it
+    # the KL reference: the initial params (LoRA: its adapters, on the policy's base); held_by
+    reference = lora.adapters(params) if cfg.lora is not None else params
     learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
                       value_model=value_model,
-                      reference_params=params if update_cfg.use_reference else None)
+                      reference_params=reference if update_cfg.use_reference else None)
     return learner, params
 
 
@@ -536,7 +536,7 @@ def check(config: ml_collections.ConfigDict, topology: str, model: str = "",
     if programs is not None:
         out = [p for p in out if p.name in programs]
     notes = [f"the learner holds {_size(learner_resident(learner))} a chip between programs"
-             + (f" (the KL reference's copy of the params: "
+             + (f" (the KL reference's copy of the params or adapters: "
                 f"{_size(chip_bytes(learner.reference_params))})"
                 if learner.reference_params is not None else "")]
     if sampler:

@@ -177,7 +177,10 @@ class Trainer:
 
         # --- learner: policy, critic, reference ---------------------------------------
         update_cfg = algorithms.update_config(config)
-        reference = jax.tree.map(jnp.copy, params) if update_cfg.use_reference else None
+        # the KL reference: the start's params; a LoRA policy's start adapters alone, which the
+        # learner puts on the policy's frozen base (Learner.reference)
+        reference = jax.tree.map(jnp.copy, lora.adapters(params) if self.model_cfg.lora
+                                 else params) if update_cfg.use_reference else None
         critic, value_model = None, None
         if algorithms.uses_critic(algo):
             value_model = ValueModel(self.model_cfg, mesh=self.mesh)
@@ -215,7 +218,7 @@ class Trainer:
                 wandb_config=self.config_record)
             log.warning("resumed from step %d", self.start)
         elif self.learner.reference_params is not None:
-            self.ckpt.save_static(REFERENCE, self._reference_view())
+            self.ckpt.save_static(REFERENCE, self.learner.reference_params)
         self.ckpt.prepare(self._checkpoint_state())  # the first save then compiles nothing
 
         # --- engines and the producer ---------------------------------------------------
@@ -594,16 +597,8 @@ class Trainer:
         if "critic" in restored:
             self.learner.critic = self.learner.critic.from_checkpoint(restored["critic"])
         if self.learner.reference_params is not None:
-            restored = self.ckpt.restore_static(REFERENCE, self._reference_view())
-            self.learner.reference_params = (
-                lora.merge_into(self.learner.reference_params, restored)
-                if self.model_cfg.lora is not None else restored)
-
-    def _reference_view(self):
-        """What the run saves of the KL reference: all of it, or a LoRA policy's adapters at
-        the start (its base is the frozen one every start reloads)."""
-        ref = self.learner.reference_params
-        return lora.adapters(ref) if self.model_cfg.lora is not None else ref
+            self.learner.reference_params = self.ckpt.restore_static(
+                REFERENCE, self.learner.reference_params)
 
 
 # ----------------------------------------------------------------------------- shapes

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
+from rl_tpu.models import lora
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
 from rl_tpu.rl.advantages import compute_advantages
@@ -127,6 +128,15 @@ class Learner:
         self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
         self._programs: dict[tuple, Any] = {}  # (phase, micro-batches) -> jitted function
         self._ahead: Optional[concurrent.futures.Future] = None  # compile_ahead's, until read
+
+    def reference(self):
+        """The KL reference's params: `reference_params` as given, or, given as adapters alone
+        (a LoRA policy's adapters at the start), those adapters on the policy's own frozen base,
+        so that a chip holds one copy of the base, not two."""
+        ref = self.reference_params
+        if ref is not None and not lora.without_adapters(ref):
+            return lora.merge_into(self.policy.params, ref)
+        return ref
 
     # -- micro-batches and programs -------------------------------------------------------
 
@@ -220,7 +230,7 @@ class Learner:
                              "(full-distribution) in the batch")
         if self.reference_params is not None:
             out["ref_logprobs"], _ = self.program("ref_logprobs", *shape)(
-                self.reference_params, inputs)
+                self.reference(), inputs)
         if self.critic is not None:
             out["values"] = self.program("values", *shape)(self.critic.params, inputs)
         return out
@@ -301,7 +311,7 @@ class Learner:
             keys = self.update_keys(batch_keys)
             return program.lower(_abstract(self.policy), {k: batch[k] for k in keys}, key)
         if phase in ("logprobs", "ref_logprobs"):
-            params = self.policy.params if phase == "logprobs" else self.reference_params
+            params = self.policy.params if phase == "logprobs" else self.reference()
             return program.lower(_abstract(params), inputs)
         if phase == "values":
             return program.lower(_abstract(self.critic.params), inputs)

@@ -132,10 +132,15 @@ def _check_behaviour_logprobs(c, trainer):
 
 
 def test_a_lora_checkpoint_saves_adapters_and_moments_only(tmp_path, sft_base):
-    c = lora_config(sft_base, **{"train.steps": 2})
+    c = lora_config(sft_base, **{"train.steps": 2, "algo.kl_coef": 0.01})
     rl.run(c, str(tmp_path), trainer_class=RecordingTrainer)
     trainer = RecordingTrainer.last
     n = lora.adapter_count(trainer.learner.policy.params)
+    # the KL reference is the start's adapters alone, put on the policy's own base when scored
+    reference = trainer.learner.reference_params
+    assert not lora.without_adapters(reference) and lora.adapter_count(reference) == n
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, reference),
+                 trainer.versions[0])
     target = trainer._checkpoint_state()
     arrays = [x for x in jax.tree.leaves(target) if np.ndim(x) > 0]
     assert sum(x.size for x in arrays) == 3 * n  # adapters, Adam's mu and nu
