@@ -82,8 +82,7 @@ def test_async_lora_behaviour_logprobs_are_their_adapter_versions(tmp_path, sft_
     _check_behaviour_logprobs(c, RecordingTrainer.last)
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.slow  # (not in the rollout_servers group: a tiny JAX server, no SGLang)
 def test_async_lora_on_rl_tpus_own_server_samples_each_token_under_its_version(tmp_path,
                                                                                sft_base):
     """The same against rl_tpu's own rollout server with LoRA on (rollout.engine=sglang): the
