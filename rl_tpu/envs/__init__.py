@@ -19,6 +19,7 @@ ENV_MODULES: dict[str, str] = {
     "math": "math",
     "largest": "largest",
     "evens": "evens",
+    "guess": "guess",
     "selfplay_arithmetic": "selfplay",
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",

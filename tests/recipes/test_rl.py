@@ -25,7 +25,7 @@ CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sci
            "search_grpo", "agentgym:babyai", "agentgym:textcraft", "agentgym:sciworld",
            "agentgym:searchqa", "bapo_offpolicy:bapo,s2", "bapo_offpolicy:clip,replay",
            "tl_grpo_babyai", "siri_arithmetic", "babyai_cpu", "code_grpo", "tool_calling",
-           "lora_largest:r8", "bapo_entropy:bapo,s8"]
+           "lora_largest:r8", "bapo_entropy:bapo,s8", "tl_grpo_guess:tl_grpo"]
 
 
 def config(name, variant="smoke"):
