@@ -4,10 +4,9 @@ its table of outcomes and mechanism numbers, and one figure.
     python benchmarks/bapo_entropy.py --root /tmp/bapo_e
     python benchmarks/bapo_entropy.py --root /tmp/bapo_e --runs bapo,s8 clip,s8 --seeds 0
 
-1. The base: `evens`' tiny model after its SFT warm start (<root>/base/final_hf), built once;
-   every run starts from it, so the methods differ only in their updates.
-2. Each run (`loss,setting` x seed) in its own process (`nice -n 10`), one after another; a
-   workdir that holds a finished run is not run again.
+1-2. testbed_grid.py's grid: `evens`' tiny model after its SFT warm start, built once, and
+   every run (`loss,setting` x seed) from it in its own process, so the methods differ only
+   in their updates.
 3. The table, per run averaged over seeds: greedy success, pass@8, mean@8 (pass@1 at
    temperature 1) and distinct@8 (distinct right answers in 8 samples) over the last --last
    evals; entropy over the first and last 5 steps; and the mechanism over the whole run, from
@@ -22,23 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_runs import read, series  # noqa: E402
+from testbed_grid import compare, grid  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("clip,s0", "bapo,s8", "clip,s8", "clip_higher,s8")
 K = 8
-
-
-def launch(module: str, args: list[str], workdir: str, done: str) -> None:
-    if os.path.isfile(os.path.join(workdir, done)):
-        return
-    command = ["nice", "-n", "10", sys.executable, "-m", module, *args, "--workdir", workdir]
-    print("$", " ".join(command), flush=True)
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
 
 def mean_or_nan(values) -> float:
@@ -93,19 +83,7 @@ def main():
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
 
-    base_dir = os.path.join(args.root, "base")
-    launch("launch.sft", ["--config", "configs/bapo_entropy.py"], base_dir,
-           os.path.join("final_hf", "config.json"))
-    base = os.path.join(base_dir, "final_hf")
-    dirs = {}
-    for variant in args.runs:
-        dirs[variant] = []
-        for seed in seeds:
-            workdir = os.path.join(args.root, f"{variant.replace(',', '_')}_seed{seed}")
-            launch("launch.train", ["--config", f"configs/bapo_entropy.py:{variant},seed{seed}",
-                                    f"--config.model.path={base}", "--config.sft.steps=0"],
-                   workdir, "finished.json")
-            dirs[variant].append(workdir)
+    dirs = grid("configs/bapo_entropy.py", args.root, args.runs, seeds)
 
     print(f"\nseeds {seeds}; evals: mean of the last {args.last}; entropy: first / last 5 "
           "steps; mechanism: over the whole run")
@@ -126,12 +104,8 @@ def main():
               f"{m['step_s']:.2f} |")
 
     if args.out:
-        subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "compare_runs.py"),
-                        *[f"--runs={v}={os.path.join(args.root, v.replace(',', '_') + '_seed*')}"
-                          for v in dirs],
-                        "--panels", f"train/entropy,eval/distinct@{K},eval/mean@{K},"
-                                    "eval/success", "--last", str(args.last), "--out", args.out],
-                       cwd=REPO, check=True)
+        compare(args.root, list(dirs), f"train/entropy,eval/distinct@{K},eval/mean@{K},"
+                "eval/success", "step", args.last, args.out)
 
 
 if __name__ == "__main__":

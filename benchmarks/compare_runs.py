@@ -41,12 +41,17 @@ def read(workdir: str) -> list[dict]:
 
 def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x, value) of `key` over the run: x the step, or (x = "tokens") the tokens sampled so
-    far: an RL run's rollout/played_tokens added up, a loop's loop/total_sampled_tokens."""
+    far: an RL run's rollout/played_tokens added up, a loop's loop/total_sampled_tokens; or
+    (x = "solver_tokens") a self-play run's solver tokens (selfplay/solver_tokens), which for a
+    plain run are all its tokens."""
     points, sampled = [], 0.0
     for r in records:
         if r["step"] < 0:
             continue
-        sampled += r.get("rollout/played_tokens", 0.0)
+        if x == "solver_tokens" and "selfplay/solver_tokens" in r:
+            sampled += r["selfplay/solver_tokens"]
+        else:
+            sampled += r.get("rollout/played_tokens", 0.0)
         if key in r:
             where = r["step"] if x == "step" else r.get("loop/total_sampled_tokens", sampled)
             points.append((where, r[key]))
@@ -69,7 +74,7 @@ def main():
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
     parser.add_argument("--panels", default=",".join(k for k, _ in PANELS),
                         help="comma-separated metrics, one panel each")
-    parser.add_argument("--x", choices=("step", "tokens"), default="step",
+    parser.add_argument("--x", choices=("step", "tokens", "solver_tokens"), default="step",
                         help="x axis: the RL step (a loop's round), or the tokens sampled so "
                              "far (to set loops and plain RL side by side at equal budgets)")
     args = parser.parse_args()
@@ -121,7 +126,8 @@ def main():
                 ax.plot(curves[0][0][:n], low_mean, color=colour, linestyle="--",
                         linewidth=1.2)
         ax.set_title(title)
-        ax.set_xlabel("RL step (loops: round)" if args.x == "step" else "tokens sampled")
+        ax.set_xlabel({"step": "RL step (loops: round)", "tokens": "tokens sampled",
+                       "solver_tokens": "solver tokens sampled"}[args.x])
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

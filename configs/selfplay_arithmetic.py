@@ -11,17 +11,31 @@ solver. The proposer is paid most when the solver succeeds half the time on its 
 (selfplay.target_success = 0.5). W/curves.png draws the proposer's difficulty
 (selfplay/proposal_terms), the solver's success on proposals and the held-out eval; the
 figures are in docs/loops.md. `smoke` runs the same game in seconds.
+
+Variants (the proposer's reward, recipes/selfplay.py): `peak` (the default: highest at 50%
+solver success), `learnability` (4 p (1 - p)), `band` (1 for solver success in [0.2, 0.8]);
+and `solver_only`, the control: plain GRPO on random problems of 2-3 terms (the env's solve
+tasks) from the same warm start, no proposer, compared at equal solver tokens
+(selfplay/solver_tokens against rollout/played_tokens). `,seedN` picks the seed.
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
 from rl_tpu.recipes.variants import parse_variant
 
 
+REWARDS = ("peak", "learnability", "band", "solver_only")
+
+
 def get_config(arg: str = ""):
-    _, smoke = parse_variant(arg, {})
+    chosen, smoke = parse_variant(arg, {"reward": REWARDS}, numbered={"seed": 0})
     c = base_config("grpo")
-    c.recipe = "selfplay"
-    set_env(c, "selfplay_arithmetic", max_terms=4, max_number=20)
+    c.seed = chosen["seed"]
+    solver_only = chosen["reward"] == "solver_only"
+    c.recipe = "rl" if solver_only else "selfplay"
+    if not solver_only:
+        c.selfplay.proposer_reward = chosen["reward"]
+    set_env(c, "selfplay_arithmetic", max_terms=4, max_number=20,
+            train_roles="solve" if solver_only else "both")
     tiny_model_warm_start(c, context_tokens=256, sft_steps=300, num_demos=4000,
                           teacher_skill=0.5, corpus_tasks=200)
     c.env.max_new_tokens = 12

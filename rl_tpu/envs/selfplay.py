@@ -14,7 +14,8 @@ The proposer's reply is parsed, not trusted: `info["expression"]` is the canonic
 difficulty logged over training) and `info["valid"]`; an invalid proposal has valid False.
 
 Tasks: the train split alternates roles (even index: propose, odd: solve a random problem), so
-a warm start on the teacher's demonstrations covers both; the eval split is solve tasks only,
+a warm start on the teacher's demonstrations covers both (`train_roles="solve"`: solve tasks
+only, for a solver trained without self-play); the eval split is solve tasks only,
 a fixed held-out set of problems of 2-3 terms, so eval success is the solver's accuracy.
 The teacher (`teacher_reply`): proposes a random expression of 2 to 3 terms, and solves
 correctly with probability `skill` (else it answers the value of the first term alone).
@@ -96,9 +97,10 @@ def solve_task(task_id: str, expression: str, max_terms: int, max_number: int) -
 
 
 def _draw_task(rng: random.Random, split: str, index: int, max_terms: int,
-               max_number: int) -> dict:
-    """train: propose / solve alternating by index; eval: solve only (2-3 terms)."""
-    if split == "train" and index % 2 == 0:
+               max_number: int, train_roles: str) -> dict:
+    """train: propose / solve alternating by index (or solve only); eval: solve only (2-3
+    terms)."""
+    if split == "train" and train_roles == "both" and index % 2 == 0:
         return {"role": "propose"}
     expression = random_expression(rng, rng.randint(2, min(3, max_terms)), max_number)
     return solve_task("", expression, max_terms, max_number).data
@@ -110,14 +112,18 @@ class SelfPlayArithmeticEnv(Env):
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, max_terms: int = 4, max_number: int = 20, train_seed: int = 1_000_000,
-                 eval_seed: int = 0, train_size: int = 1_000_000, eval_size: int = 1000):
+                 eval_seed: int = 0, train_size: int = 1_000_000, eval_size: int = 1000,
+                 train_roles: str = "both"):
         if max_terms < 2 or max_number < 1:
             raise ValueError(f"max_terms={max_terms} must be >= 2 and max_number={max_number} "
                              ">= 1")
+        if train_roles not in ("both", "solve"):
+            raise ValueError(f"train_roles={train_roles!r}: 'both' (self-play) or 'solve' (a "
+                             "solver trained on random problems alone, the control)")
         self.max_terms, self.max_number = max_terms, max_number
         self._tasks = SeededTasks(
             "selfplay", lambda rng, split, index: _draw_task(rng, split, index, max_terms,
-                                                             max_number),
+                                                             max_number, train_roles),
             train_seed, eval_seed, train_size, eval_size)
         self._task: Optional[Task] = None
 

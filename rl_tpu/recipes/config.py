@@ -353,11 +353,13 @@ def dpo_block() -> ml_collections.ConfigDict:
 
 def selfplay_block() -> ml_collections.ConfigDict:
     """Two-role self-play (rl_tpu/recipes/selfplay.py): train.samples_per_task proposals a
-    slot, this many solver attempts a valid proposal; the proposer's reward peaks when the
-    solver's success on its problem is target_success."""
+    slot, this many solver attempts a valid proposal; the proposer's reward, a function of the
+    solver's success on its problem (proposer_reward)."""
     b = ml_collections.ConfigDict()
     b.solver_samples = 4
-    b.target_success = 0.5
+    b.proposer_reward = "peak"  # peak | learnability | band (recipes/selfplay.py)
+    b.target_success = 0.5  # "peak": where the reward is 1
+    b.band_low, b.band_high = 0.2, 0.8  # "band": the solver success rates paid 1
     return b
 
 

@@ -9,8 +9,11 @@ an expression of integers joined by + - *, checked and evaluated by the env) or 
             train.samples_per_task times (one GRPO group a slot)
   solve     every valid proposal is a solver task, sampled selfplay.solver_samples times
             (one GRPO group a proposal); the solver's reward is correctness
-  score     a valid proposal's reward peaks when the solver's success p on it is
-            selfplay.target_success (t): 1 - |p - t| / max(t, 1 - t); an invalid one gets 0.
+  score     a valid proposal's reward from the solver's success p on it, by
+            selfplay.proposer_reward: "peak" 1 - |p - t| / max(t, 1 - t), highest at
+            p = selfplay.target_success (t); "learnability" 4 p (1 - p) (the variance of the
+            solver's reward: what a problem can teach it); "band" 1 inside
+            [selfplay.band_low, selfplay.band_high], else 0. An invalid proposal gets 0.
             A problem everyone solves, or no one does, teaches the solver nothing
   update    both roles' tokens train in one batch: each row's loss mask holds its own
             role's reply, and groups never mix roles (`info["role"]` tags the rows). An
@@ -21,8 +24,9 @@ pause episodes across steps and resume them as plain episodes) are refused by th
 The difficulty of what is proposed is logged every step: selfplay/proposal_terms (integers a
 valid problem has), selfplay/proposal_abs_value (the size of its answer),
 selfplay/solver_success (on this step's proposals),
-selfplay/proposal_valid, selfplay/proposer_reward; W/curves.png draws them beside the eval
-(eval/success: the solver's greedy accuracy on held-out problems of 2-3 terms).
+selfplay/proposal_valid, selfplay/proposer_reward, and selfplay/solver_tokens (the solver's
+sampled tokens this step: the budget a solver-only control matches); W/curves.png draws them
+beside the eval (eval/success: the solver's greedy accuracy on held-out problems of 2-3 terms).
 """
 
 from __future__ import annotations
@@ -53,9 +57,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     return run_trainer(config, workdir, trainer_class=SelfPlayTrainer)
 
 
-def proposer_reward(solver_success: float, target: float) -> float:
-    """1 at p = target, falling linearly to 0 at whichever of p = 0 or 1 is farther."""
-    return 1.0 - abs(solver_success - target) / max(target, 1.0 - target)
+PROPOSER_REWARDS = ("peak", "learnability", "band")
+
+
+def proposer_reward(solver_success: float, sp: ml_collections.ConfigDict) -> float:
+    """The proposer's reward for a problem the solver solved with rate p (module docstring):
+    "peak" 1 at p = target, falling linearly to 0 at whichever of p = 0 or 1 is farther;
+    "learnability" 4 p (1 - p); "band" 1 for p in [band_low, band_high], else 0."""
+    p = solver_success
+    if sp.proposer_reward == "peak":
+        return 1.0 - abs(p - sp.target_success) / max(sp.target_success, 1.0 - sp.target_success)
+    if sp.proposer_reward == "learnability":
+        return 4.0 * p * (1.0 - p)
+    if sp.proposer_reward == "band":
+        return float(sp.band_low <= p <= sp.band_high)
+    raise ValueError(f"selfplay.proposer_reward={sp.proposer_reward!r}; choose one of "
+                     f"{PROPOSER_REWARDS}")
 
 
 class SelfPlayTrainer(Trainer):
@@ -87,11 +104,10 @@ class SelfPlayTrainer(Trainer):
         for traj in solutions:
             traj.info["role"] = "solve"
 
-        target = config.selfplay.target_success
         for k, (i, traj) in enumerate(valid):
             p = float(np.mean([t.success for t in solutions[k * s:(k + 1) * s]]))
             traj.info["solver_success"] = p
-            _set_reward(traj, proposer_reward(p, target))
+            _set_reward(traj, proposer_reward(p, config.selfplay))
         fillers = []
         for traj in proposals:
             if _proposal(traj) is None:
@@ -137,4 +153,5 @@ def game_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
             "selfplay/proposal_terms": mean([_proposal(t)["terms"] for t in valid]),
             "selfplay/proposal_abs_value": mean([abs(_proposal(t)["value"]) for t in valid]),
             "selfplay/solver_success": mean([float(t.success) for t in solves]),
+            "selfplay/solver_tokens": float(sum(t.num_generated for t in solves)),
             "selfplay/proposer_reward": mean([t.reward for t in proposals])}

@@ -5,6 +5,7 @@ import pytest
 from test_loops import _train, _traj
 
 from rl_tpu.metrics import read_metrics
+from rl_tpu.recipes.config import selfplay_block
 from rl_tpu.recipes.selfplay import game_metrics, proposer_reward
 from rl_tpu.train.rollout_batch import NO_LOSS
 
@@ -13,7 +14,25 @@ from rl_tpu.train.rollout_batch import NO_LOSS
     (0.5, 0.5, 1.0), (0.0, 0.5, 0.0), (1.0, 0.5, 0.0), (0.25, 0.5, 0.5),
     (1.0, 0.25, 0.0), (0.0, 0.25, 1 - 0.25 / 0.75), (0.5, 0.25, 1 - 0.25 / 0.75)])
 def test_proposer_reward_peaks_at_the_target_success(p, target, reward):
-    assert proposer_reward(p, target) == pytest.approx(reward)
+    sp = selfplay_block()
+    sp.target_success = target
+    assert proposer_reward(p, sp) == pytest.approx(reward)
+
+
+@pytest.mark.parametrize("p,learnability,band", [
+    (0.0, 0.0, 0.0), (0.1, 0.36, 0.0), (0.2, 0.64, 1.0), (0.5, 1.0, 1.0), (0.8, 0.64, 1.0),
+    (0.9, 0.36, 0.0), (1.0, 0.0, 0.0)])
+def test_learnability_is_4p_1_minus_p_and_the_band_pays_inside_it(p, learnability, band):
+    """4 p (1 - p): 4 * 0.1 * 0.9 = 0.36, 4 * 0.2 * 0.8 = 0.64; the band [0.2, 0.8] pays 1
+    at its ends and inside."""
+    sp = selfplay_block()
+    sp.proposer_reward = "learnability"
+    assert proposer_reward(p, sp) == pytest.approx(learnability)
+    sp.proposer_reward = "band"
+    assert proposer_reward(p, sp) == band
+    sp.proposer_reward = "peek"
+    with pytest.raises(ValueError, match="proposer_reward='peek'"):
+        proposer_reward(p, sp)
 
 
 def _proposal(terms, value, reward):
@@ -35,6 +54,7 @@ def test_game_metrics_count_real_rows_by_role():
     assert m["selfplay/proposal_terms"] == 3.0 and m["selfplay/proposal_abs_value"] == 5.0
     assert m["selfplay/solver_success"] == 0.75
     assert m["selfplay/proposer_reward"] == 0.5  # (0.5 + 1.0 + 0.0) / 3
+    assert m["selfplay/solver_tokens"] == sum(t.num_generated for t in solves) > 0
 
 
 def test_selfplay_with_partial_rollouts_is_refused_naming_both_keys():
