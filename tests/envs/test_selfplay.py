@@ -63,6 +63,12 @@ def test_train_split_alternates_roles_and_eval_is_held_out_solving():
     assert tasks.get("eval", 7).data == tasks.get("eval", 7).data  # reproducible
     with pytest.raises(ValueError, match="overlap"):
         make("selfplay_arithmetic", train_seed=0, eval_seed=10)
+    # the solver-only control's train split: solve tasks alone, the same held-out set
+    solver_only = make("selfplay_arithmetic", train_roles="solve").tasks()
+    assert [solver_only.get("train", i).data["role"] for i in range(6)] == ["solve"] * 6
+    assert solver_only.get("eval", 7).data == tasks.get("eval", 7).data
+    with pytest.raises(ValueError, match="train_roles='proposer'"):
+        make("selfplay_arithmetic", train_roles="proposer")
 
 
 def test_teacher_proposes_valid_problems_and_solves_at_its_skill():

@@ -45,6 +45,7 @@ def test_a_default_must_be_a_choice():
     ("babyai_cpu", "fixed,scaling"), ("babyai_cpu", "seed1,seed2"), ("agentgym", "babyai,sciworld"),
     ("countdown_grpo", "fast"), ("quickstart", "sft-only"), ("tl_grpo_babyai", "fixd"),
     ("bapo_entropy", "bapo,clip"), ("bapo_entropy", "s4,s8"), ("tl_grpo_guess", "grpo,tl_grpo"),
+    ("selfplay_arithmetic", "peak,band"),
 ])
 def test_configs_refuse_two_of_a_group_or_a_typo(name, arg):
     sys.path.insert(0, REPO)
