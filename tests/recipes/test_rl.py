@@ -23,7 +23,7 @@ from rl_tpu.recipes import rl
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sciworld_ppo",
            "search_grpo", "agentgym:babyai", "agentgym:textcraft", "agentgym:sciworld",
-           "agentgym:searchqa", "bapo_offpolicy:bapo,s2", "bapo_offpolicy:clip,replay",
+           "agentgym:searchqa", "bapo_offpolicy:clip,replay",
            "tl_grpo_babyai", "siri_arithmetic", "babyai_cpu", "code_grpo", "tool_calling",
            "lora_largest:r8", "bapo_entropy:bapo,s8", "tl_grpo_guess:tl_grpo"]
 
