@@ -128,6 +128,7 @@ class _Row:
     spans: list = dataclasses.field(default_factory=list)  # [(version, first output index)]
     generation: int = 0  # the prefix cache's, at prefill
     hashes: Optional[list] = None  # the prompt's chain hashes (prefix reuse), at prefill
+    salt: int = 0  # its adapter's prefix-cache salt, read at prefill (its slot held since)
 
 
 class ContinuousBatcher:
@@ -408,6 +409,7 @@ class ContinuousBatcher:
             for i, row in enumerate(take):
                 row.slot, row.spans, row.generation = free[i], [(version, 0)], generation
                 row.hashes = None if matches is None else matches[i].hashes
+                row.salt = sampler.prefix_salt(row.request.lora_slot)
                 self._active[row.slot] = row
             self._admitting = []
         # each prefilled row has its first token (count 1); kept on the host, no device read
@@ -571,9 +573,8 @@ class ContinuousBatcher:
                     seqs[j] = np.concatenate([np.asarray(row.request.prompt_ids),
                                               tokens[i, :count - 1]]).astype(np.int32)
                     hashes[j] = row.hashes or []
-                salts = [self.sampler.prefix_salt(row.request.lora_slot) for _, row in part]
                 prefix.insert(seqs, hashes, self._pool.cache, generation, rows=take,
-                              salts=salts + [0] * (f - len(part)))
+                              salts=[row.salt for _, row in part] + [0] * (f - len(part)))
 
     def _fail_all(self, error: BaseException, queued_too: bool) -> None:
         """Fails the running rows' tickets (their K/V is suspect: a fresh pool is built at the
