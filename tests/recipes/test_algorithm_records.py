@@ -16,7 +16,7 @@ _SHARED = {"aggregation": "token_mean", "bapo": _BAPO, "behaviour_is": "none",
            "behaviour_is_cap": 2.0, "branch_sample": "fixed", "branch_turn": 0,
            "clip_high": 0.2, "clip_low": 0.2, "dual_clip": 0.0, "dynamic_sampling": False,
            "entropy_coef": 0.0, "gamma": 1.0, "kl_coef": 0.0, "kl_estimator": "k3", "lam": 1.0,
-           "log_kl": False,
+           "log_kl": False, "mechanism_metrics": False,
            "max_refill_rounds": 3, "overlong_buffer": 0, "overlong_penalty": 1.0,
            "ratio_against": "proximal", "recompute_proximal": True, "reward_kl_coef": 0.0,
            "std_ddof": 1, "value_clip": 0.2, "value_lr": 1e-05, "whiten_advantages": False}
@@ -37,7 +37,7 @@ _KEYS = ["advantage", "aggregation", "bapo", "behaviour_is", "behaviour_is_cap",
          "branch_sample", "branch_turn", "clip_high", "clip_low", "dual_clip",
          "dynamic_sampling", "entropy_coef", "gamma", "kl_coef", "kl_estimator", "lam",
          "log_kl", "loss",
-         "max_refill_rounds", "name", "overlong_buffer", "overlong_penalty", "ratio_against",
+         "max_refill_rounds", "mechanism_metrics", "name", "overlong_buffer", "overlong_penalty", "ratio_against",
          "recompute_proximal", "reward_kl_coef", "std_ddof", "value_clip", "value_lr",
          "whiten_advantages"]
 
