@@ -419,7 +419,7 @@ def test_host_state_pickled_by_an_earlier_version_is_refused_unread(tmp_path, me
 
 
 CRASH_SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import jax.numpy as jnp
     from rl_tpu.checkpoint import Checkpointer
 
@@ -428,6 +428,12 @@ CRASH_SCRIPT = textwrap.dedent("""
     ckpt.wait()  # step 1 is complete
     big = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(8)}  # 128 MiB
     ckpt.save(2, big, {"step": 2})  # returns while the files are still being written
+    # the partial folder is made on the saver's thread: kill once it exists (on a loaded
+    # machine save() had returned before it did), while the 128 MiB are still being written
+    for _ in range(2000):
+        if any(n.startswith("2.") for n in os.listdir(sys.argv[1])):
+            break
+        time.sleep(0.002)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
