@@ -177,6 +177,11 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
     if sp.solver_samples < 2 or not 0 < sp.target_success < 1:
         raise ValueError(f"selfplay.solver_samples={sp.solver_samples} must be >= 2 (a solver "
                          f"group) and selfplay.target_success={sp.target_success} in (0, 1)")
+    rewards = ("peak", "learnability", "band")  # recipes/selfplay.PROPOSER_REWARDS
+    if sp.proposer_reward not in rewards or not 0 <= sp.band_low <= sp.band_high <= 1:
+        raise ValueError(f"selfplay.proposer_reward={sp.proposer_reward!r} must be one of "
+                         f"{rewards}, and selfplay.band_low={sp.band_low} <= "
+                         f"selfplay.band_high={sp.band_high} within [0, 1]")
     if config.recipe == "dpo" and not dpo.data_path and loop.samples_per_task < 2:
         raise ValueError("online DPO pairs the best and worst of a prompt's replies: set "
                          "loop.samples_per_task >= 2")

@@ -57,6 +57,23 @@ def test_game_metrics_count_real_rows_by_role():
     assert m["selfplay/solver_tokens"] == sum(t.num_generated for t in solves) > 0
 
 
+def test_a_bad_proposer_reward_is_refused_at_start():
+    from test_rl import config
+
+    from rl_tpu.recipes.config import check
+    from rl_tpu.recipes.selfplay import PROPOSER_REWARDS
+    c = config("selfplay_arithmetic")
+    for name in PROPOSER_REWARDS:
+        c.selfplay.proposer_reward = name
+        check(c)
+    c.selfplay.proposer_reward = "peek"
+    with pytest.raises(ValueError, match=r"selfplay.proposer_reward='peek' must be one of"):
+        check(c)
+    c.selfplay.proposer_reward, c.selfplay.band_low = "band", 0.9
+    with pytest.raises(ValueError, match=r"band_low=0.9 <= selfplay.band_high=0.8"):
+        check(c)
+
+
 def test_selfplay_with_partial_rollouts_is_refused_naming_both_keys():
     from test_rl import config
 
