@@ -589,13 +589,20 @@ def test_static_missing_mismatched_or_badly_named_is_named(tmp_path, mesh):
 
 
 STATIC_CRASH_SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import jax.numpy as jnp
     from rl_tpu.checkpoint import Checkpointer
 
     ckpt = Checkpointer(sys.argv[1], async_save=True)
     big = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(8)}  # 128 MiB
     ckpt.save_static("reference", big)  # returns while the files are still being written
+    # as in CRASH_SCRIPT: the partial folder is made on the saver's thread, so kill once it
+    # exists (CI saw an empty static/ when the kill came first)
+    static = os.path.join(sys.argv[1], "static")
+    for _ in range(2000):
+        if os.path.isdir(static) and any(n.startswith("reference.") for n in os.listdir(static)):
+            break
+        time.sleep(0.002)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
