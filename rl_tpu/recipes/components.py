@@ -8,6 +8,7 @@ urls). Recipes call these in order; nothing here loops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -324,12 +325,31 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
         cfg = cfg.replace(lora=dataclasses.replace(cfg.lora, dropout=adapter.dropout))
     elif adapter is not None:  # fresh adapters on the loaded (frozen) base
         cfg = cfg.replace(lora=adapter)
-        model = Transformer(cfg, mesh=mesh)
-        abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
-        shardings = parallel.param_shardings(abstract, names, mesh)
-        params = lora.with_adapters(params, lora.init_adapters(model, (abstract, shardings),
-                                                               config.seed))
+        params = with_fresh_adapters(Transformer(cfg, mesh=mesh), params, mesh, config.seed)
     return cfg, Transformer(cfg, mesh=mesh), params, load_tokenizer(path)
+
+
+def with_fresh_adapters(model, params, mesh: Mesh, seed: int) -> dict:
+    """`params` (a base without adapters) plus fresh adapters of `model` (a Transformer or a
+    model over one, whose cfg has `lora`), each in its sharding on `mesh`. B starts at zero
+    under PEFT's inits, so the result computes exactly what the base does."""
+    abstract, names = parallel.logical_axes_of(model, np.zeros((1, 1), np.int32))
+    shardings = parallel.param_shardings(abstract, names, mesh)
+    return lora.with_adapters(params, lora.init_adapters(model, (abstract, shardings), seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_fn(cfg: lora.LoraConfig):
+    return jax.jit(lambda p: lora.merge(p, cfg))  # one compile a LoRA config, not a call
+
+
+def merged(model_cfg: ModelConfig, params) -> tuple[ModelConfig, dict]:
+    """(config, params) of the plain model computing what a LoRA policy computes: every
+    adapter merged into its kernel, on device in the kernels' shardings. A model without
+    adapters is returned as it is."""
+    if model_cfg.lora is None:
+        return model_cfg, params
+    return model_cfg.replace(lora=None), _merge_fn(model_cfg.lora)(params)
 
 
 def check_adapter_matches(loaded: lora.LoraConfig, configured: lora.LoraConfig,
@@ -374,9 +394,7 @@ def export_hf(path: str, model_cfg: ModelConfig, params, tokenizer: ChatTokenize
     is not marked finished before its export, so a rerun exports again from the checkpoint."""
     from rl_tpu.checkpoint_errors import RunWriteError
 
-    if model_cfg.lora is not None:  # a plain HF model: every adapter merged into its kernel
-        params = jax.jit(lambda p: lora.merge(p, model_cfg.lora))(params)
-        model_cfg = model_cfg.replace(lora=None)
+    model_cfg, params = merged(model_cfg, params)  # a plain HF model: adapters merged in
     try:
         hf.save(path, model_cfg, params, tokenizer=tokenizer.hf)
     except RunWriteError:

@@ -225,21 +225,15 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
                          "room for a verdict like [[YES]]")
 
 
-LORA_RECIPES = ("rl", "sft", "selfplay")
 LORA_SAMPLER_MODES = ("merge", "lowrank")
 
 
 def _check_lora(config: ml_collections.ConfigDict) -> None:
-    """model.lora.*: which recipes train adapters, and the sampler's mode. (The adapters' own
-    fields are checked where they are built: components.lora_config.)"""
+    """model.lora.*: the sampler's mode (every recipe trains adapters; the adapters' own
+    fields are checked where they are built: components.lora_config)."""
     b = config.model.lora
     if b.rank <= 0:
         return
-    if config.recipe not in LORA_RECIPES:
-        raise ValueError(f"model.lora.rank={b.rank} with recipe={config.recipe!r}: LoRA trains "
-                         f"in the recipes {LORA_RECIPES}; the policy-chain recipes (rloop, "
-                         "expert_iteration, dpo, reward_model) load a new base each round and "
-                         "train it whole: set model.lora.rank=0")
     if b.sampler not in LORA_SAMPLER_MODES:
         raise ValueError(f"model.lora.sampler={b.sampler!r}; choose one of {LORA_SAMPLER_MODES}")
 

@@ -66,10 +66,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             pairs, record = round_pairs(chain, r, params, mix)                     # pairs
             if not pairs:
                 chain.finish_round(r, params, record)  # nothing to prefer: P_{r+1} = P_r
+                params = chain.next_start(r, params)
                 continue
             reference = reference_logps(chain, pairs, params, initial)             # reference
             params, metrics = optimise(chain, r, params, pairs, reference)         # optimise
             chain.finish_round(r, params, {**record, **metrics})                   # P_{r+1}
+            params = chain.next_start(r, params)
     finally:
         chain.close()
     return {k: v for k, v in chain.final_eval().items() if k.startswith("eval/")}

@@ -37,6 +37,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             examples = expert.examples(loop.max_per_task, loop.max_examples)       # filter
             params, sft_metrics = chain.fine_tune(r, params, examples)             # fine-tune
             chain.finish_round(r, params, {**expert.metrics(), **sft_metrics})     # P_{r+1}
+            params = chain.next_start(r, params)
     finally:
         chain.close()
     return {k: v for k, v in chain.final_eval().items() if k.startswith("eval/")}

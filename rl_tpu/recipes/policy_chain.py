@@ -9,6 +9,12 @@ The loops around the update (expert iteration, RLoop, online DPO) share this plu
     W/round_R/done.json          round R's summary; its presence says the round is complete
     W/metrics.jsonl              one line a round: step 0 is P_0's eval, step R+1 P_{R+1}'s
 
+With model.lora.rank > 0 every round trains fresh adapters on its frozen P_r and P_{r+1} is
+P_r with them merged in (each policy stays a plain HF dir): the chain keeps LoRA's training
+memory (the optimizer holds adapters only) while each round's reference, P_r itself, is the
+round's start with its adapters at zero. The loop's own engine samples and evaluates the
+merged policy, synced whole once a round.
+
 A round writes its policy before its done record, and every step of a round is resumable on
 its own, so a loop killed anywhere and started again continues where it was: finished rounds
 are skipped (their policy loaded from disk), an unfinished one resumes its own checkpoints.
@@ -89,7 +95,8 @@ class PolicyChain:
     # -- policies ----------------------------------------------------------------------------
 
     def load(self, r: int):
-        """P_r's params in their shardings (built first for r = 0)."""
+        """P_r's params in their shardings (built first for r = 0); in a LoRA loop with fresh
+        adapters, seeded by the round, that `self.model` trains on the frozen P_r."""
         if r == 0 and not os.path.isfile(os.path.join(self.policy_path(0), "config.json")):
             self._make_start()
         _, params = hf.load(self.policy_path(r), mesh=self.mesh, dtype=self.config.model.dtype,
@@ -97,16 +104,30 @@ class PolicyChain:
                             scan_layers=self.config.model.scan_layers,
                             attention_block=self.config.model.attention_block,
                             attention_impl=self.config.model.attention_impl)
-        return params
+        return self.adapted(params, r)
+
+    def next_start(self, r: int, params):
+        """What round r+1 starts from after round r ended with `params`: those themselves, or
+        in a LoRA loop P_{r+1} (merged) with round r+1's fresh adapters, as `load(r + 1)`
+        gives it on a resume, so a resumed loop repeats the uninterrupted one."""
+        if self.model_cfg.lora is None:
+            return params
+        return self.adapted(components.merged(self.model_cfg, params)[1], r + 1)
+
+    def adapted(self, base, r: int):
+        """`base` as `self.model` reads it: with round r's fresh adapters in a LoRA loop."""
+        if self.model_cfg.lora is None:
+            return base
+        return components.with_fresh_adapters(
+            self.model, base, self.mesh, components.step_seed(self.config.seed, r, 40))
 
     def _make_start(self) -> None:
         """P_0: the initial model, fine-tuned on the warm-start demonstrations when sft.steps
         > 0 (resumable), exported and evaluated (metrics step 0)."""
         config = self.config
-        _, params = hf.load(self.base_path, mesh=self.mesh, dtype=config.model.dtype,
-                            remat=config.model.remat, scan_layers=config.model.scan_layers,
-                            attention_block=config.model.attention_block,
-                            attention_impl=config.model.attention_impl)
+        # as self.model reads it: in a LoRA loop with model.lora.path's adapter or fresh ones,
+        # which the warm start trains and P_0 has merged in
+        _, _, params, _ = components.load_policy(config, self.base_path, self.mesh)
         record: dict[str, float] = {}
         if config.sft.steps > 0:
             if not config.sft.data_path:
@@ -125,7 +146,8 @@ class PolicyChain:
     def _save_policy(self, r: int, params) -> None:
         """P_r's HF dir, written by process 0 into the workdir every host shares (as orbax's
         checkpoints need); every host waits for it, so none reads it half-written."""
-        hf.save(self.policy_path(r), self.model_cfg, params, tokenizer=self.tokenizer.hf)
+        cfg, params = components.merged(self.model_cfg, params)
+        hf.save(self.policy_path(r), cfg, params, tokenizer=self.tokenizer.hf)
         parallel.sync_hosts(f"policy_{r}")
 
     def finish_round(self, r: int, params, record: dict) -> dict:
@@ -150,9 +172,11 @@ class PolicyChain:
     # -- sampling and evaluation ---------------------------------------------------------------
 
     def engine(self, params, version: str):
-        """The rollout engine, serving `params` as `version` (made once, then re-pointed)."""
+        """The rollout engine, serving `params` as `version` (made once, then re-pointed).
+        A LoRA policy is served merged: each round has a new base, so the engine holds none."""
+        cfg, params = components.merged(self.model_cfg, params)
         if self._engine is None:
-            self._engine = components.make_engine(self.config, self.model_cfg, params,
+            self._engine = components.make_engine(self.config, cfg, params,
                                                   self.tokenizer, self.workdir, version=version)
         else:
             self._engine.update_weights(parallel.host_copies(params), version)

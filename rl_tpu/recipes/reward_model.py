@@ -79,7 +79,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         head = reward_model.RewardHead(num_labels=1, pad_token_id=chain.tokenizer.pad_token_id)
         model = reward_model.RewardModel(chain.model_cfg, 1, chain.mesh, chain.model.rules)
         params = (reward_model.reward_params_from(initial_policy(), chain.model_cfg)
-                  if chain.rounds_done == 0 else _load_rm(chain, chain.rounds_done - 1))
+                  if chain.rounds_done == 0
+                  else _adapted(chain, model, _load_rm(chain, chain.rounds_done - 1),
+                                chain.rounds_done))
         record: dict = {}
         for r in range(chain.rounds_done, 1 + rm.ssrm_rounds):
             train, record = labelled, {"rm/labelled_pairs": float(len(labelled))}
@@ -89,6 +91,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             params, trained = optimise(chain, r, model, params, train)
             record |= trained | held_out_metrics(chain, params, head, held_out)
             _finish_round(chain, r, params, head, record)
+            if chain.model_cfg.lora is not None:  # as a resume starts round r+1 (_load_rm)
+                params = _adapted(chain, model, components.merged(chain.model_cfg, params)[1],
+                                  r + 1)
         if chain.rounds_done and not os.path.isdir(os.path.join(workdir, RM_DIR)):
             _publish_final(chain)
         return {k: v for k, v in (record or chain.final_eval()).items()
@@ -202,7 +207,7 @@ def optimise(chain: PolicyChain, r: int, model, params, pairs: Sequence) -> tupl
     num_steps = (max(1, math.ceil(rm.epochs * len(pairs) / rm.batch_size)) if rm.epochs > 0
                  else rm.steps)
     optim = components.optim_config(rm.lr, config, num_steps, warmup_steps=0)
-    state = components.new_state(params, optim)
+    state = components.new_state(params, optim, heads=("score",))  # LoRA: adapters + head
     extras = {"margin": np.asarray([p[2] for p in pairs], np.float32),
               "weight": np.ones((len(pairs),), np.float32)}
     longest = max(max(len(p[0][0]), len(p[1][0])) for p in pairs)
@@ -248,6 +253,16 @@ def _rm_path(chain: PolicyChain, r: int) -> str:
     return os.path.join(chain.round_dir(r), RM_DIR)
 
 
+def _adapted(chain: PolicyChain, model, params, r: int):
+    """A merged reward model with round r's fresh adapters on its trunk (a LoRA run: each
+    round trains new adapters on the last round's model, merged, as policy_chain.py's
+    rounds do), or `params` as they are."""
+    if chain.model_cfg.lora is None:
+        return params
+    return components.with_fresh_adapters(model, params, chain.mesh,
+                                          components.step_seed(chain.config.seed, r, 41))
+
+
 def _load_rm(chain: PolicyChain, r: int):
     _, _, params = reward_model.load(_rm_path(chain, r), mesh=chain.mesh,
                                      dtype=chain.config.model.dtype)
@@ -256,8 +271,8 @@ def _load_rm(chain: PolicyChain, r: int):
 
 def _finish_round(chain: PolicyChain, r: int, params, head, record: dict) -> None:
     """Writes round r's reward model, logs the round at step r, marks it done."""
-    reward_model.save(_rm_path(chain, r), chain.model_cfg, params, head,
-                      tokenizer=chain.tokenizer.hf)
+    cfg, params = components.merged(chain.model_cfg, params)  # a plain HF classifier
+    reward_model.save(_rm_path(chain, r), cfg, params, head, tokenizer=chain.tokenizer.hf)
     parallel.sync_hosts(f"reward_model_{r}")
     chain.writer.write(r + 1, record)  # step 0 is P_0's eval
     if chain.is_chief:

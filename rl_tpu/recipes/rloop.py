@@ -62,6 +62,7 @@ def round_config(config: ml_collections.ConfigDict, start_path: str) -> ml_colle
     c = config.copy_and_resolve_references()
     c.recipe = "rl"
     c.model.path = start_path
+    c.model.lora.path = ""  # a starting adapter is merged into P_0 already: fresh ones on P_r
     c.sft.steps = 0
     c.checkpoint.export_hf = False
     c.lock()

@@ -237,6 +237,23 @@ def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides,
 
 
 @pytest.mark.multihost
+@pytest.mark.parametrize("name", ["dpo_largest.py:smoke", "reward_model_largest.py:ssrm,smoke"],
+                         ids=["online_dpo", "reward_model_ssrm"])
+def test_lora_loops_train_like_one_process(tmp_path, name):
+    """LoRA in a loop of rounds: every host trains the same round adapters on its P_r, merges
+    them into P_{r+1} and draws the next round's alike. The adapters start on a fully
+    warm-started base (a random tiny model's replies all fail alike: no pairs)."""
+    base = run_job(_config_args("quickstart.py:smoke", tmp_path / "base", "--config.train.steps=0",
+                                "--config.sft.steps=30"), 1, 1, str(tmp_path / "base_logs"))
+    assert base.ok, base.tail()
+    _run_like_one(tmp_path, name, "--config.model.lora.rank=4", "--config.sft.steps=0",
+                  f"--config.model.path={tmp_path / 'base' / 'final_hf'}", final_hf=False)
+    rounds = [r for r in read_metrics(str(tmp_path / "one"))
+              if r.get("loop/pairs", 0) > 0 or r.get("rm/train_pairs", 0) > 0]
+    assert rounds, "no round had pairs: nothing trained"
+
+
+@pytest.mark.multihost
 def test_four_processes_of_one_device(tmp_path):
     """The synchronous loop on 4 hosts of one device each. (Lock-step asynchronous needs a
     device a host for its sampler beside the learner's, and is refused on servers the hosts
