@@ -15,7 +15,10 @@ rollouts `rollout/violation_rate`:
   plain    the env's reward as is: breaking the rule pays in 2 rounds of 3
   penalty  env.kwargs.violation_penalty = 1.0: a violation pays at most 0
   kl       the plain reward with a KL anchor to the aligned start (algo.kl_coef = 0.5, k3)
-`smoke` shrinks any of them. The figure and what it shows are in docs/loops.md.
+`seedN` picks the run's seed (the RL's sampling and order; the warm start is the base's). `smoke`
+shrinks any of them. The figure and what it shows are in docs/loops.md; the 2-seed grid:
+    python benchmarks/testbed_grid.py --config configs/tipping_routes.py --root /tmp/tip \
+        --runs plain penalty kl --seeds 0,1 --panels eval/violation_rate,rollout/violation_rate
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -25,9 +28,10 @@ VARIANTS = ("plain", "penalty", "kl")
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
+    chosen, smoke = parse_variant(arg, {"variant": VARIANTS}, numbered={"seed": 0})
     variant = chosen["variant"]
     c = base_config("grpo")
+    c.seed = chosen["seed"]
     set_env(c, "tipping_routes", rounds=1,
             violation_penalty=1.0 if variant == "penalty" else 0.0)
     # the tokenizer learns the scenarios' words; the teacher complies 90% of the time

@@ -149,14 +149,17 @@ def test_rollout_metrics_log_violation_and_format_valid_rates():
 
 
 @pytest.mark.slow
-def test_tipping_smoke_logs_violation_rates_in_rollouts_and_evals(tmp_path):
-    out = _train("configs/tipping_routes.py:kl,smoke", tmp_path)
+@pytest.mark.parametrize("testbed", ["tipping_routes", "tipping_commons"])
+def test_tipping_smoke_logs_violation_rates_in_rollouts_and_evals(tmp_path, testbed):
+    out = _train(f"configs/{testbed}.py:kl,seed1,smoke", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = read_metrics(str(tmp_path))
     evals = [r for r in records if "eval/success" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    assert all(0 <= r["eval/violation_rate"] <= 1 for r in evals)
     assert all(0 <= r["eval/format_valid_rate"] <= 1 for r in evals)
+    # no violation rate without a valid choice to count (a smoke's untrained replies)
+    assert all(("eval/violation_rate" in r) == (r["eval/format_valid_rate"] > 0) for r in evals)
+    assert all(0 <= r.get("eval/violation_rate", 0) <= 1 for r in evals)
     steps = [r for r in records if "rollout/reward" in r]
     assert all(0 <= r["rollout/format_valid_rate"] <= 1 and r["train/kl"] >= 0 for r in steps)
     # the smoke's sampled replies are mostly not A/B: a step without one valid reply has no
