@@ -43,17 +43,21 @@ def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float],
     """(x, value) of `key` over the run: x the step, or (x = "tokens") the tokens sampled so
     far: an RL run's rollout/played_tokens added up, a loop's loop/total_sampled_tokens; or
     (x = "solver_tokens") a self-play run's solver tokens (selfplay/solver_tokens), which for a
-    plain run are all its tokens."""
+    plain run are all its tokens; or (x = "env_steps") the env steps played so far
+    (rollout/env_steps added up)."""
     points, sampled = [], 0.0
     for r in records:
         if r["step"] < 0:
             continue
         if x == "solver_tokens" and "selfplay/solver_tokens" in r:
             sampled += r["selfplay/solver_tokens"]
+        elif x == "env_steps":
+            sampled += r.get("rollout/env_steps", 0.0)
         else:
             sampled += r.get("rollout/played_tokens", 0.0)
         if key in r:
-            where = r["step"] if x == "step" else r.get("loop/total_sampled_tokens", sampled)
+            where = (r["step"] if x == "step" else sampled if x == "env_steps"
+                     else r.get("loop/total_sampled_tokens", sampled))
             points.append((where, r[key]))
     return [s for s, _ in points], [v for _, v in points]
 
@@ -74,9 +78,11 @@ def main():
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
     parser.add_argument("--panels", default=",".join(k for k, _ in PANELS),
                         help="comma-separated metrics, one panel each")
-    parser.add_argument("--x", choices=("step", "tokens", "solver_tokens"), default="step",
-                        help="x axis: the RL step (a loop's round), or the tokens sampled so "
-                             "far (to set loops and plain RL side by side at equal budgets)")
+    parser.add_argument("--x", choices=("step", "tokens", "solver_tokens", "env_steps"),
+                        default="step",
+                        help="x axis: the RL step (a loop's round), the tokens sampled so far "
+                             "(to set loops and plain RL side by side at equal budgets), or the "
+                             "env steps played so far (horizons at equal interaction)")
     args = parser.parse_args()
     panels = [(key, TITLES.get(key, key)) for key in args.panels.split(",") if key]
 
@@ -127,7 +133,8 @@ def main():
                         linewidth=1.2)
         ax.set_title(title)
         ax.set_xlabel({"step": "RL step (loops: round)", "tokens": "tokens sampled",
-                       "solver_tokens": "solver tokens sampled"}[args.x])
+                       "solver_tokens": "solver tokens sampled",
+                       "env_steps": "env steps played"}[args.x])
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -75,7 +75,8 @@ def main():
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--base_variant", default="", help="the variant whose SFT is the base")
     parser.add_argument("--panels", default="eval/success,train/entropy,rollout/reward")
-    parser.add_argument("--x", default="step", choices=("step", "tokens", "solver_tokens"))
+    parser.add_argument("--x", default="step",
+                        choices=("step", "tokens", "solver_tokens", "env_steps"))
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
     parser.add_argument("--out", default="", help="the figure (.png); none if empty")
     args = parser.parse_args()

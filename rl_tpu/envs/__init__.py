@@ -20,6 +20,7 @@ ENV_MODULES: dict[str, str] = {
     "largest": "largest",
     "evens": "evens",
     "guess": "guess",
+    "maze": "maze",
     "selfplay_arithmetic": "selfplay",
     "tipping_routes": "tipping",
     "tipping_commons": "tipping",

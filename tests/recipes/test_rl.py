@@ -25,7 +25,8 @@ CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sci
            "search_grpo", "agentgym:babyai", "agentgym:textcraft", "agentgym:sciworld",
            "agentgym:searchqa", "bapo_offpolicy:clip,replay",
            "tl_grpo_babyai", "siri_arithmetic", "babyai_cpu", "code_grpo", "tool_calling",
-           "lora_largest:r8", "bapo_entropy:bapo,s8", "tl_grpo_guess:tl_grpo"]
+           "lora_largest:r8", "bapo_entropy:bapo,s8", "tl_grpo_guess:tl_grpo",
+           "scaling_maze:staged"]
 
 
 def config(name, variant="smoke"):
@@ -124,6 +125,10 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
     assert os.path.isfile(tmp_path / "final_hf" / "config.json")
     if name == "sciworld_ppo":
         assert "critic/value_loss" in last
+    if name.startswith("scaling_maze"):  # every episode trained on: its turns, added up
+        episodes = c.train.tasks_per_step * c.train.samples_per_task
+        for r in (r for r in records if "rollout/env_steps" in r):
+            assert r["rollout/env_steps"] == round(r["rollout/turns"] * episodes) > 0
     if name == "quickstart":
         # launch.eval's recipe, from the checkpoint and from the exported HF dir, measures
         # what the run's own final eval measured

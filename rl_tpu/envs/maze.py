@@ -1,0 +1,149 @@
+"""`maze`: walk a small walled grid to a goal, one move a turn. A long-horizon task a tiny model
+plays on a CPU, for the ScalingInter-RL testbed (configs/scaling_maze.py): a task's shortest
+path is drawn from [min_steps, max_steps] moves, so a turn limit H caps what can be solved at
+the tasks whose path fits in H, and an agent that detours needs more.
+
+    env = make("maze")                        # a 6 x 6 grid, paths of 2-14 moves
+    env.reset(task) -> "You are at row 4, column 1. The goal is at row 0, column 3.
+                        Open ways: north, east."
+    env.step("north") -> "You moved north. You are at row 3, ...", reward 0
+    env.step("west")  -> "A wall blocks west; you stay. You are at ...", reward 0
+    ...               -> "You reached the goal.", reward 1.0, done, success
+
+Rows grow southward, columns eastward. A move into a wall or off the grid leaves the agent in
+place (a turn spent, no error); a reply naming no direction is an invalid action (reward 0, the
+episode goes on). The reward is 1 when the goal is reached, whatever the turn, else 0: the
+sparse success reward AgentGym's envs give, so a longer horizon only adds chances.
+
+Tasks are reproducible by index (train and eval from disjoint seeds). Each draws walls with
+probability `wall_density` a cell, a start, and a goal at a shortest-path distance drawn
+uniformly from those in [min_steps, max_steps] that the grid offers (redrawn until one does).
+
+The teacher (`teacher_reply`) walks a shortest path with probability `skill` each turn, else
+steps greedily toward the goal ignoring walls (bumping into one when it is in the way), so its
+demonstrations reach the goal, but later than they could, and sometimes not within a horizon.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import re
+from typing import Optional
+
+from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
+
+MOVES = {"north": (-1, 0), "south": (1, 0), "west": (0, -1), "east": (0, 1)}
+_DIRECTION = re.compile(r"\b(north|south|east|west)\b", re.IGNORECASE)
+
+
+def distances(walls: frozenset, size: int, start: tuple[int, int]) -> dict:
+    """{cell: shortest-path moves from `start`} over the open cells reachable from it (BFS)."""
+    seen = {start: 0}
+    queue = collections.deque([start])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in MOVES.values():
+            cell = (r + dr, c + dc)
+            if 0 <= cell[0] < size and 0 <= cell[1] < size and cell not in walls \
+                    and cell not in seen:
+                seen[cell] = seen[(r, c)] + 1
+                queue.append(cell)
+    return seen
+
+
+@register("maze")
+class MazeEnv(Env):
+    name = "maze"
+    replayable = True  # reset(task) and the same replies reach the same state
+    system_prompt = ("You walk a grid to a goal. Each turn, reply with one direction: north, "
+                     "south, east or west. Rows grow to the south, columns to the east.")
+
+    def __init__(self, size: int = 6, wall_density: float = 0.2, min_steps: int = 2,
+                 max_steps: int = 14, train_seed: int = 1_000_000, eval_seed: int = 0,
+                 train_size: int = 1_000_000, eval_size: int = 1000):
+        if size < 2 or not 0 <= wall_density < 0.6 or not 1 <= min_steps <= max_steps:
+            raise ValueError(f"maze: size={size} must be >= 2, wall_density={wall_density} in "
+                             f"[0, 0.6), and 1 <= min_steps={min_steps} <= max_steps={max_steps}")
+        self.size, self.wall_density = size, wall_density
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self._tasks = SeededTasks("maze", self._draw, train_seed, eval_seed, train_size,
+                                  eval_size)
+        self._walls: frozenset = frozenset()
+        self._at: Optional[tuple[int, int]] = None  # None: no episode under way
+        self._goal = (0, 0)
+
+    def _draw(self, rng: random.Random, split: str, index: int) -> dict:
+        del split, index  # both splits draw alike, from their own seeds
+        cells = [(r, c) for r in range(self.size) for c in range(self.size)]
+        for _ in range(1000):
+            walls = frozenset(x for x in cells if rng.random() < self.wall_density)
+            start = rng.choice([x for x in cells if x not in walls] or cells)
+            reach = distances(walls, self.size, start)
+            lengths = sorted({d for d in reach.values()
+                              if self.min_steps <= d <= self.max_steps})
+            if lengths:
+                steps = rng.choice(lengths)
+                goal = rng.choice(sorted(x for x, d in reach.items() if d == steps))
+                return {"walls": sorted(map(list, walls)), "start": list(start),
+                        "goal": list(goal), "shortest": steps}
+        raise ValueError(f"maze: no grid of size {self.size} at wall_density "
+                         f"{self.wall_density} offers a path of {self.min_steps}-"
+                         f"{self.max_steps} moves")
+
+    def tasks(self) -> SeededTasks:
+        return self._tasks
+
+    def reset(self, task: Task) -> str:
+        data = task.data or {}
+        if not {"walls", "start", "goal"} <= set(data):
+            raise ValueError(f"task {task.task_id!r} needs 'walls', 'start' and 'goal'; take "
+                             "tasks from env.tasks().get(split, index)")
+        self._walls = frozenset(tuple(x) for x in data["walls"])
+        self._at, self._goal = tuple(data["start"]), tuple(data["goal"])
+        return self._where()
+
+    def _open(self, cell: tuple[int, int]) -> bool:
+        return (0 <= cell[0] < self.size and 0 <= cell[1] < self.size
+                and cell not in self._walls)
+
+    def _where(self) -> str:
+        r, c = self._at
+        ways = [name for name, (dr, dc) in MOVES.items() if self._open((r + dr, c + dc))]
+        return (f"You are at row {r}, column {c}. The goal is at row {self._goal[0]}, column "
+                f"{self._goal[1]}. Open ways: {', '.join(ways) or 'none'}.")
+
+    def step(self, action: str) -> StepResult:
+        if self._at is None:
+            return StepResult("The episode is over; call reset to start a new one.", 0.0, True,
+                              {"invalid_action": True})
+        found = _DIRECTION.findall(str(action))
+        if not found:
+            return invalid_action("reply with one direction: north, south, east or west")
+        move = found[-1].lower()
+        dr, dc = MOVES[move]
+        target = (self._at[0] + dr, self._at[1] + dc)
+        if not self._open(target):
+            return StepResult(f"A wall blocks {move}; you stay. {self._where()}", 0.0, False,
+                              {"success": False, "bumped": True})
+        self._at = target
+        if target == self._goal:
+            self._at = None
+            return StepResult("You reached the goal.", 1.0, True, {"success": True})
+        return StepResult(f"You moved {move}. {self._where()}", 0.0, False,
+                          {"success": False, "bumped": False})
+
+    def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
+        """A shortest-path move with probability `skill`, else a greedy one that ignores the
+        walls (module docstring)."""
+        del task  # the env's own state holds where the agent is
+        if rng.random() < skill:
+            to_goal = distances(self._walls, self.size, self._goal)
+            here = to_goal.get(self._at, 0)
+            for name, (dr, dc) in MOVES.items():
+                if to_goal.get((self._at[0] + dr, self._at[1] + dc), here) < here:
+                    return name
+        dr, dc = self._goal[0] - self._at[0], self._goal[1] - self._at[1]
+        options = ([("south" if dr > 0 else "north")] if dr else []) + \
+                  ([("east" if dc > 0 else "west")] if dc else [])
+        return rng.choice(options or list(MOVES))
