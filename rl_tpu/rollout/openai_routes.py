@@ -9,6 +9,10 @@ text goes out after its prefill, then more after every decode chunk (`--decode_c
 at most), so a client sees its first token long before the last. A stream with tools holds
 its text to the end (a call is parsed from the whole reply). Errors are OpenAI's shape with
 a 400 for a bad body, a request over a limit, or a prompt the context cannot hold.
+
+On a server with LoRA (`--enable_lora`) a request picks a loaded adapter as SGLang's OpenAI
+routes let it: `"model": "<served model>:<adapter>"`, or `"lora_path": "<adapter>"` beside the
+usual fields (the `openai` client's `extra_body`); without either it samples the base.
 """
 
 from __future__ import annotations
@@ -59,10 +63,28 @@ def call_format(tokenizer: Any) -> str:
         raise BadRequest(f"this server's model cannot take 'tools': {err}") from err
 
 
+def adapter_of(service: RolloutService, body: dict) -> Optional[str]:
+    """The LoRA adapter a request names (module docstring), or None for the base model."""
+    name = body.get("lora_path")
+    model = body.get("model")
+    prefix = f"{service.served_model_name}:"
+    if name is None and isinstance(model, str) and model.startswith(prefix):
+        name = model[len(prefix):]
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"'lora_path' must name a loaded adapter, got {name!r}")
+    if service.sampler.adapter_slots is None:
+        raise BadRequest(f"the request names the LoRA adapter {name!r}, but this server was "
+                         "launched without LoRA (launch.serve_rollout --enable_lora)")
+    return name
+
+
 def prepare(service: RolloutService, prompts: list[list[int]], sampling: Any,
-            max_tokens: Optional[int], request_id: str) -> Prepared:
+            max_tokens: Optional[int], request_id: str,
+            adapter: Optional[str] = None) -> Prepared:
     """Sampler requests for these prompts, checked against the server's limits; without
-    max_tokens a prompt gets the room left in its row."""
+    max_tokens a prompt gets the room left in its row. `adapter`: every row's LoRA adapter."""
     requests = []
     for i, prompt in enumerate(prompts):
         room = service.batcher.room(len(prompt))
@@ -75,7 +97,8 @@ def prepare(service: RolloutService, prompts: list[list[int]], sampling: Any,
             sampling, room if max_tokens is None else max_tokens), f"{request_id}-{i}"))
     context = min(service.sampler.cfg.max_position_embeddings, service.batcher.slot_tokens)
     service.limits.check(prompts, [r.sampling for r in requests], context)
-    return Prepared(requests, [{}] * len(requests), single=False)
+    return Prepared(requests, [{}] * len(requests), single=False,
+                    loras=None if adapter is None else [adapter] * len(requests))
 
 
 class OpenAIRoutes:
@@ -111,7 +134,8 @@ class OpenAIRoutes:
         prompt = chat_prompt(self.service.tokenizer, req)
         tool_format = call_format(self.service.tokenizer) if req.tools else None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        prepared = prepare(self.service, [prompt], req.sampling, req.max_tokens, rid)
+        prepared = prepare(self.service, [prompt], req.sampling, req.max_tokens, rid,
+                           adapter_of(self.service, body))
         if req.stream:
             return self.stream(prepared, lambda events: self._chat_chunks(
                 req, prompt, tool_format, rid, created, events))
@@ -210,7 +234,8 @@ class OpenAIRoutes:
                     raise BadRequest(f"prompt {i} encodes to no tokens: a prompt needs one")
             prompts.append(p)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prepared = prepare(self.service, prompts, req.sampling, req.max_tokens, rid)
+        prepared = prepare(self.service, prompts, req.sampling, req.max_tokens, rid,
+                           adapter_of(self.service, body))
         n = req.sampling.n
         if req.stream:
             return self.stream(prepared, lambda events: self._completion_chunks(

@@ -184,6 +184,19 @@ def test_the_server_speaks_sglangs_lora_endpoints(adapters, tmp_path):
         status, out = _call(url, "/generate", dict(body, lora_path="a"))
         assert [r["output_ids"] for r in out] == [_alone(*adapters["a"][1:], GREEDY)
                                                   .output_ids] * 2
+        # the OpenAI routes pick an adapter as SGLang's do: "model": "<served>:<adapter>",
+        # or lora_path beside the fields (the openai client's extra_body)
+        import openai
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        for model, extra in (("tiny:b", None), ("tiny", {"lora_path": "b"}), ("tiny", None)):
+            reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                              temperature=0.0, extra_body=extra)
+            want = _alone(*(adapters["b"][1:] if model != "tiny" or extra else (CFG, BASE)),
+                          GREEDY)
+            assert reply.choices[0].model_extra["token_ids"] == want.output_ids, (model, extra)
+        status, reply = _call(url, "/v1/completions", {"model": "tiny:nope", "prompt": PROMPT,
+                                                        "max_tokens": 2})
+        assert status == 400 and "'nope'" in reply["error"]["message"]
         status, reply = _call(url, "/unload_lora_adapter", {"lora_name": "a"})
         assert status == 200 and set(reply["loaded_adapters"]) == {"b"}
         status, reply = _call(url, "/generate", dict(body, lora_path="a"))
@@ -206,6 +219,8 @@ def test_the_server_speaks_sglangs_lora_endpoints(adapters, tmp_path):
                                                           "lora_path": adapters["a"][0]})
         assert status == 400 and "--enable_lora" in reply["error_message"]
         status, reply = _call(url, "/generate", {"input_ids": PROMPT, "lora_path": "a"})
+        assert status == 400 and "--enable_lora" in reply["error"]["message"]
+        status, reply = _call(url, "/v1/completions", {"model": "tiny:a", "prompt": PROMPT})
         assert status == 400 and "--enable_lora" in reply["error"]["message"]
     finally:
         http.shutdown()
