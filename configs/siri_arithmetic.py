@@ -22,6 +22,17 @@ Then Dr.GRPO (group-centred advantages, a constant length normaliser) with:
 Eval: greedy, 200 held-out tasks at 64 tokens whatever the schedule, every 10 steps: at the
 end of each compression and each expansion phase. `smoke` shrinks any of them to 2 steps.
 docs/siri.md has the results.
+
+`steps` (with any variant: `steps,siri`, `steps,fixed,seed1`) is the scratchpad testbed: sums
+of 3-6 one-digit terms, which the teacher works as running totals after its filler
+(`6 + 9 = 15. 15 + 8 = 23. ... <answer>..</answer>`), so the reply's useful part grows with the
+terms (26-48 tokens without filler from 3 to 6 terms, up to 94 with it). L_max is 96 tokens;
+the compression budget, 40, holds a 3- or 4-term scratchpad with its answer but not a 5- or
+6-term one even without filler: a budget that binds on the reasoning, not only on padding (a
+policy can still fit by adding several terms a step). Its 2-seed grid from one warm-started base:
+    python benchmarks/testbed_grid.py --config configs/siri_arithmetic.py --root /tmp/ssteps \
+        --base_variant steps --runs steps,siri steps,fixed --seeds 0,1 --x tokens \
+        --panels eval/success,eval/tokens,rollout/response_length
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -41,31 +52,39 @@ ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
 PROMPT = "Give the final answer inside <answer>...</answer>."
 
 
+# The scratchpad testbed's sums: 3-6 one-digit terms, worked as running totals
+STEPS_ARITHMETIC = dict(ARITHMETIC, min_terms=3, max_terms=6)
+
+
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"variant": VARIANTS})
-    variant = chosen["variant"]
+    chosen, smoke = parse_variant(arg, {"task": ("pair", "steps"), "variant": VARIANTS},
+                                  numbered={"seed": 0})
+    variant, steps = chosen["variant"], chosen["task"] == "steps"
 
     c = base_config("dr_grpo")
-    c.seed = 0
+    c.seed = chosen["seed"]
     # in-process scoring: basic_arithmetic's checker compares strings, nothing to isolate
-    set_env(c, "arithmetic", config=dict(ARITHMETIC), isolate=False, system_prompt=PROMPT)
-    # rows of at most 128 tokens: prompt ~35 tokens + 64
-    tiny_model_warm_start(c, context_tokens=128, sft_steps=200, sft_batch_size=32,
-                          num_demos=4000, teacher_skill=0.5)
-    c.env.max_new_tokens = 64  # L_max: fits every teacher reply (at most 58 tokens + eos)
+    set_env(c, "arithmetic", config=dict(STEPS_ARITHMETIC if steps else ARITHMETIC),
+            isolate=False, system_prompt=PROMPT, teacher="steps" if steps else "worked")
+    # rows of at most 128 tokens: prompt ~35 tokens + 64 (steps: 192, for 96)
+    tiny_model_warm_start(c, context_tokens=192 if steps else 128, sft_steps=300 if steps else 200,
+                          sft_batch_size=32, num_demos=4000, teacher_skill=0.5)
+    # L_max: fits every teacher reply (at most 58 tokens + eos; steps: the longest sum's)
+    c.env.max_new_tokens = 96 if steps else 64
     c.train.steps = 60
     c.train.tasks_per_step = 16
     c.eval.num_tasks = 200
 
     if variant in ("siri", "cosine"):
         c.schedules.budget = "stair" if variant == "siri" else "cosine"
-        c.schedules.budget_min = 32  # the worked sum + answer (19) and one filler fit
+        # the worked sum + answer (19) and one filler fit; steps: a short sum's scratchpad
+        c.schedules.budget_min = 40 if steps else 32
         c.schedules.budget_period = 20
         c.schedules.budget_start = "short"  # compression first: steps 1-10 at 32 tokens
 
     if smoke:
         shrink_for_smoke(c, warm_start_steps=4, eval_tasks=4)
-        c.env.max_new_tokens = 64  # the schedule's range, as in the experiment
+        c.env.max_new_tokens = 96 if steps else 64  # the schedule's range, as in the experiment
         c.schedules.budget_period = 2  # steps 1 and 2 at different budgets
         c.sft.num_demos = 32
     return c

@@ -228,34 +228,69 @@ TEACHER_FILLER = ("Let me think about this.", "I will go step by step.",
                   "I check my work again.", "This is a simple sum.")
 
 
+# `arithmetic`'s teachers: the sum in one line, or (for sums) a running total term by term
+ARITHMETIC_TEACHERS = ("worked", "steps")
+
+
 def arithmetic_teacher_reply(task: Task, rng: random.Random, skill: float,
-                             max_filler: int = 3) -> str:
+                             max_filler: int = 3, teacher: str = "worked") -> str:
     """An imperfect, verbose teacher for `arithmetic`: 0..max_filler filler sentences, the
     expression worked out, then the answer tag. Right with probability `skill`; otherwise off
-    by 1 or 2 (a slip in the sum, kept in the worked line so the reply is self-consistent)."""
+    by 1 or 2 (a slip in the sum, kept in the worked line so the reply is self-consistent).
+
+    teacher="steps" works a sum of several terms as a scratchpad of running totals
+    (`6 + 9 = 15. 15 + 8 = 23.`), whose length grows with the terms: the reasoning a tight
+    generation budget cuts, unlike the filler. Its slip is in one step, carried on after."""
     answer = task.data["answer"]
     expression = task.data.get("metadata", {}).get("expression")
-    if rng.random() >= skill:
+    wrong = rng.random() >= skill
+    filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
+    terms = expression.split(" + ") if expression else []
+    if teacher == "steps" and len(terms) > 1 and all(t.strip().isdigit() for t in terms):
+        worked, total = [], int(terms[0])
+        slip = rng.randrange(1, len(terms)) if wrong else -1
+        for i, term in enumerate(terms[1:], 1):
+            before, total = total, total + int(term)
+            if i == slip:
+                total += rng.choice((-2, -1, 1, 2))
+            worked.append(f"{before} + {int(term)} = {total}.")
+        return " ".join(filler + worked + [f"<answer>{total}</answer>"])
+    if wrong:
         try:
             answer = str(int(answer) + rng.choice((-2, -1, 1, 2)))
         except ValueError:  # a non-integer answer (division): slip by appending a digit
             answer = answer + "1"
-    filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
     worked = [f"{expression} = {answer}."] if expression else []
     return " ".join(filler + worked + [f"<answer>{answer}</answer>"])
 
 
 class ArithmeticEnv(ReasoningGymEnv):
     """reasoning-gym's basic_arithmetic with a teacher for SFT demonstrations (an SFT warm
-    start needs `teacher_reply`); scoring is the dataset's own, as every reasoning env."""
+    start needs `teacher_reply`; `teacher` picks its style, ARITHMETIC_TEACHERS); scoring is
+    the dataset's own, as every reasoning env."""
+
+    def __init__(self, teacher: str = "worked", **kwargs):
+        if teacher not in ARITHMETIC_TEACHERS:
+            raise ValueError(f"arithmetic: teacher={teacher!r}; choose one of "
+                             f"{ARITHMETIC_TEACHERS}")
+        super().__init__(**kwargs)
+        self.teacher = teacher
 
     def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
-        return arithmetic_teacher_reply(task, rng, skill)
+        return arithmetic_teacher_reply(task, rng, skill, teacher=self.teacher)
 
 
 @register("arithmetic")
-@functools.partial(_signature_of_the_env, fixed=("dataset",))
-def make_arithmetic(**kwargs) -> ReasoningGymEnv:
-    env = ArithmeticEnv(dataset="basic_arithmetic", **kwargs)
+def make_arithmetic(teacher: str = "worked", **kwargs) -> ReasoningGymEnv:
+    env = ArithmeticEnv(teacher=teacher, dataset="basic_arithmetic", **kwargs)
     env.name = "arithmetic"
     return env
+
+
+# ReasoningGymEnv's keyword arguments less `dataset`, and the teacher's style
+make_arithmetic.__signature__ = inspect.Signature(
+    [inspect.Parameter("teacher", inspect.Parameter.KEYWORD_ONLY, default="worked",
+                       annotation=str)]
+    + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in
+       inspect.signature(ReasoningGymEnv, eval_str=True).parameters.values()
+       if p.name != "dataset"])

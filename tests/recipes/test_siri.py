@@ -102,6 +102,33 @@ def test_arithmetic_teacher_is_verbose_imperfect_and_self_consistent():
     assert set(fillers) == {0, 1, 2, 3}  # removable verbosity of every length
 
 
+def test_the_steps_teacher_works_a_sum_as_running_totals_and_slips_once():
+    from rl_tpu.envs.base import Task, make
+    from rl_tpu.envs.reasoning import TEACHER_FILLER
+
+    task = Task("arithmetic/train/0", {"question": "Calculate 6 + 9 + 8 + 4.", "answer": "27",
+                                        "metadata": {"expression": "6 + 9 + 8 + 4"}})
+    env = make("arithmetic", teacher="steps", isolate=False)
+    rng = random.Random(0)
+    replies = [env.teacher_reply(task, rng, 0.5) for _ in range(400)]
+    strip = lambda r: " ".join(s + "." for s in r.split(". ")  # noqa: E731
+                               if s.rstrip(".") + "." not in TEACHER_FILLER).rstrip(".")
+    right = [r for r in replies if r.endswith("<answer>27</answer>")]
+    assert 160 < len(right) < 240
+    assert {strip(r) for r in right} == {
+        "6 + 9 = 15. 15 + 8 = 23. 23 + 4 = 27. <answer>27</answer>"}
+    for reply in set(replies) - set(right):  # one step off by 1 or 2, carried on after it
+        steps = [s for s in strip(reply).split(". ") if "=" in s]
+        sums = [(int(a), int(b), int(c.rstrip("."))) for a, _, b, _, c in
+                (s.split() for s in steps)]
+        slips = [c - a - b for a, b, c in sums if c != a + b]
+        assert len(slips) == 1 and slips[0] in (-2, -1, 1, 2)
+        assert all(sums[i + 1][0] == sums[i][2] for i in range(len(sums) - 1))
+        assert reply.endswith(f"<answer>{sums[-1][2]}</answer>")
+    with pytest.raises(ValueError, match="teacher='chatty'"):
+        make("arithmetic", teacher="chatty")
+
+
 @pytest.mark.slow
 def test_trainer_logs_the_budget_and_compiles_the_update_once(tmp_path, monkeypatch):
     from rl_tpu.metrics import read_metrics
