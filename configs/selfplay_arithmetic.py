@@ -17,6 +17,15 @@ solver success), `learnability` (4 p (1 - p)), `band` (1 for solver success in [
 and `solver_only`, the control: plain GRPO on random problems of 2-3 terms (the env's solve
 tasks) from the same warm start, no proposer, compared at equal solver tokens
 (selfplay/solver_tokens against rollout/played_tokens). `,seedN` picks the seed.
+
+`small` (with any of them: `small,band,seed1`) is the testbed size: two integers in [0, 9]
+(+ - *), where the warm-started solver is neither at zero nor done, so a proposer has
+problems of every difficulty to choose from. At the full size the warm start solves 4% of
+held-out problems and no variant moves it (docs/loops.md). The grid, from one base:
+    python benchmarks/testbed_grid.py --config configs/selfplay_arithmetic.py --root /tmp/sp \
+        --base_variant small --runs small,peak small,learnability small,band \
+        small,solver_only --seeds 0,1 --x solver_tokens \
+        --panels eval/success,selfplay/solver_success,selfplay/proposal_abs_value
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -27,15 +36,17 @@ REWARDS = ("peak", "learnability", "band", "solver_only")
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"reward": REWARDS}, numbered={"seed": 0})
+    chosen, smoke = parse_variant(arg, {"reward": REWARDS, "size": ("full", "small")},
+                                  numbered={"seed": 0})
+    small = chosen["size"] == "small"
     c = base_config("grpo")
     c.seed = chosen["seed"]
     solver_only = chosen["reward"] == "solver_only"
     c.recipe = "rl" if solver_only else "selfplay"
     if not solver_only:
         c.selfplay.proposer_reward = chosen["reward"]
-    set_env(c, "selfplay_arithmetic", max_terms=4, max_number=20,
-            train_roles="solve" if solver_only else "both")
+    set_env(c, "selfplay_arithmetic", max_terms=2 if small else 4,
+            max_number=9 if small else 20, train_roles="solve" if solver_only else "both")
     tiny_model_warm_start(c, context_tokens=256, sft_steps=300, num_demos=4000,
                           teacher_skill=0.5, corpus_tasks=200)
     c.env.max_new_tokens = 12
