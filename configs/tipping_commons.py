@@ -5,6 +5,8 @@ the simulated villagers who imitate it, and what do a violation penalty and a KL
     python -m launch.train --config configs/tipping_commons.py:plain --workdir /tmp/com_plain
     python benchmarks/testbed_grid.py --config configs/tipping_commons.py --root /tmp/com \\
         --runs plain penalty kl --seeds 0,1 --panels eval/violation_rate,rollout/violation_rate
+    python benchmarks/tipping_report.py --runs 'plain=/tmp/com/plain_seed*' \\
+        --runs 'penalty=/tmp/com/penalty_seed*' --runs 'KL anchor=/tmp/com/kl_seed*'
 
 The `tipping_commons` testbed (rl_tpu/envs/tipping.py): the learner is one of 10 villagers who
 each round CONTRIBUTE to a fund (the norm) or KEEP out (the violation). Contributors earn 1.2 if

@@ -19,6 +19,8 @@ rollouts `rollout/violation_rate`:
 shrinks any of them. The figure and what it shows are in docs/loops.md; the 2-seed grid:
     python benchmarks/testbed_grid.py --config configs/tipping_routes.py --root /tmp/tip \
         --runs plain penalty kl --seeds 0,1 --panels eval/violation_rate,rollout/violation_rate
+    python benchmarks/tipping_report.py --runs 'plain=/tmp/tip/plain_seed*' \\
+        --runs 'penalty=/tmp/tip/penalty_seed*' --runs 'KL anchor=/tmp/tip/kl_seed*'
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
