@@ -39,6 +39,19 @@ def read(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_methods(specs: list[str]) -> dict[str, list[list[dict]]]:
+    """{name: [each seed's records]} of `--runs NAME=GLOB` specs (the glob's workdirs that
+    hold a metrics.jsonl); a glob that matches none stops the script, naming it."""
+    methods = {}
+    for spec in specs:
+        name, _, pattern = spec.partition("=")
+        dirs = sorted(d for d in glob.glob(pattern) if os.path.isfile(f"{d}/metrics.jsonl"))
+        if not dirs:
+            raise SystemExit(f"--runs {spec!r}: no workdir with a metrics.jsonl matches")
+        methods[name] = [read(d) for d in dirs]
+    return methods
+
+
 def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x, value) of `key` over the run: x the step, or (x = "tokens") the tokens sampled so
     far: an RL run's rollout/played_tokens added up, a loop's loop/total_sampled_tokens; or
@@ -86,13 +99,7 @@ def main():
     args = parser.parse_args()
     panels = [(key, TITLES.get(key, key)) for key in args.panels.split(",") if key]
 
-    methods = {}
-    for spec in args.runs:
-        name, _, pattern = spec.partition("=")
-        dirs = sorted(d for d in glob.glob(pattern) if os.path.isfile(f"{d}/metrics.jsonl"))
-        if not dirs:
-            raise SystemExit(f"--runs {spec!r}: no workdir with a metrics.jsonl matches")
-        methods[name] = [read(d) for d in dirs]
+    methods = read_methods(args.runs)
 
     print("| method | seeds | success at step 0 | success, mean of last "
           f"{args.last} evals (per seed) | entropy, last 5 steps | reward, last 5 steps | "

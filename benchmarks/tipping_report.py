@@ -22,13 +22,12 @@ each seed in brackets where it matters):
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
 import subprocess
 import sys
 
-from compare_runs import read, series
+from compare_runs import read_methods, series
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -78,13 +77,7 @@ def main():
     parser.add_argument("--last", type=int, default=3, help="evals averaged for 'end'")
     parser.add_argument("--out", default="", help="figure path (.png); none if empty")
     args = parser.parse_args()
-    methods = {}
-    for spec in args.runs:
-        name, _, pattern = spec.partition("=")
-        dirs = sorted(d for d in glob.glob(pattern) if os.path.isfile(f"{d}/metrics.jsonl"))
-        if not dirs:
-            raise SystemExit(f"--runs {spec!r}: no workdir with a metrics.jsonl matches")
-        methods[name] = [read(d) for d in dirs]
+    methods = read_methods(args.runs)
     print("\n".join(table(methods, args.threshold, args.last)))
     if args.out:
         here = os.path.dirname(os.path.abspath(__file__))
