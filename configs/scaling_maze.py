@@ -1,6 +1,9 @@
 """ScalingInter-RL's claim on a task that needs long horizons: fixed short horizons plateau,
 fixed long ones destabilise, a horizon that grows in stages does better than both.
 
+    python -m launch.train --config configs/scaling_maze.py:staged --workdir /tmp/maze_staged
+    python -m launch.train --config configs/scaling_maze.py:long,seed1 --workdir /tmp/maze_long
+
     python benchmarks/testbed_grid.py --config configs/scaling_maze.py --root /tmp/smaze \\
         --runs short long staged --seeds 0,1 --x env_steps \\
         --panels eval/success,rollout/turns,train/horizon
