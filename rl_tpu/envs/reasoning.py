@@ -244,9 +244,9 @@ def arithmetic_teacher_reply(task: Task, rng: random.Random, skill: float,
     answer = task.data["answer"]
     expression = task.data.get("metadata", {}).get("expression")
     wrong = rng.random() >= skill
-    filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
     terms = expression.split(" + ") if expression else []
     if teacher == "steps" and len(terms) > 1 and all(t.strip().isdigit() for t in terms):
+        filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
         worked, total = [], int(terms[0])
         slip = rng.randrange(1, len(terms)) if wrong else -1
         for i, term in enumerate(terms[1:], 1):
@@ -255,11 +255,12 @@ def arithmetic_teacher_reply(task: Task, rng: random.Random, skill: float,
                 total += rng.choice((-2, -1, 1, 2))
             worked.append(f"{before} + {int(term)} = {total}.")
         return " ".join(filler + worked + [f"<answer>{total}</answer>"])
-    if wrong:
+    if wrong:  # drawn before the filler, as this teacher always has: same seed, same demos
         try:
             answer = str(int(answer) + rng.choice((-2, -1, 1, 2)))
         except ValueError:  # a non-integer answer (division): slip by appending a digit
             answer = answer + "1"
+    filler = [rng.choice(TEACHER_FILLER) for _ in range(rng.randint(0, max_filler))]
     worked = [f"{expression} = {answer}."] if expression else []
     return " ".join(filler + worked + [f"<answer>{answer}</answer>"])
 
