@@ -20,6 +20,17 @@ Eval: greedy success on 200 held-out tasks at 16 turns, at step 0 and every 5. T
 different numbers of env steps a step: compare_runs.py's `--x env_steps` sets them side by side
 at equal interaction (the paper's budget). `seedN` picks the RL seed (the warm start is the
 base's); `smoke` shrinks any of them.
+
+`hidden` (with any horizon: `hidden,staged,seed1`) is the partially observed maze: the goal
+is named only once the agent stands next to it (`hidden_goal=True, sight=1`), so every
+episode is a search, and searching well needs the episode's history, not just the last
+observation. Paths are 2-12 moves; the teacher searches (a step toward the nearest cell it has
+not stood on) half the time and moves at random otherwise. In the full-view maze a move learned
+in 6-turn episodes is the right move at turn 12 too; here a short horizon never pays for the
+later turns of a search, which is what the paper's plateau needs. Its grid, from its own base:
+    python benchmarks/testbed_grid.py --config configs/scaling_maze.py --root /tmp/hmaze \
+        --base_variant hidden --runs hidden,short hidden,long hidden,staged --seeds 0,1 \
+        --x env_steps --panels eval/success,rollout/turns,train/horizon
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -31,12 +42,16 @@ STAGES = (6, 11, 16)
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"horizon": ("short", "long", "staged")},
-                                  numbered={"seed": 0})
+    chosen, smoke = parse_variant(arg, {"horizon": ("short", "long", "staged"),
+                                        "view": ("full", "hidden")}, numbered={"seed": 0})
     horizon = chosen["horizon"]
     c = base_config("grpo")
     c.seed = chosen["seed"]
-    set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, max_steps=14)
+    if chosen["view"] == "hidden":
+        set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, max_steps=12,
+                hidden_goal=True, sight=1)
+    else:
+        set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, max_steps=14)
     tiny_model_warm_start(c, context_tokens=1024, sft_steps=300, num_demos=3000,
                           teacher_skill=0.5, corpus_tasks=200, sft_batch_size=32)
     c.sft.group_by_length = 8  # demos run from 2 turns to 16

@@ -22,6 +22,14 @@ uniformly from those in [min_steps, max_steps] that the grid offers (redrawn unt
 The teacher (`teacher_reply`) walks a shortest path with probability `skill` each turn, else
 steps greedily toward the goal ignoring walls (bumping into one when it is in the way), so its
 demonstrations reach the goal, but later than they could, and sometimes not within a horizon.
+
+`hidden_goal=True` makes the task partially observed: the goal is not named until it comes in
+sight (in the agent's row or column with no wall between, at most `sight` cells away), and from
+then on it is. With `sight=1` the goal shows only from a cell next to it. A task's
+goal is never in sight from its start, so every episode begins with a search, and a good
+search needs the episode's history (which cells were already seen): the observation alone
+is not a state. The teacher then searches with probability `skill` a turn (a step toward the
+nearest cell it has not stood on) and moves at random otherwise, until it sights the goal.
 """
 
 from __future__ import annotations
@@ -52,6 +60,19 @@ def distances(walls: frozenset, size: int, start: tuple[int, int]) -> dict:
     return seen
 
 
+def in_sight(walls: frozenset, size: int, at: tuple[int, int], reach: int) -> set:
+    """The cells seen from `at`: along its row and column, up to a wall, the grid's edge or
+    `reach` cells away."""
+    seen = {at}
+    for dr, dc in MOVES.values():
+        for k in range(1, reach + 1):
+            cell = (at[0] + k * dr, at[1] + k * dc)
+            if not (0 <= cell[0] < size and 0 <= cell[1] < size) or cell in walls:
+                break
+            seen.add(cell)
+    return seen
+
+
 @register("maze")
 class MazeEnv(Env):
     name = "maze"
@@ -61,17 +82,24 @@ class MazeEnv(Env):
 
     def __init__(self, size: int = 6, wall_density: float = 0.2, min_steps: int = 2,
                  max_steps: int = 14, train_seed: int = 1_000_000, eval_seed: int = 0,
-                 train_size: int = 1_000_000, eval_size: int = 1000):
-        if size < 2 or not 0 <= wall_density < 0.6 or not 1 <= min_steps <= max_steps:
+                 train_size: int = 1_000_000, eval_size: int = 1000,
+                 hidden_goal: bool = False, sight: int = 0):
+        if size < 2 or not 0 <= wall_density < 0.6 or not 1 <= min_steps <= max_steps \
+                or sight < 0:
             raise ValueError(f"maze: size={size} must be >= 2, wall_density={wall_density} in "
-                             f"[0, 0.6), and 1 <= min_steps={min_steps} <= max_steps={max_steps}")
+                             f"[0, 0.6), 1 <= min_steps={min_steps} <= max_steps={max_steps}, "
+                             f"and sight={sight} >= 0 (0: as far as the walls allow)")
         self.size, self.wall_density = size, wall_density
         self.min_steps, self.max_steps = min_steps, max_steps
+        self.hidden_goal = hidden_goal
+        self.sight = sight or size  # no line in the grid is longer than `size`
         self._tasks = SeededTasks("maze", self._draw, train_seed, eval_seed, train_size,
                                   eval_size)
         self._walls: frozenset = frozenset()
         self._at: Optional[tuple[int, int]] = None  # None: no episode under way
         self._goal = (0, 0)
+        self._goal_seen = True
+        self._stood_on: set = set()  # the cells of this episode so far: the teacher's memory
 
     def _draw(self, rng: random.Random, split: str, index: int) -> dict:
         del split, index  # both splits draw alike, from their own seeds
@@ -80,6 +108,9 @@ class MazeEnv(Env):
             walls = frozenset(x for x in cells if rng.random() < self.wall_density)
             start = rng.choice([x for x in cells if x not in walls] or cells)
             reach = distances(walls, self.size, start)
+            if self.hidden_goal:  # a goal in sight from the start would need no search
+                sight = in_sight(walls, self.size, start, self.sight)
+                reach = {x: d for x, d in reach.items() if x not in sight}
             lengths = sorted({d for d in reach.values()
                               if self.min_steps <= d <= self.max_steps})
             if lengths:
@@ -101,6 +132,8 @@ class MazeEnv(Env):
                              "tasks from env.tasks().get(split, index)")
         self._walls = frozenset(tuple(x) for x in data["walls"])
         self._at, self._goal = tuple(data["start"]), tuple(data["goal"])
+        self._stood_on = {self._at}
+        self._goal_seen = not self.hidden_goal
         return self._where()
 
     def _open(self, cell: tuple[int, int]) -> bool:
@@ -110,8 +143,12 @@ class MazeEnv(Env):
     def _where(self) -> str:
         r, c = self._at
         ways = [name for name, (dr, dc) in MOVES.items() if self._open((r + dr, c + dc))]
-        return (f"You are at row {r}, column {c}. The goal is at row {self._goal[0]}, column "
-                f"{self._goal[1]}. Open ways: {', '.join(ways) or 'none'}.")
+        if not self._goal_seen and self._goal in in_sight(self._walls, self.size, self._at,
+                                                             self.sight):
+            self._goal_seen = True
+        goal = (f"The goal is at row {self._goal[0]}, column {self._goal[1]}."
+                if self._goal_seen else "The goal is not in sight.")
+        return f"You are at row {r}, column {c}. {goal} Open ways: {', '.join(ways) or 'none'}."
 
     def step(self, action: str) -> StepResult:
         if self._at is None:
@@ -127,6 +164,7 @@ class MazeEnv(Env):
             return StepResult(f"A wall blocks {move}; you stay. {self._where()}", 0.0, False,
                               {"success": False, "bumped": True})
         self._at = target
+        self._stood_on.add(target)
         if target == self._goal:
             self._at = None
             return StepResult("You reached the goal.", 1.0, True, {"success": True})
@@ -135,8 +173,16 @@ class MazeEnv(Env):
 
     def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
         """A shortest-path move with probability `skill`, else a greedy one that ignores the
-        walls (module docstring)."""
+        walls; while a hidden goal is unseen, a search move or a random one (module docstring)."""
         del task  # the env's own state holds where the agent is
+        if not self._goal_seen:
+            ways = [name for name, (dr, dc) in MOVES.items()
+                    if self._open((self._at[0] + dr, self._at[1] + dc))]
+            if rng.random() < skill:
+                move = self._toward_a_new_cell()
+                if move:
+                    return move
+            return rng.choice(ways or list(MOVES))
         if rng.random() < skill:
             to_goal = distances(self._walls, self.size, self._goal)
             here = to_goal.get(self._at, 0)
@@ -147,3 +193,18 @@ class MazeEnv(Env):
         options = ([("south" if dr > 0 else "north")] if dr else []) + \
                   ([("east" if dc > 0 else "west")] if dc else [])
         return rng.choice(options or list(MOVES))
+
+    def _toward_a_new_cell(self) -> Optional[str]:
+        """The first move of a shortest path to the nearest cell not yet stood on (None when
+        every reachable cell has been)."""
+        here = distances(self._walls, self.size, self._at)
+        fresh = [x for x in here if x not in self._stood_on]
+        if not fresh:
+            return None
+        nearest = min(fresh, key=lambda x: (here[x], x))
+        back = distances(self._walls, self.size, nearest)
+        for name, (dr, dc) in MOVES.items():
+            cell = (self._at[0] + dr, self._at[1] + dc)
+            if cell in back and back[cell] < back[self._at]:
+                return name
+        return None

@@ -1,12 +1,13 @@
 """The maze env: moves, walls, the goal, invalid replies, reproducible tasks at the drawn
-shortest-path lengths, and a teacher whose skill-1 walk is a shortest path."""
+shortest-path lengths, a teacher whose skill-1 walk is a shortest path, and the hidden-goal
+variant (sight, search, its teacher)."""
 
 import random
 
 import pytest
 
 from rl_tpu.envs.base import Task, make
-from rl_tpu.envs.maze import MazeEnv, distances
+from rl_tpu.envs.maze import MazeEnv, distances, in_sight
 
 # a 3 x 3 grid with one wall in the middle: from (0, 0) to (2, 2) is 4 moves around it
 TASK = Task("maze/test/0", {"walls": [[1, 1]], "start": [0, 0], "goal": [2, 2],
@@ -70,7 +71,57 @@ def test_a_skill_one_teacher_walks_a_shortest_path_and_a_careless_one_still_trie
     assert replies <= {"north", "south", "east", "west"}
 
 
+def test_sight_stops_at_walls_edges_and_its_reach():
+    walls = frozenset({(1, 1)})
+    assert in_sight(walls, 3, (0, 1), 3) == {(0, 1), (0, 0), (0, 2)}  # the wall hides (2, 1)
+    assert in_sight(frozenset(), 4, (0, 0), 2) == {(0, 0), (0, 1), (0, 2), (1, 0), (2, 0)}
+
+
+def test_a_hidden_goal_is_named_once_sighted_and_stays_named():
+    env = MazeEnv(size=3, hidden_goal=True, sight=1)
+    assert env.reset(TASK) == ("You are at row 0, column 0. The goal is not in sight. "
+                               "Open ways: south, east.")
+    assert "not in sight" in env.step("east").observation  # (0, 1)
+    assert "not in sight" in env.step("east").observation  # (0, 2): the goal is 2 below
+    assert "The goal is at row 2, column 2." in env.step("south").observation  # next to it
+    assert "The goal is at row 2, column 2." in env.step("north").observation  # remembered
+    env.reset(TASK)  # a new episode forgets it
+    assert "not in sight" in env.step("south").observation
+    far = MazeEnv(size=3, hidden_goal=True)  # unlimited sight: (0, 2) sees down column 2
+    far.reset(TASK)
+    assert "The goal is at row 2" in far.step("east").observation + far.step("east").observation
+
+
+def test_default_tasks_are_drawn_as_before_the_hidden_variant():
+    assert MazeEnv().tasks().get("eval", 3).data == {
+        "walls": [[0, 5], [1, 0], [2, 3], [3, 3], [4, 1]], "start": [5, 3], "goal": [2, 2],
+        "shortest": 4, "seed": 3, "split": "eval", "index": 3}
+
+
+def test_hidden_goals_start_out_of_sight_and_a_searching_teacher_finds_them():
+    env = MazeEnv(hidden_goal=True, sight=1, max_steps=12)
+    found_in = []
+    for i in range(40):
+        task = env.tasks().get("eval", i)
+        walls = frozenset(tuple(x) for x in task.data["walls"])
+        assert tuple(task.data["goal"]) not in in_sight(walls, 6, tuple(task.data["start"]), 1)
+        assert "not in sight" in env.reset(task)
+        rng = random.Random(i)
+        for turn in range(1, 200):
+            out = env.step(env.teacher_reply(task, rng, 1.0))
+            assert not out.info.get("bumped")  # a search move never walks into a wall
+            if out.done:
+                break
+        assert out.info["success"]  # it stands on every reachable cell in the end
+        found_in.append(turn)
+    assert sum(found_in) / len(found_in) > sum(t.data["shortest"] for t in
+                                               map(lambda i: env.tasks().get("eval", i),
+                                                   range(40))) / 40  # search costs turns
+
+
 def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="sight=-1 >= 0"):
+        MazeEnv(sight=-1)
     with pytest.raises(ValueError, match="min_steps=5 <= max_steps=3"):
         MazeEnv(min_steps=5, max_steps=3)
     with pytest.raises(ValueError, match="offers a path"):
