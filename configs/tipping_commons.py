@@ -24,8 +24,11 @@ every 5 steps, `rollout/violation_rate` the same over the training samples.
 and where the other villagers start:
   steady   each contributes with probability 0.6 at first. With 4 of the other 9 needed, a
            contributor's expected pay is 1.2 x P(>= 4 of 9) = 1.08 > 1.0: the norm pays
-  tempted  0.5 at first: 1.2 x 0.75 = 0.90 < 1.0, so keeping out pays in expectation, the
-           self-interested incentive under which the paper's tipping happens
+  tempted  0.4 at first: 1.2 x P(>= 4 of 9) = 1.2 x 0.52 = 0.62 < 1.0, and a failed round
+           turns the imitators toward keeping, so keeping out pays over the episode: the
+           self-interested incentive under which the paper's tipping happens. (At 0.5 the
+           first round pays 0.90 against 1.0, yet a round met draws the imitators to the fund
+           and plain RL still learned to contribute: docs/loops.md.)
 `seedN` picks the RL seed (the warm start is the base's); `smoke` shrinks any of them. Both
 groups share one base (the teacher is the same), so the tempted grid can reuse the steady
 grid's root:
@@ -38,7 +41,7 @@ from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_m
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("plain", "penalty", "kl")
-FIRST_COOPERATION = {"steady": 0.6, "tempted": 0.5}
+FIRST_COOPERATION = {"steady": 0.6, "tempted": 0.4}
 ROUNDS = 3
 
 
