@@ -51,7 +51,8 @@ def get_config(arg: str = ""):
     variant = chosen["variant"]
     c = base_config("grpo")
     c.seed = chosen["seed"]
-    set_env(c, "tipping_commons", rounds=ROUNDS, history=2, initial_cooperation=FIRST_COOPERATION[chosen["group"]],
+    set_env(c, "tipping_commons", rounds=ROUNDS, history=2,
+            initial_cooperation=FIRST_COOPERATION[chosen["group"]],
             violation_penalty=1.0 if variant == "penalty" else 0.0)
     tiny_model_warm_start(c, context_tokens=768, sft_steps=200, num_demos=2000,
                           teacher_skill=0.9, corpus_tasks=200)

@@ -143,6 +143,7 @@ class MazeEnv(Env):
     def _where(self) -> str:
         r, c = self._at
         ways = [name for name, (dr, dc) in MOVES.items() if self._open((r + dr, c + dc))]
+        # every observation passes here, so this is where a hidden goal becomes seen
         if not self._goal_seen and self._goal in in_sight(self._walls, self.size, self._at,
                                                              self.sight):
             self._goal_seen = True

@@ -100,7 +100,7 @@ def test_default_tasks_are_drawn_as_before_the_hidden_variant():
 
 def test_hidden_goals_start_out_of_sight_and_a_searching_teacher_finds_them():
     env = MazeEnv(hidden_goal=True, sight=1, max_steps=12)
-    found_in = []
+    found_in, shortest = [], []
     for i in range(40):
         task = env.tasks().get("eval", i)
         walls = frozenset(tuple(x) for x in task.data["walls"])
@@ -114,9 +114,8 @@ def test_hidden_goals_start_out_of_sight_and_a_searching_teacher_finds_them():
                 break
         assert out.info["success"]  # it stands on every reachable cell in the end
         found_in.append(turn)
-    assert sum(found_in) / len(found_in) > sum(t.data["shortest"] for t in
-                                               map(lambda i: env.tasks().get("eval", i),
-                                                   range(40))) / 40  # search costs turns
+        shortest.append(task.data["shortest"])
+    assert sum(found_in) > sum(shortest)  # the search costs turns a known goal would not
 
 
 def test_bad_settings_are_named():
