@@ -47,11 +47,9 @@ def get_config(arg: str = ""):
     horizon = chosen["horizon"]
     c = base_config("grpo")
     c.seed = chosen["seed"]
-    if chosen["view"] == "hidden":
-        set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, max_steps=12,
-                hidden_goal=True, sight=1)
-    else:
-        set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, max_steps=14)
+    view = (dict(max_steps=12, hidden_goal=True, sight=1) if chosen["view"] == "hidden"
+            else dict(max_steps=14))
+    set_env(c, "maze", size=6, wall_density=0.2, min_steps=2, **view)
     tiny_model_warm_start(c, context_tokens=1024, sft_steps=300, num_demos=3000,
                           teacher_skill=0.5, corpus_tasks=200, sft_batch_size=32)
     c.sft.group_by_length = 8  # demos run from 2 turns to 16

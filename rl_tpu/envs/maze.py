@@ -131,10 +131,22 @@ class MazeEnv(Env):
             raise ValueError(f"task {task.task_id!r} needs 'walls', 'start' and 'goal'; take "
                              "tasks from env.tasks().get(split, index)")
         self._walls = frozenset(tuple(x) for x in data["walls"])
-        self._at, self._goal = tuple(data["start"]), tuple(data["goal"])
-        self._stood_on = {self._at}
+        self._goal, self._stood_on = tuple(data["goal"]), set()
         self._goal_seen = not self.hidden_goal
+        self._arrive(tuple(data["start"]))
         return self._where()
+
+    def _arrive(self, cell: tuple[int, int]) -> None:
+        """The agent stands on `cell`: remembered for the teacher, and a hidden goal in sight
+        from it is seen from now on."""
+        self._at = cell
+        self._stood_on.add(cell)
+        if not self._goal_seen:
+            self._goal_seen = self._goal in in_sight(self._walls, self.size, cell, self.sight)
+
+    def _open_ways(self) -> list[str]:
+        r, c = self._at
+        return [name for name, (dr, dc) in MOVES.items() if self._open((r + dr, c + dc))]
 
     def _open(self, cell: tuple[int, int]) -> bool:
         return (0 <= cell[0] < self.size and 0 <= cell[1] < self.size
@@ -142,14 +154,10 @@ class MazeEnv(Env):
 
     def _where(self) -> str:
         r, c = self._at
-        ways = [name for name, (dr, dc) in MOVES.items() if self._open((r + dr, c + dc))]
-        # every observation passes here, so this is where a hidden goal becomes seen
-        if not self._goal_seen and self._goal in in_sight(self._walls, self.size, self._at,
-                                                             self.sight):
-            self._goal_seen = True
         goal = (f"The goal is at row {self._goal[0]}, column {self._goal[1]}."
                 if self._goal_seen else "The goal is not in sight.")
-        return f"You are at row {r}, column {c}. {goal} Open ways: {', '.join(ways) or 'none'}."
+        ways = ", ".join(self._open_ways()) or "none"
+        return f"You are at row {r}, column {c}. {goal} Open ways: {ways}."
 
     def step(self, action: str) -> StepResult:
         if self._at is None:
@@ -164,8 +172,7 @@ class MazeEnv(Env):
         if not self._open(target):
             return StepResult(f"A wall blocks {move}; you stay. {self._where()}", 0.0, False,
                               {"success": False, "bumped": True})
-        self._at = target
-        self._stood_on.add(target)
+        self._arrive(target)
         if target == self._goal:
             self._at = None
             return StepResult("You reached the goal.", 1.0, True, {"success": True})
@@ -177,13 +184,11 @@ class MazeEnv(Env):
         walls; while a hidden goal is unseen, a search move or a random one (module docstring)."""
         del task  # the env's own state holds where the agent is
         if not self._goal_seen:
-            ways = [name for name, (dr, dc) in MOVES.items()
-                    if self._open((self._at[0] + dr, self._at[1] + dc))]
             if rng.random() < skill:
                 move = self._toward_a_new_cell()
                 if move:
                     return move
-            return rng.choice(ways or list(MOVES))
+            return rng.choice(self._open_ways() or list(MOVES))
         if rng.random() < skill:
             to_goal = distances(self._walls, self.size, self._goal)
             here = to_goal.get(self._at, 0)
