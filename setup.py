@@ -34,6 +34,7 @@ setup(
         "tokenizers>=0.21",
         "transformers>=5.0,<6",  # tokenizers + chat templates; torch is not needed at run time
         "jinja2>=3.1",
+        "gguf>=0.10",  # launch.get_model: llama.cpp's files, dequantised with numpy (no torch)
         "tqdm>=4.66",
         "tensorboardX>=2.6",  # TensorBoard event files without TensorFlow
         "matplotlib>=3.8",  # W/curves.png

@@ -580,13 +580,13 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config_to_hf(cfg, dtype, head, **(hf_fields or {})), f, indent=2)
     if tokenizer is not None:
-        _save_tokenizer(getattr(tokenizer, "hf", tokenizer), tmp)
+        save_tokenizer(getattr(tokenizer, "hf", tokenizer), tmp)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
 
 
-def _save_tokenizer(tokenizer, out_dir: str):
+def save_tokenizer(tokenizer, out_dir: str):
     """Tokenizer files that transformers 4.x readers (SGLang's) load too: transformers 5 writes
     the chat template to a separate .jinja file and names its fast class `TokenizersBackend`,
     both unknown to 4.x, so keep the template inline and name the portable fast class."""
