@@ -1,8 +1,14 @@
 """Generation demo: load an HF model directory, run a forward pass and greedy generation with
 the embedded JAX sampler (KV cache, compiled decode loop); a check that a model loads and runs.
 
-  python -m launch.make_tiny_model --arch qwen2 --out /tmp/tiny_qwen2
+  python -m launch.get_model smollm2-135m-instruct --out /tmp/smollm2
+  python -m launch.generate --model_path /tmp/smollm2 --prompt "What is 17 + 25?"
+  python -m launch.make_tiny_model --arch qwen2 --out /tmp/tiny_qwen2   # random weights
   python -m launch.generate --model_path /tmp/tiny_qwen2
+
+Replies stop at the model's end-of-turn id (config.json's eos_token_id, e.g. <|im_end|>);
+--ignore_eos decodes all --max_new_tokens, as a speed test wants. The tokens/s line counts the
+tokens generated and times the second call (the first compiles).
 """
 
 import time
@@ -24,6 +30,7 @@ flags.DEFINE_string("prompt", "What is 3 + 4?", "User message of the demo chat."
 flags.DEFINE_integer("batch", 8, "Copies of the prompt decoded together.")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+flags.DEFINE_bool("ignore_eos", False, "Decode past the end-of-turn id (a speed test).")
 
 
 def main(argv):
@@ -41,16 +48,20 @@ def main(argv):
     print(f"forward: logits {logits.shape}, finite={bool(np.isfinite(np.asarray(logits)).all())}")
     sampler = JaxSampler(cfg, params, tokenizer=tokenizer,
                          mesh=parallel.sampler_mesh(jax.local_devices(), cfg.num_kv_heads))
-    greedy = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=f.max_new_tokens, temperature=0.0,
+                            ignore_eos=f.ignore_eos)
     requests = [GenerateRequest(prompt, greedy)] * f.batch
     sampler.generate(requests)  # compile this shape bucket
     start = time.perf_counter()
     results = sampler.generate(requests)
     seconds = time.perf_counter() - start
     print(f"prompt: {tokenizer.decode(prompt)!r}")
-    print(f"greedy: {tokenizer.decode(results[0].output_ids)!r}")
-    print(f"decode: {f.batch * f.max_new_tokens / seconds:,.0f} tokens/s "
-          f"(batch {f.batch}, {f.max_new_tokens} new tokens, {jax.device_count()} devices)")
+    print(f"greedy: {tokenizer.decode(results[0].output_ids)!r} "
+          f"(finish: {results[0].finish_reason})")
+    generated = sum(len(r.output_ids) for r in results)
+    print(f"decode: {generated / seconds:,.0f} tokens/s ({generated} tokens in {seconds:.2f} s: "
+          f"batch {f.batch}, up to {f.max_new_tokens} new tokens, prefill included, "
+          f"{jax.device_count()} devices)")
 
 
 if __name__ == "__main__":
