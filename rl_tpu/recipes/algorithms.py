@@ -47,6 +47,7 @@ from rl_tpu import agent
 from rl_tpu.agent import branching
 from rl_tpu.rl.advantages import ADVANTAGES
 from rl_tpu.rl.bapo import BapoConfig
+from rl_tpu.rl.importance import LOGPROB_GAP_THRESHOLD
 from rl_tpu.rl.losses import POLICY_LOSSES, PolicyLossConfig
 from rl_tpu.rl.registry import Registry
 from rl_tpu.train import steps
@@ -80,6 +81,11 @@ def shared_algo_block() -> ml_collections.ConfigDict:
     c.reward_kl_coef = 0.0  # KL folded into the reward (estimators with reward_kl: REINFORCE++)
     c.behaviour_is = "none"  # none | truncate | mask: engine/trainer mismatch correction
     c.behaviour_is_cap = 2.0
+    # ...one weight a token, or ("sequence") exp(sum of the row's log-ratios) on all its tokens
+    c.behaviour_is_level = "token"
+    # train/logprob_gap_frac: the share of tokens whose |proximal - behaviour| log-prob gap is
+    # above this many nats (0.1: a ratio of 1.105, half PPO's clip range; rl/importance.py)
+    c.logprob_gap_threshold = LOGPROB_GAP_THRESHOLD
     c.dynamic_sampling = False  # drop groups whose rewards are all equal, refill
     c.max_refill_rounds = 3
     # Branching rollouts (advantage tl_grpo): the turn each task's episode forks into G
@@ -260,6 +266,8 @@ def loss_config(algo: ml_collections.ConfigDict, max_new_tokens: int) -> PolicyL
         dual_clip=algo.dual_clip or None, aggregation=algo.aggregation,
         fixed_normalizer=(max_new_tokens if algo.aggregation == "fixed_normalizer" else None),
         behaviour_is=algo.behaviour_is, behaviour_is_cap=algo.behaviour_is_cap,
+        behaviour_is_level=algo.behaviour_is_level,
+        logprob_gap_threshold=algo.logprob_gap_threshold,
         entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
         bapo=BapoConfig(**algo.bapo.to_dict()), ratio_against=algo.ratio_against,
         mechanism_metrics=algo.mechanism_metrics)

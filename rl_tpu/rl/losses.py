@@ -57,6 +57,9 @@ import jax
 import jax.numpy as jnp
 
 from rl_tpu.rl.bapo import BapoConfig, adapt_clip_bounds
+from rl_tpu.rl.importance import (BEHAVIOUR_IS_LEVELS, BEHAVIOUR_IS_MODES,
+                                  LOGPROB_GAP_THRESHOLD, MAX_LOG_RATIO, behaviour_weights,
+                                  clamped_exp, logprob_gap_metrics)
 from rl_tpu.rl.masked import Metric, masked_count, masked_mean, masked_sum, masked_var
 from rl_tpu.rl.registry import Registry
 
@@ -66,10 +69,7 @@ sg = jax.lax.stop_gradient
 AGGREGATIONS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("kl estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
-BEHAVIOUR_IS_MODES = ("none", "truncate", "mask")
 RATIO_DENOMINATORS = ("proximal", "behaviour")
-
-MAX_LOG_RATIO = 20.0  # clamp on every log-ratio fed to exp (e^20 ~ 4.9e8 is finite in fp32)
 
 
 def _float_mask(mask: Array, like: Array) -> Array:
@@ -86,11 +86,6 @@ def _per_token(adv: Array, like: Array) -> Array:
     if adv.ndim == 1:
         adv = adv[:, None]
     return jnp.broadcast_to(adv, like.shape)
-
-
-def clamped_exp(log_ratio: Array) -> Array:
-    """exp(clip(log_ratio, -20, 20)): a ratio that is finite, and whose gradient is finite."""
-    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def token_ratio(logprobs: Array, old_logprobs: Array, mask: Array) -> Array:
@@ -245,7 +240,9 @@ class PolicyLossConfig:
     recipe). aggregation: a name in AGGREGATIONS, or None for the kind's own (token_mean for
     ppo and bapo, seq_mean_token_mean for gspo); fixed_normalizer: its normalizer (max
     generation length) for "fixed_normalizer". behaviour_is: "none" | "truncate" | "mask"
-    correction for the sampler/trainer mismatch with cap `behaviour_is_cap`. entropy_coef,
+    correction for the sampler/trainer mismatch with cap `behaviour_is_cap`, per token or per
+    sequence (`behaviour_is_level`, rl_tpu.rl.importance). logprob_gap_threshold: the
+    |proximal - behaviour| (nats) above which a token counts in logprob_gap_frac. entropy_coef,
     kl_coef, kl_estimator: extra loss terms. Fields left None are resolved at construction,
     so the config read back always holds the values in use.
     """
@@ -258,6 +255,8 @@ class PolicyLossConfig:
     fixed_normalizer: Optional[float] = None
     behaviour_is: str = "none"
     behaviour_is_cap: float = 2.0
+    behaviour_is_level: str = "token"  # "token" | "sequence": one weight a token, or a row
+    logprob_gap_threshold: float = LOGPROB_GAP_THRESHOLD  # nats, train/logprob_gap_frac's
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -292,6 +291,12 @@ class PolicyLossConfig:
         if self.behaviour_is_cap < 1.0:
             raise ValueError(
                 f"behaviour_is_cap={self.behaviour_is_cap} must be >= 1 (e.g. 2.0)")
+        if self.behaviour_is_level not in BEHAVIOUR_IS_LEVELS:
+            raise ValueError(f"unknown behaviour_is_level {self.behaviour_is_level!r}; choose "
+                             f"one of {BEHAVIOUR_IS_LEVELS}")
+        if not self.logprob_gap_threshold > 0.0:
+            raise ValueError(f"logprob_gap_threshold={self.logprob_gap_threshold} must be > 0 "
+                             "(nats, e.g. 0.1)")
         if self.ratio_against not in RATIO_DENOMINATORS:
             raise ValueError(f"ratio_against={self.ratio_against!r}; choose one of "
                              f"{RATIO_DENOMINATORS}")
@@ -381,23 +386,6 @@ def clipped_surrogate(ratio: Array, advantages: Array, lower, upper,
     return loss
 
 
-def _behaviour_weights(old_logprobs, behaviour_logprobs, mask, config, n_tokens):
-    """(per-token multiplier or None, metrics) for the sampler/trainer mismatch."""
-    w = clamped_exp(_inside(old_logprobs - behaviour_logprobs, mask))
-    cap = config.behaviour_is_cap
-    per_token = lambda x: Metric.of(masked_mean(x, mask), "mean", n_tokens)  # noqa: E731
-    metrics = {"is_weight_mean": per_token(w)}
-    if config.behaviour_is == "truncate":
-        metrics["is_truncated_frac"] = per_token((w > cap).astype(jnp.float32))
-        return sg(jnp.minimum(w, cap)), metrics
-    if config.behaviour_is == "mask":
-        keep = (w <= cap) & (w >= 1.0 / cap)
-        metrics["is_truncated_frac"] = per_token((~keep).astype(jnp.float32))
-        return keep.astype(jnp.float32), metrics
-    metrics["is_truncated_frac"] = per_token((w > cap).astype(jnp.float32))
-    return None, metrics
-
-
 def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array,
                 config: PolicyLossConfig, *, behaviour_logprobs: Optional[Array] = None,
                 ref_logprobs: Optional[Array] = None, entropy: Optional[Array] = None,
@@ -416,8 +404,11 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     generation budget under a SIRI schedule), in place of config.fixed_normalizer.
 
     Metrics ({name: Metric}): loss, pg_loss, clip_frac_low, clip_frac_high, approx_kl,
-    ratio_mean, ratio_max, ratio_min; dual_clip_frac with a dual clip; is_weight_mean,
-    is_truncated_frac with behaviour_logprobs; kl with ref_logprobs; entropy with entropy;
+    ratio_mean, ratio_max, ratio_min; dual_clip_frac with a dual clip; logprob_gap_mean,
+    logprob_gap_max, logprob_gap_frac, logprob_gap_signed with behaviour_logprobs (the
+    proximal / behaviour gap, rl_tpu.rl.importance); is_weight_mean, is_truncated_frac with
+    them and ratio_against="proximal" (per row at behaviour_is_level="sequence"); kl with
+    ref_logprobs; entropy with entropy;
     bapo_c_low, bapo_c_high, bapo_rho, bapo_rho_before, bapo_iterations, bapo_high_moves,
     bapo_low_moves for kind="bapo" (unless batch_stats are given).
     """
@@ -446,9 +437,14 @@ def policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: A
     metrics.update(extra)
     per_token_loss = kind.surrogate(ratio, _inside(logprobs, m), adv, lower, upper, config)
 
+    if behaviour_logprobs is not None:
+        # The train/inference gap, whichever policy the ratio divides by.
+        metrics.update(logprob_gap_metrics(proximal, behaviour_logprobs, m,
+                                           config.logprob_gap_threshold))
     if behaviour_logprobs is not None and config.ratio_against == "proximal":
-        weight, is_metrics = _behaviour_weights(
-            proximal, jnp.asarray(behaviour_logprobs, jnp.float32), m, config, n_tokens)
+        weight, is_metrics = behaviour_weights(
+            proximal, behaviour_logprobs, m, config.behaviour_is, config.behaviour_is_cap,
+            config.behaviour_is_level)
         metrics.update(is_metrics)
         if weight is not None:
             per_token_loss = per_token_loss * weight

@@ -249,7 +249,10 @@ class Learner:
         shape = batch["tokens"].shape
         self.policy, stacked = self.program("policy_update", *shape)(
             self.policy, {k: batch[k] for k in keys}, key)
-        metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()}
+        metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()
+                   if self.cfg.recompute_proximal or not k.startswith("logprob_gap_")}
+        # (without a proximal pass the behaviour log-probs stand in for it: a gap of 0 would
+        # claim an agreement nobody measured, so it is not logged)
         metrics["train/micro_batches"] = float(self.update_micro_batches(*shape))
         if self.critic is not None:
             value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",

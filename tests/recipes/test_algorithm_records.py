@@ -13,10 +13,11 @@ from rl_tpu.recipes.config import base_config, check
 _BAPO = {"a_minus": 0.6, "a_plus": 1.2, "b_minus": 0.9, "b_plus": 3.0, "delta1": 0.05,
          "delta2": 0.02, "rho0": 0.4, "target": 0.5, "variant": "paper"}
 _SHARED = {"aggregation": "token_mean", "bapo": _BAPO, "behaviour_is": "none",
-           "behaviour_is_cap": 2.0, "branch_sample": "fixed", "branch_turn": 0,
+           "behaviour_is_cap": 2.0, "behaviour_is_level": "token", "branch_sample": "fixed",
+           "branch_turn": 0,
            "clip_high": 0.2, "clip_low": 0.2, "dual_clip": 0.0, "dynamic_sampling": False,
            "entropy_coef": 0.0, "gamma": 1.0, "kl_coef": 0.0, "kl_estimator": "k3", "lam": 1.0,
-           "log_kl": False, "mechanism_metrics": False,
+           "log_kl": False, "logprob_gap_threshold": 0.1, "mechanism_metrics": False,
            "max_refill_rounds": 3, "overlong_buffer": 0, "overlong_penalty": 1.0,
            "ratio_against": "proximal", "recompute_proximal": True, "reward_kl_coef": 0.0,
            "std_ddof": 1, "value_clip": 0.2, "value_lr": 1e-05, "whiten_advantages": False}
@@ -34,9 +35,10 @@ _OWN = {
                 "branch_turn": 2},
 }
 _KEYS = ["advantage", "aggregation", "bapo", "behaviour_is", "behaviour_is_cap",
+         "behaviour_is_level",
          "branch_sample", "branch_turn", "clip_high", "clip_low", "dual_clip",
          "dynamic_sampling", "entropy_coef", "gamma", "kl_coef", "kl_estimator", "lam",
-         "log_kl", "loss",
+         "log_kl", "logprob_gap_threshold", "loss",
          "max_refill_rounds", "mechanism_metrics", "name", "overlong_buffer", "overlong_penalty", "ratio_against",
          "recompute_proximal", "reward_kl_coef", "std_ddof", "value_clip", "value_lr",
          "whiten_advantages"]

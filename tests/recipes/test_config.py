@@ -92,7 +92,9 @@ def test_check_refuses_an_algo_block_left_from_another_algorithm():
 @pytest.mark.parametrize("settings,message", [
     ({"ratio_against": "behaviour", "behaviour_is": "truncate"}, "would correct twice"),
     ({"dual_clip": 0.5}, "dual_clip=0.5 must be > 1"),
-    ({"behaviour_is": "clip"}, "unknown behaviour_is 'clip'")])
+    ({"behaviour_is": "clip"}, "unknown behaviour_is 'clip'"),
+    ({"behaviour_is_level": "row"}, "unknown behaviour_is_level 'row'"),
+    ({"logprob_gap_threshold": 0.0}, "logprob_gap_threshold=0.0 must be > 0")])
 def test_check_runs_the_policy_loss_checks_at_start_up(settings, message):
     c = base_config("grpo")
     for key, value in settings.items():

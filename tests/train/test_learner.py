@@ -143,6 +143,23 @@ def test_one_epoch_of_one_minibatch_takes_the_proximal_from_the_step():
     assert not bapo.proximal_from_step
 
 
+def test_the_logprob_gap_is_logged_only_when_a_proximal_pass_measured_it():
+    """The engine's log-probs 0.2 below the trainer's on every token: a learner that takes the
+    proximal from its step logs |gap| 0.2 (mean and max), all tokens above the 0.1 threshold
+    and a positive sign (old - behaviour); one told not to recompute it (the behaviour
+    log-probs stand in) logs no gap, since it measured none."""
+    batch = _batch(16, seed=3)
+    own = _learner()
+    behaviour = np.asarray(_score_pass(own, batch)) - 0.2
+    metrics = own.update(dict(own.score(batch), behaviour_logprobs=behaviour))
+    for name, expected in (("mean", 0.2), ("max", 0.2), ("frac", 1.0), ("signed", 0.2)):
+        assert metrics[f"train/logprob_gap_{name}"] == pytest.approx(expected, abs=1e-5), name
+    given = _learner(recompute_proximal=False)
+    metrics = given.update(given.score(dict(batch, behaviour_logprobs=behaviour)))
+    assert not any(k.startswith("train/logprob_gap") for k in metrics)
+    assert metrics["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_value_pass_in_micro_batches_equals_one_pass():
     batch = _batch(16, seed=1)
     split = _learner(critic=True, score_micro_batches=4)
