@@ -92,11 +92,9 @@ def measure(dtype: str, args) -> list:
                                              add_generation_prompt=True)
                for q in QUESTIONS[:args.prompts]]
     started = time.perf_counter()
-    # A later --dtype overrides the helper's own "--dtype float32". One OpenMP thread and a
-    # scheduler that sleeps when idle: on a shared 2-core machine torch's spin-waiting threads
-    # made decoding ~18x slower (tests/recipes/test_rl_real_sglang.py); the numbers are the same.
-    with start_sglang_server(model_dir, "--dtype", dtype, "--sleep-on-idle",
-                             env={"OMP_NUM_THREADS": "1"}) as server:
+    # A later --dtype overrides the helper's own "--dtype float32" (which also starts the
+    # server with one OpenMP thread and --sleep-on-idle: see start_sglang_server).
+    with start_sglang_server(model_dir, "--dtype", dtype) as server:
         results = sample(server.url, prompts, args)
     sglang_s = time.perf_counter() - started
     rows = [(prompts[k // args.samples], list(r.output_ids)) for k, r in enumerate(results)]

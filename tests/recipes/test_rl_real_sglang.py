@@ -58,13 +58,7 @@ def model_dir():
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     env = lora_server_env(str(tmp_path_factory.mktemp("sglang_env")))
-    # One OpenMP thread: on this shared 2-core machine torch's default (a thread a core,
-    # spin-waiting) made decoding 8 rows x 16 tokens take 46 s instead of 2.6 s whenever
-    # another process held a core. --sleep-on-idle: an idle scheduler otherwise spins one core
-    # at ~90%, the core the trainer's update needs between two rollouts.
-    env["OMP_NUM_THREADS"] = "1"
-    with start_sglang_server(model_dir, *lora_flags(LORA_RANK), "--sleep-on-idle",
-                             env=env) as proc:
+    with start_sglang_server(model_dir, *lora_flags(LORA_RANK), env=env) as proc:
         yield proc
 
 

@@ -245,7 +245,12 @@ def start_sglang_server(model_dir: str, *flags: str, timeout: float = SGLANG_STA
                         env: Optional[dict] = None) -> ServerProcess:
     """A real SGLang 0.5.23 server on CPU serving `model_dir` (the CPU flags below;
     `--dtype float32` so a float32 tiny model is served as saved). `env` adds variables to the
-    server's environment (e.g. SGLANG_RETURN_ORIGINAL_LOGPROB)."""
+    server's environment (e.g. SGLANG_RETURN_ORIGINAL_LOGPROB).
+
+    One OpenMP thread and `--sleep-on-idle`, because pytest runs two workers on two cores:
+    torch's default threads spin-wait whenever another process holds a core (8 rows x 16
+    tokens of SmolLM2 took 46 s with them, 2.6 s with one), and an idle scheduler otherwise
+    spins a core of its own between requests."""
     env_overrides = dict(env or {})
     python = ensure_sglang_venv()
     port = free_port()
@@ -253,12 +258,12 @@ def start_sglang_server(model_dir: str, *flags: str, timeout: float = SGLANG_STA
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS") and not k.startswith("PYTEST")}
     env.update(PYTHONPATH=stub_dir, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     env.update(env_overrides)
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--device", "cpu",
            "--attention-backend", "torch_native", "--disable-overlap-schedule",
            "--max-total-tokens", "4096", "--dtype", "float32", "--host", "127.0.0.1",
-           "--port", str(port), *flags]
+           "--port", str(port), "--sleep-on-idle", *flags]
     return ServerProcess(cmd, port, env=env, name="sglang", cleanup=[stub_dir]).wait_ready(timeout)
 
 
