@@ -184,7 +184,8 @@ def test_make_tiny_model_and_generate_clis(tmp_path):
                           text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "forward: logits (1, " in done.stdout and "finite=True" in done.stdout
-    assert "greedy: " in done.stdout and "tokens/s (batch 2, 4 new tokens" in done.stdout
+    assert "greedy: " in done.stdout and "(finish: " in done.stdout
+    assert "tokens/s (" in done.stdout and "batch 2, up to 4 new tokens" in done.stdout
 
 
 # --- dtypes ------------------------------------------------------------------------------------
