@@ -9,11 +9,15 @@ update -> weight sync, on the embedded JAX sampler and the trainer's learner.
     python benchmarks/rl_step.py --trainer --no_proximal   # recompute_proximal on vs off
     python benchmarks/rl_step.py --cache_dir /tmp/c; python benchmarks/rl_step.py --cache_dir /tmp/c
         # the first step cold, then with a warm persistent compilation cache
+    python benchmarks/rl_step.py --model_path $(python -m launch.get_model smollm2-135m-instruct) \
+        --prompts 8 --samples 8 --prompt 64 --completion 256 --tokens_per_device 4096 --steps 2
+        # a real model (its HF directory), the update in micro-batches of <= 4096 tokens
 
 Completions run to their full length (ignore_eos: no EOS cuts them short), rewards are random
-0/1, so the shapes are exactly the ones named. The first step's time is mostly compilation and
-is reported on its own row; the steady rows are the median of the following steps. Prints
-markdown table rows.
+0/1, so the shapes are exactly the ones named. Every step samples fresh random prompts (a
+prompt seen before could be served from the sampler's prefix cache). The first step's time is
+mostly compilation and is reported on its own row; the steady rows are the median of the
+following steps. Prints markdown table rows, with the 1-minute load average at each row's end.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from rl_tpu.train.state import OptimConfig, create_state, make_optimizer  # noqa
 PHASES = ("sample", "batch", "score", "advantages", "update", "sync")
 
 
-def one_step(sampler, learner, mesh, prompts, args, step, rng):
+def one_step(sampler, learner, mesh, vocab, args, step, rng):
     times = {}
+    prompts = [list(rng.integers(3, vocab, args.prompt)) for _ in range(args.prompts)]
     t = time.perf_counter()
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=args.completion, ignore_eos=True,
                                                   temperature=1.0, seed=step * 1000 + i))
@@ -69,8 +74,8 @@ def one_step(sampler, learner, mesh, prompts, args, step, rng):
     times["batch"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    batch = learner.score(batch)
-    jax.block_until_ready(batch["old_logprobs"])
+    batch = learner.score(batch)  # at one epoch of one minibatch, no old_logprobs: the
+    jax.block_until_ready(batch)  # update takes its own (Learner.proximal_from_step)
     times["score"] = time.perf_counter() - t
     t = time.perf_counter()
     batch = learner.advantages(batch)
@@ -84,6 +89,7 @@ def one_step(sampler, learner, mesh, prompts, args, step, rng):
     jax.block_until_ready(jax.tree.leaves(sampler.weights()[0]))
     times["sync"] = time.perf_counter() - t
     times["total"] = sum(times.values())
+    times["load"] = os.getloadavg()[0]
     return times
 
 
@@ -149,6 +155,13 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--completion", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4, help="steps after the first (compile) one")
+    parser.add_argument("--model_path", default="", help="a real model's HF directory "
+                        "(default: random weights of the rl_step shape)")
+    parser.add_argument("--tokens_per_device", type=int, default=0,
+                        help="the update's micro-batches: at most this many tokens each "
+                             "(0: one micro-batch)")
+    parser.add_argument("--score_tokens_per_device", type=int, default=0,
+                        help="the score pass's micro-batches, likewise")
     parser.add_argument("--trainer", action="store_true",
                         help="the whole trainer, synchronous vs asynchronous rollouts")
     parser.add_argument("--no_proximal", action="store_true",
@@ -168,31 +181,40 @@ def main():
         trainer_rows(args)
         return
 
-    cfg = ModelConfig(**SHAPES["rl_step"])
     mesh = parallel.make_mesh({"data": -1})
-    params = tiny.random_params(cfg, mesh=mesh, scale=0.04)
+    if args.model_path:
+        from rl_tpu.models import hf
+        cfg, params = hf.load(args.model_path, mesh=mesh, dtype="float32")
+        name = os.path.basename(os.path.dirname(os.path.abspath(args.model_path)))
+    else:
+        cfg = ModelConfig(**SHAPES["rl_step"])
+        params = tiny.random_params(cfg, mesh=mesh, scale=0.04)
+        name = f"{cfg.arch} (rl_step shape, random)"
     n_params = sum(x.size for x in jax.tree.leaves(params))
     sampler = JaxSampler(cfg, params, mesh=parallel.make_mesh({}, devices=jax.devices()[:1]))
     state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)))
     learner = Learner(Transformer(cfg, mesh=mesh), state, mesh,
-                      PolicyLossConfig(kind="ppo"), UpdateConfig(advantage="grpo"))
+                      PolicyLossConfig(kind="ppo"), UpdateConfig(
+                          advantage="grpo", tokens_per_device=args.tokens_per_device,
+                          score_tokens_per_device=args.score_tokens_per_device))
     rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(args.prompts)]
 
-    first = one_step(sampler, learner, mesh, prompts, args, 1, rng)
-    rest = [one_step(sampler, learner, mesh, prompts, args, s, rng)
+    first = one_step(sampler, learner, mesh, cfg.vocab_size, args, 1, rng)
+    rest = [one_step(sampler, learner, mesh, cfg.vocab_size, args, s, rng)
             for s in range(2, args.steps + 2)]
     steady = {k: statistics.median(r[k] for r in rest) for k in first}
     tokens = args.prompts * args.samples * args.completion
     device = jax.devices()[0].device_kind
-    print(f"GRPO step, {n_params / 1e6:.2f}M-param qwen2, {args.prompts} prompts x "
+    print(f"GRPO step, {n_params / 1e6:.2f}M-param {name}, {args.prompts} prompts x "
           f"{args.samples} samples, prompt {args.prompt}, completion {args.completion}, "
           f"{jax.device_count()} x {device}")
-    print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | total s | sampled tok/s |")
-    print("|---" * (len(PHASES) + 3) + "|")
-    for name, row in (("first (compile)", first), (f"steady (median of {args.steps})", steady)):
+    print("| step | " + " | ".join(f"{p} s" for p in PHASES)
+          + " | total s | sampled tok/s | load average |")
+    print("|---" * (len(PHASES) + 4) + "|")
+    for label, row in (("first (compile)", first), (f"steady (median of {args.steps})", steady)):
         cells = " | ".join(f"{row[p]:.3f}" for p in PHASES)
-        print(f"| {name} | {cells} | {row['total']:.3f} | {tokens / row['sample']:,.0f} |")
+        print(f"| {label} | {cells} | {row['total']:.3f} | {tokens / row['sample']:,.0f} | "
+              f"{row['load']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,20 @@
   python benchmarks/sampler.py --shape tiny --batches 1,8,32 --draw_vocab 151936 --notorch
   python benchmarks/sampler.py --shape qwen2.5-0.5b --dtype bfloat16 --batches 64,256 \
       --new_tokens 256 --temperature 1 --notorch            # on an accelerator (gpu.sh)
+  python benchmarks/sampler.py --model_path $(python -m launch.get_model smollm2-135m-instruct) \
+      --batches 1,8,32 --prompt_len 64 --new_tokens 128 --temperature 1   # a real model
 
 Both sides decode from the same random-weight HF directory (the first JAX process writes it),
-greedily unless --temperature > 0 (then plain sampling: no top-p / top-k), prompts of
---prompt_len random ids, every row generating exactly `new_tokens` (EOS does not stop a row on
-either side). Each side runs in a process of its own (benchmarks/side_process.py says why), in
---rounds interleaved rounds (jax, torch, torch, jax, ...). In each process every (batch, new
-tokens) runs --warmup_calls untimed calls (JAX's first compiles its bucket) and --calls timed
-ones; tok/s is batch x new tokens over the median call, of all rounds' timed calls.
+or from --model_path's (a real model's; its config gives the vocab), greedily unless
+--temperature > 0 (then plain sampling: no top-p / top-k), prompts of --prompt_len random
+ids, every row generating exactly `new_tokens` (EOS does not stop a row on either side). Each
+side runs in a process of its own (benchmarks/side_process.py says why), in --rounds
+interleaved rounds (jax, torch, torch, jax, ...). In each process every (batch, new tokens)
+runs --warmup_calls untimed calls (JAX's first compiles its bucket) and --calls timed ones;
+tok/s is batch x new tokens over the median call, of all rounds' timed calls. "tok per
+CPU-s" divides the same tokens by the median call's CPU time (the process's, all threads): on
+a shared machine, where wall time depends on what else runs, it says what work each side
+spends on them (JAX's pool threads may spin a little while waiting; PyTorch's, passive, not).
 
 Every call gets a batch of prompts of its own (seeded by round, batch and call; call k gets
 the same prompts on both sides), so nothing one call computed helps the next: the JAX sampler
@@ -46,6 +52,8 @@ from benchmarks.side_process import median  # noqa: E402
 flags.DEFINE_string("shape", "small", "A CPU-sized shape (benchmarks/common.py SHAPES: tiny, "
                     "small, rl_step, peer), or a model preset (qwen2.5-0.5b...: random params, "
                     "JAX only, for an accelerator).")
+flags.DEFINE_string("model_path", "", "A real model's HF directory (both sides load it; "
+                    "overrides --shape).")
 flags.DEFINE_string("batches", "1,8,32", "Batch sizes.")
 flags.DEFINE_string("new_tokens", "64,128", "New tokens per row.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per row.")
@@ -71,16 +79,20 @@ def call_prompts(spec: dict, rnd: int, batch: int, call: int) -> np.ndarray:
                                                (batch, spec["prompt_len"]))
 
 
-def each_call(spec: dict, run_call) -> dict:
+def each_call(spec: dict, run_call) -> tuple[dict, dict]:
     """Runs `run_call(prompts [B, P], new, call index) -> seconds` for every (new tokens,
-    batch): warm-up calls, then timed ones; {"new,batch": [timed seconds]}."""
-    times = {}
+    batch): warm-up calls, then timed ones; ({"new,batch": [timed seconds]}, the same of the
+    process's CPU seconds in each timed call, all its threads together)."""
+    times, cpu = {}, {}
     for new in spec["new_tokens"]:
         for batch in spec["batches"]:
-            key, n = f"{new},{batch}", spec["warmup_calls"] + spec["calls"]
-            times[key] = [run_call(call_prompts(spec, spec["round"], batch, k), new, k)
-                          for k in range(n)][spec["warmup_calls"]:]
-    return times
+            key, walls, cpus = f"{new},{batch}", [], []
+            for k in range(spec["warmup_calls"] + spec["calls"]):
+                start = time.process_time()
+                walls.append(run_call(call_prompts(spec, spec["round"], batch, k), new, k))
+                cpus.append(time.process_time() - start)
+            times[key], cpu[key] = walls[spec["warmup_calls"]:], cpus[spec["warmup_calls"]:]
+    return times, cpu
 
 
 def write_model(shape: str, out: str):
@@ -123,8 +135,8 @@ def run_jax(spec: dict) -> dict:
                 reuse[name] += after[name] - before[name]
         return seconds
 
-    times = each_call(spec, run_call)
-    return dict(times=times, params=cfg.num_params(),
+    times, cpu = each_call(spec, run_call)
+    return dict(times=times, cpu=cpu, params=cfg.num_params(),
                 reuse_fraction=reuse["reused_tokens"] / max(reuse["prompt_tokens"], 1),
                 compiled_in_timed_calls=reuse["compiled_programs"])
 
@@ -155,14 +167,21 @@ def run_torch(spec: dict) -> dict:
         assert out.shape[1] == ids.shape[1] + new, out.shape
         return seconds
 
-    return dict(times=each_call(spec, run_call), torch_version=torch.__version__)
+    times, cpu = each_call(spec, run_call)
+    return dict(times=times, cpu=cpu, torch_version=torch.__version__)
 
 
 def parent_main(f) -> None:
     from benchmarks.common import SHAPES, model_config
 
-    cfg = model_config(f.shape)  # an unknown shape fails here, before any process starts
-    with_torch = f.torch and f.shape in SHAPES  # a preset has no HF directory to load
+    if f.model_path:
+        from rl_tpu.models import hf
+        cfg = hf.read_config(f.model_path)
+        f.shape = os.path.basename(os.path.dirname(os.path.abspath(f.model_path))) or "model"
+    else:
+        cfg = model_config(f.shape)  # an unknown shape fails here, before any process starts
+    # a preset has no HF directory to load
+    with_torch = f.torch and (f.shape in SHAPES or bool(f.model_path))
     if f.warmup_calls < 1 or f.calls < 1:
         raise SystemExit("--warmup_calls and --calls must be at least 1 (JAX's first call "
                          "compiles, and a median needs a timed call)")
@@ -177,7 +196,8 @@ def parent_main(f) -> None:
     spec = dict(shape=f.shape, dtype=f.dtype, temperature=f.temperature, batches=batches,
                 new_tokens=new_tokens, prompt_len=f.prompt_len, vocab_size=cfg.vocab_size,
                 warmup_calls=warmup_calls, calls=f.calls, reuse_prompts=f.reuse_prompts,
-                model_dir=os.path.join(tmp, f.shape) if f.shape in SHAPES else "")
+                model_dir=f.model_path or (os.path.join(tmp, f.shape) if f.shape in SHAPES
+                                           else ""))
     jax_env = {} if os.environ.get("JAX_COMPILATION_CACHE_DIR") else {
         "JAX_COMPILATION_CACHE_DIR": os.path.join(tmp, "jax_cache")}
     print(side_process.thread_note() if with_torch else "JAX with its default threads",
@@ -201,10 +221,10 @@ def parent_main(f) -> None:
 
 
 def print_rows(f, results: dict, batches: list[int], new_tokens: list[int]):
-    def tok_s(side, new, batch):
+    def tok_s(side, new, batch, what="times"):
         if side not in results:
             return float("nan")
-        calls = [x for r in results[side] for x in r["times"][f"{new},{batch}"]]
+        calls = [x for r in results[side] for x in r[what][f"{new},{batch}"]]
         return batch * new / median(calls)
 
     jax_rs = results["jax"]
@@ -218,15 +238,19 @@ def print_rows(f, results: dict, batches: list[int], new_tokens: list[int]):
     for new in new_tokens:
         for batch in batches:
             jax_tps, torch_tps = tok_s("jax", new, batch), tok_s("torch", new, batch)
+            jax_cpu, torch_cpu = tok_s("jax", new, batch, "cpu"), tok_s("torch", new, batch,
+                                                                       "cpu")
             rows.append([f.shape, f"{jax_rs[0]['params'] / 1e6:.2f}M", f.temperature, batch,
                          f.prompt_len, new, "reused" if f.reuse_prompts else "fresh",
                          f"{reused:.0%}", f"{jax_tps:,.0f}",
                          f"{torch_tps:,.0f}" if "torch" in results else "-",
-                         f"{jax_tps / torch_tps:.2f}x" if "torch" in results else "-", load])
+                         f"{jax_tps / torch_tps:.2f}x" if "torch" in results else "-",
+                         f"{jax_cpu:,.0f} / {torch_cpu:,.0f}" if "torch" in results
+                         else f"{jax_cpu:,.0f}", load])
     side_process.print_table(
         ["shape", "params", "temperature", "batch", "prompt", "new tokens", "prompts",
          "JAX prompt K/V reused", "rl_tpu JAX tok/s", "transformers tok/s",
-         "rl_tpu / transformers", "load"], rows)
+         "rl_tpu / transformers", "tok per CPU-s (JAX / torch)", "load"], rows)
 
 
 def time_draws(batches, vocab: int):

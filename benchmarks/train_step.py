@@ -6,6 +6,8 @@ table rows; with --torch, PyTorch's same update beside it, measured the same way
       --dtype bfloat16 --remat dots --micro_batches 2        # on an accelerator
   python benchmarks/train_step.py --loss bapo --micro_batches 2  # + BAPO's scoring pass
   python benchmarks/train_step.py --shape peer --batch 8 --lengths 96,384,1536 --torch
+  python benchmarks/train_step.py --model_path $(python -m launch.get_model \
+      smollm2-135m-instruct) --batch 8 --seq_len 512 --torch [--lora_rank 16]  # a real model
 
 Random weights at the named shape (benchmarks/common.py), a policy loss (--loss) over a random
 batch with a realistic loss mask (a quarter prompt, the rest response). With --loss bapo and
@@ -22,6 +24,16 @@ ru_maxrss. The PyTorch update is transformers' model of the shape (fp32, its def
 attention) with the forward, the log-softmax gather of the taken tokens, the entropy, the
 clipped token-mean PPO loss, the backward, the gradient clip and AdamW: what the JAX step does.
 Both first losses are printed and must agree (the run fails when they do not).
+
+--model_path: a real model's HF directory instead of random weights, which both sides load.
+--lora_rank r: LoRA on every projection (q, k, v, o, gate, up, down; alpha 2r, no dropout,
+PEFT's init, so B = 0 and the first losses still agree), the base frozen, AdamW and the
+gradient clip over the adapters alone: rl_tpu's `model.lora` adapters against PEFT's
+`get_peft_model` on the transformers model. --torch_logprobs rows computes PyTorch's
+log-probs and entropy a row at a time (as TRL does), so it never holds a log_softmax of the
+whole [B, T, V] beside the logits: the same numbers, a lower peak at a real vocab. The comparison table has each side's first step
+in round 0 (JAX: compiles from nothing) and in the later rounds (JAX: programs loaded from the
+persistent compilation cache the first round filled), and the warm steps' median.
 """
 
 from __future__ import annotations
@@ -43,6 +55,12 @@ from benchmarks import side_process  # noqa: E402
 from benchmarks.side_process import median  # noqa: E402
 
 flags.DEFINE_string("shape", "tiny", "Model shape (benchmarks/common.py SHAPES) or preset.")
+flags.DEFINE_string("model_path", "", "A real model's HF directory (both sides load it; "
+                    "overrides --shape).")
+flags.DEFINE_integer("lora_rank", 0, "LoRA rank on every projection (0: full fine-tuning).")
+flags.DEFINE_enum("torch_logprobs", "full", ["full", "rows"], "PyTorch's log-probs: a "
+                  "log_softmax over the whole [B, T, V] (full), or a logsumexp a row at a time "
+                  "(rows: TRL's selective_log_softmax, no second [B, T, V] tensor).")
 flags.DEFINE_integer("batch", 8, "Sequences per step (global).")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence (when --lengths is not given).")
 flags.DEFINE_string("lengths", "", "Comma-separated sequence lengths, one row each "
@@ -120,16 +138,30 @@ def run_jax(spec: dict) -> dict:
     from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 
     block = spec.get("attention_block", -1)
-    cfg = model_config(spec["shape"], dtype=spec["dtype"], param_dtype=spec["dtype"],
-                       remat=spec["remat"], scan_layers=spec["scan_layers"],
-                       **({} if block < 0 else {"attention_block": block}))
+    options = dict(remat=spec["remat"], scan_layers=spec["scan_layers"],
+                   **({} if block < 0 else {"attention_block": block}))
     mesh = parallel.make_mesh(parse_mesh(spec["mesh"]))
-    model = Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES)
-    params = parallel.init_params(model, mesh, parallel.DEFAULT_RULES, jax.random.key(0),
-                                  np.zeros((1, 1), np.int32))
+    if spec.get("model_path"):
+        cfg, params = hf.load(spec["model_path"], mesh=mesh, dtype=spec["dtype"], **options)
+    else:
+        cfg = model_config(spec["shape"], dtype=spec["dtype"], param_dtype=spec["dtype"],
+                           **options)
+        params = parallel.init_params(Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES),
+                                      mesh, parallel.DEFAULT_RULES, jax.random.key(0),
+                                      np.zeros((1, 1), np.int32))
     if spec.get("save_weights_to"):  # before the first step, which donates (deletes) params
         hf.save(spec["save_weights_to"], cfg, jax.device_get(params))
-    state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)))
+    trainable = None
+    if spec.get("lora_rank"):  # fresh adapters (B = 0) on the frozen base
+        from rl_tpu.models import lora
+        from rl_tpu.recipes.components import with_fresh_adapters
+
+        r = spec["lora_rank"]
+        cfg = cfg.replace(lora=lora.LoraConfig(rank=r, alpha=2.0 * r))
+        params = with_fresh_adapters(Transformer(cfg, mesh=mesh), params, mesh, 0)
+        trainable = frozenset(lora.ADAPTER_KEYS)
+    model = Transformer(cfg, mesh=mesh, rules=parallel.DEFAULT_RULES)
+    state = create_state(params, make_optimizer(OptimConfig(lr=1e-6)), trainable)
     step = steps.compile_step(
         steps.make_policy_step(model, loss_config(spec["loss"]),
                                steps.StepConfig(micro_batches=spec["micro_batches"],
@@ -164,7 +196,15 @@ def run_torch(spec: dict) -> dict:
     torch.set_num_threads(side_process.cores())
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(spec["weights_dir"], dtype=torch.float32).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    if spec.get("lora_rank"):  # PEFT's adapters on every projection, the base frozen
+        from peft import LoraConfig, get_peft_model
+
+        r = spec["lora_rank"]
+        model = get_peft_model(model, LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-6, weight_decay=0.0)
     with np.load(spec["batch_path"]) as npz:
         tokens = torch.from_numpy(npz["tokens"]).long()
         mask = torch.from_numpy(npz["loss_mask"][:, 1:]).float()  # token t+1 from position t
@@ -172,19 +212,30 @@ def run_torch(spec: dict) -> dict:
         adv = torch.from_numpy(npz["advantages"])[:, None]
     low, high = 1 - spec["clip_low"], 1 + spec["clip_high"]
 
+    def log_probs(logits):  # (log p of the taken tokens [B, T-1], entropy [B, T-1])
+        if spec.get("torch_logprobs") == "rows":  # TRL's selective_log_softmax, a row a time
+            taken = torch.stack([row.gather(-1, t[:, None])[:, 0] - torch.logsumexp(row, -1)
+                                 for row, t in zip(logits, tokens[:, 1:])])
+            with torch.no_grad():
+                entropy = torch.stack([torch.logsumexp(row, -1) - (torch.softmax(row, -1)
+                                                                   * row).sum(-1)
+                                       for row in logits])
+            return taken, entropy
+        logp = torch.log_softmax(logits, -1)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, tokens[:, 1:, None])[..., 0], entropy
+
     def one_step() -> float:
         logits = model(tokens).logits[:, :-1].float()  # [B, T-1, V]
-        logp = torch.log_softmax(logits, -1)
-        taken = logp.gather(-1, tokens[:, 1:, None])[..., 0]
-        with torch.no_grad():  # a metric, as the JAX step reports it
-            entropy = -(logp.exp() * logp).sum(-1)
-            float((entropy * mask).sum() / mask.sum())
+        taken, entropy = log_probs(logits)
+        float((entropy * mask).sum() / mask.sum())  # a metric, as the JAX step reports it
         ratio = torch.exp(taken - old)
         per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
         loss = (per_token * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         return loss.item()
 
@@ -196,7 +247,12 @@ def run_torch(spec: dict) -> dict:
 def parent_main(f) -> None:
     from benchmarks.common import model_config
 
-    cfg = model_config(f.shape)  # an unknown shape fails here, before any process starts
+    if f.model_path:
+        from rl_tpu.models import hf
+        cfg = hf.read_config(f.model_path)
+        f.shape = os.path.basename(os.path.dirname(os.path.abspath(f.model_path))) or "model"
+    else:
+        cfg = model_config(f.shape)  # an unknown shape fails here, before any process starts
     if f.torch and (f.loss != "ppo" or f.micro_batches != 1):
         raise SystemExit("--torch compares the ppo loss with --micro_batches 1 (the PyTorch "
                          f"update implements only that); got --loss {f.loss} --micro_batches "
@@ -224,8 +280,9 @@ def parent_main(f) -> None:
     if f.torch:
         print(f"\n{f.warmup_steps} warm-up + {f.steps} timed steps per process, {rounds} "
               "processes per side and length; s/step is the median of every timed step")
-        side_process.print_table(["B x T", "update", "s/step", "tokens/s", "first loss",
-                                  "peak RSS MiB", "rl_tpu / torch", "load"],
+        side_process.print_table(["B x T", "update", "first step s (round 0)",
+                                  "first step s (later rounds)", "s/step (warm)", "tokens/s",
+                                  "first loss", "peak RSS MiB", "rl_tpu / torch", "load"],
                                  [row for pair in compare for row in pair])
     if failures:
         raise SystemExit("the two updates' first losses differ, so they are not the same "
@@ -237,14 +294,16 @@ def run_lengths(f, cfg, lengths, rounds, sides, tmp, jax_env):
     first-loss disagreements)."""
     lc = loss_config(f.loss)
     script = os.path.abspath(__file__)
-    weights_dir = os.path.join(tmp, "hf")
+    weights_dir = f.model_path or os.path.join(tmp, "hf")
     rows, compare, failures = [], [], []
     for t in lengths:
         batch_path = os.path.join(tmp, f"batch_{t}.npz")
         np.savez(batch_path, **make_batch(cfg.vocab_size, f.batch, t))
         results = {side: [] for side in sides}
         for r, side in side_process.round_order(rounds, sides):
-            spec = dict(shape=f.shape, dtype=f.dtype, remat=f.remat, scan_layers=f.scan_layers,
+            spec = dict(shape=f.shape, model_path=f.model_path, lora_rank=f.lora_rank,
+                        torch_logprobs=f.torch_logprobs,
+                        dtype=f.dtype, remat=f.remat, scan_layers=f.scan_layers,
                         attention_block=f.attention_block,
                         mesh=f.mesh, loss=f.loss, micro_batches=f.micro_batches,
                         logprob_chunk=f.logprob_chunk, peak_tflops=f.peak_tflops, seq_len=t,
@@ -260,7 +319,7 @@ def run_lengths(f, cfg, lengths, rounds, sides, tmp, jax_env):
                   f"{side_process.load_range(results[side][-1:])}", file=sys.stderr, flush=True)
         rows.append(jax_row(f, cfg, t, results["jax"]))
         if f.torch:
-            compare.append(compare_rows(f.batch, t, results))
+            compare.append(compare_rows(f.batch, t, results, f.lora_rank))
             # Every process starts from the same weights and batch, so every first loss agrees.
             losses = [r["first_loss"] for rs in results.values() for r in rs]
             if max(losses) - min(losses) > LOSS_AGREEMENT:
@@ -282,11 +341,19 @@ def jax_row(f, cfg, t: int, results: list[dict]) -> list:
             f"{max(r['peak_rss_mib'] for r in results):,.0f}", side_process.load_range(results)]
 
 
-def compare_rows(b: int, t: int, results: dict) -> list[list]:
+def compare_rows(b: int, t: int, results: dict, lora_rank: int = 0) -> list[list]:
     step_s = {side: median([x for r in rs for x in r["times"]]) for side, rs in results.items()}
     torch_version = results["torch"][0]["torch_version"]
-    label = {"jax": "rl_tpu (JAX)", "torch": f"PyTorch {torch_version} (transformers)"}
-    return [[f"{b} x {t}", label[side], f"{step_s[side]:.3f}", f"{b * t / step_s[side]:,.0f}",
+    kind = f"LoRA r{lora_rank}" if lora_rank else "full"
+    label = {"jax": f"rl_tpu (JAX), {kind}",
+             "torch": f"PyTorch {torch_version} (transformers{', PEFT' if lora_rank else ''}), "
+                      f"{kind}"}
+
+    def later(rs):
+        return f"{median([r['first_s'] for r in rs[1:]]):.2f}" if len(rs) > 1 else "-"
+
+    return [[f"{b} x {t}", label[side], f"{rs[0]['first_s']:.2f}", later(rs),
+             f"{step_s[side]:.3f}", f"{b * t / step_s[side]:,.0f}",
              f"{rs[0]['first_loss']:.6f}", f"{max(r['peak_rss_mib'] for r in rs):,.0f}",
              f"{step_s['torch'] / step_s['jax']:.2f}x" if side == "jax" else "",
              side_process.load_range(rs)]
