@@ -7,9 +7,9 @@ frozen reference policy when a KL term needs it, and one compiled function per p
 
   score(batch)       proximal log-probs (`old_logprobs`: the policy at the start of this update;
                      skipped with `recompute_proximal=False`, the behaviour log-probs then
-                     standing in, and at one epoch of one minibatch, where the policy step
-                     takes its own: `proximal_from_step`), reference log-probs, critic
-                     values; forward passes only.
+                     standing in, and at one epoch of one minibatch without LoRA dropout,
+                     where the policy step takes its own: `proximal_from_step`), reference
+                     log-probs, critic values; forward passes only.
   advantages(batch)  the configured estimator over the whole (global) batch: group statistics
                      and whitening see every row of every host, because jnp reductions on a
                      sharded array are global under jit.
@@ -205,11 +205,14 @@ class Learner:
         use, so the policy step takes its own log-probs (stop-gradient) as the proximal ones,
         exactly, and the score pass skips them: one forward pass less per RL step (TRL does
         the same at num_iterations=1). Not for a loss with whole-batch statistics (BAPO reads
-        them in its own pass) or a KL-shaped reward (the advantages read old_logprobs)."""
+        them in its own pass), a KL-shaped reward (the advantages read old_logprobs), or LoRA
+        dropout: the step's forward drops adapter inputs, so its log-probs would carry the
+        masks' noise into the importance weights, the masks and approx_kl; the score pass runs
+        without dropout."""
         cfg = self.cfg
         return (cfg.recompute_proximal and cfg.epochs * cfg.minibatches == 1
                 and POLICY_LOSSES.get(self.loss_cfg.kind).batch_statistics is None
-                and not cfg.reward_kl_coef)
+                and not cfg.reward_kl_coef and not steps.lora_dropout(self.model))
 
     def score(self, batch: dict) -> dict:
         """Adds old_logprobs (unless `proximal_from_step`; and ref_logprobs, values) to a

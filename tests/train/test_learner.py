@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from rl_tpu import parallel
-from rl_tpu.models import tiny
+from rl_tpu.models import lora, tiny
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel, value_params_from
 from rl_tpu.rl.losses import PolicyLossConfig
@@ -227,3 +227,33 @@ def test_programs_compiled_ahead_leave_the_first_update_nothing_to_compile():
     ahead.compile_ahead(ROWS, 16)
     compiled = _compiled_during(lambda: _score_and_update(ahead, other))
     assert compiled.get("jit(update)") == 2, compiled
+
+
+def _lora_learner(dropout: float) -> Learner:
+    """A LoRA policy whose adapters already say something (B is zero at init, which would
+    make dropout on the adapters' input change nothing)."""
+    cfg = CFG.replace(lora=lora.LoraConfig(rank=4, dropout=dropout))
+    key = jax.random.key(5)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(0.5 * jax.random.normal(key, x.shape, x.dtype),
+                                       x.sharding) if path[-1].key == "lora_b" else x,
+        tiny.random_params(cfg, seed=0, mesh=MESH, scale=0.2))
+    policy = create_state(params, optax.sgd(1.0), frozenset(lora.ADAPTER_KEYS))
+    return Learner(Transformer(cfg, mesh=MESH), policy, MESH, PolicyLossConfig(),
+                   UpdateConfig())
+
+
+def test_lora_dropout_keeps_the_proximal_score_pass():
+    """One epoch of one minibatch with LoRA dropout: the proximal log-probs come from the
+    score pass (no dropout), not the policy step's own forward (dropped adapter inputs), so
+    the engine's log-probs of the same params match them exactly (no gap) instead of carrying
+    the masks' noise into importance weights, masks and approx_kl."""
+    batch = _batch(16, seed=4)
+    noisy = _lora_learner(dropout=0.5)
+    assert not noisy.proximal_from_step
+    behaviour = np.asarray(_score_pass(noisy, batch))  # what the engine samples with: no dropout
+    scored = noisy.score(batch)
+    np.testing.assert_array_equal(np.asarray(scored["old_logprobs"]), behaviour)
+    metrics = noisy.update(dict(scored, behaviour_logprobs=behaviour))
+    assert metrics["train/logprob_gap_max"] == 0.0
+    assert _lora_learner(dropout=0.0).proximal_from_step  # without dropout the shortcut holds
