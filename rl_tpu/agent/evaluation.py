@@ -41,21 +41,24 @@ def global_sums(values: np.ndarray) -> np.ndarray:
 
 def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """`EpisodeStats` over every host's trajectories: `episodes` (count), the means `success`,
-    `reward`, `turns` and `tokens` (generated), and the counts `env_errors` and
-    `context_limits`; `format_valid_rate` when any step asked for a rule decision and
+    `reward`, `turns` and `tokens` (generated), and the counts `env_errors`,
+    `context_limits` and `env_steps` (the env's own steps, `info["env_steps"]`: a turn whose
+    reply could not be parsed, or an agent program's model call, steps no env and is not
+    counted); `format_valid_rate` when any step asked for a rule decision and
     `violation_rate` when any such reply was valid (module docstring). Each host's means are
     weighted back into sums, added, divided again."""
     local = EpisodeStats.of(trajectories)
     n = local.num_episodes
     (n, wins, reward, turns, tokens, errors, cut, decisions, valid_decisions,
-     violations) = global_sums(np.array([
+     violations, env_steps) = global_sums(np.array([
         n, local.success_rate * n, local.mean_reward * n, local.mean_turns * n,
         local.tokens_generated, local.finish_counts.get("env_error", 0),
         local.finish_counts.get("context_limit", 0), local.decisions, local.valid_decisions,
-        local.violations], np.float64))
+        local.violations, local.env_steps], np.float64))
     per = max(n, 1)
     out = {"episodes": n, "success": wins / per, "reward": reward / per, "turns": turns / per,
-           "tokens": tokens / per, "env_errors": errors, "context_limits": cut}
+           "tokens": tokens / per, "env_errors": errors, "context_limits": cut,
+           "env_steps": env_steps}
     if decisions:
         out["format_valid_rate"] = valid_decisions / decisions
     if valid_decisions:

@@ -552,9 +552,10 @@ class Trainer:
             "rollout/weight_version": float(oldest_version_over_hosts(trajectories)),
             "rollout/reward": stats["reward"], "rollout/success": stats["success"],
             "rollout/response_length": stats["tokens"], "rollout/turns": stats["turns"],
-            # env steps this step's episodes took: ScalingInter-RL compares horizons at equal
+            # env steps this step's episodes took (the env's own count: unparseable replies
+            # and agent-program calls step no env): ScalingInter-RL compares horizons at equal
             # interaction (benchmarks/compare_runs.py --x env_steps)
-            "rollout/env_steps": float(round(stats["turns"] * stats["episodes"])),
+            "rollout/env_steps": float(stats["env_steps"]),
             "rollout/env_error_frac": stats["env_errors"] / n,
             "rollout/context_limit_frac": stats["context_limits"] / n,
             # the schedules at this step (what chunk `step` is sampled with), and the budget

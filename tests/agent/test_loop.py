@@ -444,6 +444,29 @@ def test_parse_action_value_error_is_an_observation(tok):
     check_invariants(tok, traj, engine)
 
 
+def test_rollout_env_steps_count_the_env_steps_not_the_turns(tok):
+    """Replies the env could not parse take turns but step no env: the RL step's
+    rollout/env_steps (and episode_stats' env_steps) add up the episodes' own counts."""
+    from types import SimpleNamespace
+
+    from rl_tpu.agent.evaluation import episode_stats
+    from rl_tpu.recipes.config import base_config
+    from rl_tpu.recipes.rl import Trainer
+
+    def parse(text):
+        if not text.startswith("guess"):
+            raise ValueError("say 'guess <n>'")
+        return text.strip()
+
+    scripts = {"a": ["hmm", "what", "guess 7"], "b": ["guess 3", "?", "guess 7"]}
+    trajs, _, _ = run(tok, scripts, [Task("a"), Task("b")], parse_action=parse)
+    assert [t.info["env_steps"] for t in trajs] == [1, 2]  # of 3 turns each
+    assert episode_stats(trajs)["env_steps"] == 3
+    # _rollout_metrics reads only the config (the horizon and budget schedules)
+    trainer = SimpleNamespace(config=base_config(), reward_mix=None)
+    assert Trainer._rollout_metrics(trainer, trajs, step=1)["rollout/env_steps"] == 3.0
+
+
 @pytest.mark.parametrize("reduce,expected", [("sum", 0.8), ("last", 1.0), ("max", 1.0),
                                              (lambda r: len(r), 3.0)])
 def test_reward_reduce(tok, reduce, expected):

@@ -125,10 +125,10 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
     assert os.path.isfile(tmp_path / "final_hf" / "config.json")
     if name == "sciworld_ppo":
         assert "critic/value_loss" in last
-    if name.startswith("scaling_maze"):  # every episode trained on: its turns, added up
+    if name.startswith("scaling_maze"):  # every episode trained on: at most a step a turn
         episodes = c.train.tasks_per_step * c.train.samples_per_task
         for r in (r for r in records if "rollout/env_steps" in r):
-            assert r["rollout/env_steps"] == round(r["rollout/turns"] * episodes) > 0
+            assert 0 < r["rollout/env_steps"] <= round(r["rollout/turns"] * episodes)
     if name == "quickstart":
         # launch.eval's recipe, from the checkpoint and from the exported HF dir, measures
         # what the run's own final eval measured
