@@ -26,7 +26,13 @@ _AT_LEAST = {"train.steps": 0, "train.tasks_per_step": 1, "train.samples_per_tas
              "train.score_tokens_per_device": 0, "rollout.kv_tokens_per_device": 0,
              "rollout.max_batch": 1, "rollout.sampler_tensor": 0, "rollout.prefill_chunk": 0,
              "eval.num_tasks": 1, "eval.every": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
-             "sft.steps": 0}
+             "sft.steps": 0, "env.max_new_tokens": 1, "env.max_turns": 1,
+             "eval.max_turns": 0, "eval.pass_k": 0, "algo.max_refill_rounds": 0,
+             "algo.overlong_buffer": 0}
+
+# The seed's range: numpy's RandomState (the SFT batches' order) takes seeds below 2**32, and
+# the recipes add round numbers to it; JAX's keys overflow past 2**63.
+SEED_LIMIT = 2**31
 
 
 def warmup_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -53,6 +59,33 @@ def _check_counts(config: ml_collections.ConfigDict) -> None:
     if config.train.steps == 0 and config.sft.steps == 0:
         raise ValueError("train.steps=0 and sft.steps=0: nothing would be trained; set "
                          "train.steps >= 1 (RL steps), or sft.steps >= 1 for an SFT-only run")
+
+
+def _check_ranges(config: ml_collections.ConfigDict) -> None:
+    """Numbers no loss, estimator or env refuses by itself, each of which would train on
+    nonsense (a negative KL coefficient rewards moving away from the reference; a discount
+    or GAE lambda outside [0, 1] makes returns grow with distance) or fail only once the run
+    has compiled and written to its workdir."""
+    if not 0 <= config.seed < SEED_LIMIT:
+        raise ValueError(f"seed={config.seed} must be in [0, 2**31) (numpy's RandomState "
+                         "takes 32-bit seeds, and the recipes add round numbers to it)")
+    a = config.algo
+    for key in ("kl_coef", "reward_kl_coef", "value_clip", "overlong_penalty"):
+        if a[key] < 0:
+            raise ValueError(f"algo.{key}={a[key]} must be >= 0 (0 = off)")
+    for key in ("gamma", "lam"):
+        if not 0 <= a[key] <= 1:
+            raise ValueError(f"algo.{key}={a[key]} must be in [0, 1] (1 = no discount)")
+    if a.std_ddof not in (0, 1):
+        raise ValueError(f"algo.std_ddof={a.std_ddof}: choose 1 (the unbiased group std) or 0 "
+                         "(the population std)")
+    e = config.env
+    if not e.step_timeout_s > 0 or e.step_latency_s < 0:
+        raise ValueError(f"env.step_timeout_s={e.step_timeout_s} must be > 0 and "
+                         f"env.step_latency_s={e.step_latency_s} >= 0")
+    from rl_tpu.offpolicy.replay import ReplayConfig
+    r = config.train.replay  # its own checks, here rather than after the warm start
+    ReplayConfig(capacity=r.capacity, fraction=r.fraction, max_staleness=r.max_staleness)
 
 
 def _check_algo_block(algo: ml_collections.ConfigDict) -> None:
@@ -290,6 +323,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if bad:
         raise ValueError(f"{', '.join(bad)}: config values must be finite numbers; give "
                          f"{'that key' if len(bad) == 1 else 'those keys'} a finite value")
+    _check_ranges(config)
     program.check_config(config)  # env agent_program: what a program's episodes cannot do
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")

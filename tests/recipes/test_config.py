@@ -116,6 +116,43 @@ def test_check_refuses_counts_that_make_no_sense(key, value):
         check(c)
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("env.max_new_tokens", 0, "env.max_new_tokens=0 must be >= 1"),
+    ("env.max_new_tokens", -3, "env.max_new_tokens=-3 must be >= 1"),
+    ("env.max_turns", 0, "env.max_turns=0 must be >= 1"),
+    ("eval.max_turns", -1, "eval.max_turns=-1 must be >= 0"),
+    ("eval.pass_k", -2, "eval.pass_k=-2 must be >= 0"),
+    ("seed", 2**64 + 1, r"seed=18446744073709551617 must be in \[0, 2\*\*31\)"),
+    ("seed", 2**32, r"seed=4294967296 must be in \[0, 2\*\*31\)"),
+    ("seed", -1, r"seed=-1 must be in \[0, 2\*\*31\)"),
+    ("algo.kl_coef", -1.0, r"algo.kl_coef=-1.0 must be >= 0 \(0 = off\)"),
+    ("algo.reward_kl_coef", -0.1, "algo.reward_kl_coef=-0.1 must be >= 0"),
+    ("algo.value_clip", -0.2, "algo.value_clip=-0.2 must be >= 0"),
+    ("algo.overlong_penalty", -1.0, "algo.overlong_penalty=-1.0 must be >= 0"),
+    ("algo.overlong_buffer", -4, "algo.overlong_buffer=-4 must be >= 0"),
+    ("algo.max_refill_rounds", -1, "algo.max_refill_rounds=-1 must be >= 0"),
+    ("algo.gamma", 2.0, r"algo.gamma=2.0 must be in \[0, 1\]"),
+    ("algo.lam", -1.0, r"algo.lam=-1.0 must be in \[0, 1\]"),
+    ("algo.std_ddof", 2, "algo.std_ddof=2: choose 1"),
+    ("env.step_timeout_s", 0.0, "env.step_timeout_s=0.0 must be > 0"),
+    ("env.step_latency_s", -1.0,
+     "env.step_timeout_s=60.0 must be > 0 and env.step_latency_s=-1.0 >= 0"),
+    ("train.replay.max_staleness", 0, "train.replay.max_staleness=0 must be >= 1"),
+    ("train.replay.capacity", -1, "train.replay.capacity=-1 must be >= 0")])
+def test_check_refuses_numbers_out_of_their_range_at_start(key, value, message):
+    """Each of these was accepted and then trained on nonsense or failed only after the run
+    had compiled and written (env.max_new_tokens=0 with a traceback, a seed past 2**64 with an
+    OverflowError)."""
+    c = base_config()
+    *blocks, leaf = key.split(".")
+    node = c
+    for block in blocks:
+        node = node[block]
+    node[leaf] = value
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check(c)
+
+
 @pytest.mark.parametrize("key,value,shown", [
     ("optim.lr", float("nan"), "optim.lr=nan"), ("algo.clip_high", float("inf"),
                                                 "algo.clip_high=inf"),
