@@ -47,12 +47,14 @@ def run_errors() -> tuple:
     its load (hf.CheckpointError), a rerun under a config its checkpoint was not saved with
     (resume.ResumeConfigError), and a checkpoint or metrics file the disk refuses
     (checkpoint_errors.RunWriteError: full, read-only, no permission; it names the step, the
-    path and the last good checkpoint)."""
+    path and the last good checkpoint), and a workdir another trainer holds
+    (workdir_lock.WorkdirLockedError: it names the holder)."""
     from rl_tpu.checkpoint_errors import RunWriteError
     from rl_tpu.models.hf import CheckpointError
     from rl_tpu.recipes.resume import ResumeConfigError
+    from rl_tpu.workdir_lock import WorkdirLockedError
 
-    return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError)
+    return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError, WorkdirLockedError)
 
 
 def run(main, prepare=None, check=None) -> None:

@@ -9,6 +9,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
+from rl_tpu import workdir_lock
 from rl_tpu.recipes import sft
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
@@ -19,7 +20,8 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv  # launch.run has checked it
-    result = sft.run(flags.FLAGS.config, flags.FLAGS.workdir)
+    with workdir_lock.hold(flags.FLAGS.workdir):  # one trainer per workdir
+        result = sft.run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 

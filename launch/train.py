@@ -17,6 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
+from rl_tpu import workdir_lock
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
                                 lock_config=True)
@@ -40,7 +41,8 @@ def main(argv):
     del argv  # launch.run has checked it
     config = flags.FLAGS.config
     recipe = importlib.import_module(f"rl_tpu.recipes.{config.recipe}")
-    result = recipe.run(config, flags.FLAGS.workdir)
+    with workdir_lock.hold(flags.FLAGS.workdir):  # one trainer per workdir
+        result = recipe.run(config, flags.FLAGS.workdir)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
 
 
