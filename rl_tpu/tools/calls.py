@@ -13,9 +13,13 @@ formats cover the models rl_tpu trains:
                several objects separated by ";" is still parsed, each as a call.
 
 `call_format_of(tokenizer)` reads the format from the template's own text; `parse_tool_calls`
-turns a reply into a `ParsedReply`. Model output is never trusted: parsing never raises, and
-each malformed call becomes a message in `ParsedReply.errors` that the env can hand back to
-the model as an observation.
+turns a reply into a `ParsedReply`; `format_tool_call` writes a call the way the template does
+(for teachers and demos). Model output is never trusted: parsing never raises, and each
+malformed call becomes a message in `ParsedReply.errors` that the env can hand back to the
+model as an observation. Parsing is linear in the reply's length, and the JSON of a call is
+bounded before Python decodes it: at most MAX_JSON_DEPTH levels of nesting (Python's decoder
+recurses once a level, so 1,000 nested `[` would be a RecursionError) and integers of at most
+MAX_INTEGER_DIGITS digits (Python refuses to convert longer ones, and a tool cannot use them).
 """
 
 from __future__ import annotations
@@ -26,10 +30,77 @@ import re
 from typing import Any
 
 CALL_FORMATS = ("hermes", "llama3_json")
+MAX_JSON_DEPTH = 64
+MAX_INTEGER_DIGITS = 1000
 
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_HERMES_OPEN = "<tool_call>"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+# The characters that decide JSON nesting: brackets, and the quotes and escapes of strings
+# (a bracket inside a string does not nest).
+_JSON_STRUCTURE = re.compile(r'["\\\[\]{}]')
+
+
+class UnreadableJson(ValueError):
+    """JSON that is well-formed or not but past what a call may hold (too deep, a too long
+    integer): the message says which bound and what to write instead."""
+
+
+def _bounded_integer(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > MAX_INTEGER_DIGITS:
+        raise UnreadableJson(f"it holds an integer of {len(digits.lstrip('-'))} digits; the most "
+                             f"is {MAX_INTEGER_DIGITS}")
+    return int(digits)
+
+
+_DECODER = json.JSONDecoder(parse_int=_bounded_integer)
+
+
+def json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether JSON `text` nests brackets more than `limit` deep (strings skipped). One pass
+    over the structural characters; it stops at the first level past `limit`. Unbalanced
+    closers never lower the count below 0, so the answer bounds what any decoder of any
+    prefix of `text` would recurse."""
+    depth, in_string, escaped_at = 0, False, -1
+    for match in _JSON_STRUCTURE.finditer(text):
+        at, char = match.start(), match.group()
+        if at == escaped_at:
+            continue
+        if in_string:
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+    return False
+
+
+def _check_depth(text: str) -> None:
+    if json_depth_exceeds(text, MAX_JSON_DEPTH):
+        raise UnreadableJson(f"it nests more than {MAX_JSON_DEPTH} levels of [ and {{")
+
+
+def _decode_json(text: str) -> Any:
+    """json.loads within the bounds of the module docstring. Raises json.JSONDecodeError
+    (malformed) or UnreadableJson (past a bound)."""
+    _check_depth(text)
+    return _DECODER.decode(text)
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a decoded value holds half a UTF-16 pair (JSON's "\\ud800" escape alone): no
+    text encoding can carry it to a tool, a tokenizer or an HTTP reply."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,25 +175,43 @@ def call_format_of(tokenizer) -> str:
 
 
 def parse_tool_calls(text: str, call_format: str) -> ParsedReply:
-    """Split a model reply into its text and tool calls. Never raises on model output.
+    """Split a model reply into its text and tool calls. Never raises on model output, and
+    takes time linear in its length.
 
     Raises:
       ValueError: `call_format` is not one of CALL_FORMATS (a configuration error).
     """
+    if call_format not in _PARSERS:
+        raise ValueError(f"unknown call_format {call_format!r}; use one of {CALL_FORMATS}")
+    text = text if isinstance(text, str) else ""
+    try:
+        return _PARSERS[call_format](text)
+    except Exception as e:  # noqa: BLE001 - a guard only: the bounds above leave no known way
+        # here (the fuzz test checks it never fires), but a reply must not fail a step or a route
+        return ParsedReply(text.strip(), (), (f"the reply could not be read for tool calls "
+                                              f"({type(e).__name__}); write each call as one "
+                                              f"JSON object",))
+
+
+def format_tool_call(name: str, arguments: dict, call_format: str) -> str:
+    """One call as a model writes it in `call_format` (the inverse of `parse_tool_calls`):
+    what a teacher's demo must contain to teach that format."""
     if call_format == "hermes":
-        return _parse_hermes(text if isinstance(text, str) else "")
+        return f'{_HERMES_OPEN}{json.dumps({"name": name, "arguments": arguments})}{_HERMES_CLOSE}'
     if call_format == "llama3_json":
-        return _parse_llama3_json(text if isinstance(text, str) else "")
+        return json.dumps({"name": name, "parameters": arguments})
     raise ValueError(f"unknown call_format {call_format!r}; use one of {CALL_FORMATS}")
 
 
 def _call_from_json(body: str, arguments_key: str, where: str) -> tuple[ToolCall | None, str]:
     """(the call, "") from the JSON text of one call, or (None, what is wrong with it)."""
     try:
-        obj = json.loads(body)
+        obj = _decode_json(body)
     except json.JSONDecodeError as e:
         return None, (f"{where} is not valid JSON ({e.msg} at character {e.pos}): "
                       f"{body.strip()[:200]!r}")
+    except UnreadableJson as e:
+        return None, f"{where} cannot be read: {e}: {body.strip()[:200]!r}"
     return _call_from_object(obj, arguments_key, where)
 
 
@@ -141,33 +230,41 @@ def _call_from_object(obj: Any, arguments_key: str, where: str) -> tuple[ToolCal
     if isinstance(args, str):
         # Some models write the arguments as a JSON string (OpenAI's wire form): unwrap it.
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = _decode_json(args) if args.strip() else {}
         except json.JSONDecodeError:
             pass
+        except UnreadableJson as e:
+            return None, f'{where} to {name!r}: "{key}" cannot be read: {e}'
     if not isinstance(args, dict):
         return None, (f'{where} to {name!r}: "{key}" must be a JSON object of argument names to '
                       f"values, got {type(args).__name__}: {json.dumps(obj.get(key))[:200]}")
+    if _lone_surrogate(name) or _lone_surrogate(args):
+        return None, (f"{where} to {name!r} holds a lone surrogate escape (half of a \\ud800-"
+                      "\\udfff pair): write the character itself, or both halves of the pair")
     call_id = obj.get("id")
     return ToolCall(name.strip(), args, call_id if isinstance(call_id, str) else ""), ""
 
 
 def _parse_hermes(text: str) -> ParsedReply:
+    # str.find from where the last block ended, never a regex: a lazy `<tool_call>(.*?)
+    # </tool_call>` rescans to the end from every unclosed opening (quadratic in their number).
     calls, errors, outside, at = [], [], [], 0
-    for n, m in enumerate(_HERMES_BLOCK.finditer(text), 1):
-        outside.append(text[at:m.start()])
-        at = m.end()
-        call, error = _call_from_json(m.group(1), "arguments", f"tool call {n}")
+    while (opened := text.find(_HERMES_OPEN, at)) >= 0:
+        closed = text.find(_HERMES_CLOSE, opened + len(_HERMES_OPEN))
+        outside.append(text[at:opened])
+        if closed < 0:  # a call the model began and never closed (often cut by length)
+            errors.append(f"tool call {len(calls) + len(errors) + 1} has no closing "
+                          f"</tool_call>: {text[opened:opened + 200]!r}")
+            at = len(text)
+            break
+        call, error = _call_from_json(text[opened + len(_HERMES_OPEN):closed], "arguments",
+                                      f"tool call {len(calls) + len(errors) + 1}")
         if call is not None:
             calls.append(call)
         else:
             errors.append(error)
-    rest = text[at:]
-    opened = rest.find(_HERMES_OPEN)
-    if opened >= 0:  # a call the model began and never closed (often cut by length)
-        errors.append(f"tool call {len(calls) + len(errors) + 1} has no closing </tool_call>: "
-                      f"{rest[opened:][:200]!r}")
-        rest = rest[:opened]
-    outside.append(rest)
+        at = closed + len(_HERMES_CLOSE)
+    outside.append(text[at:])
     return ParsedReply("".join(outside).strip(), tuple(calls), tuple(errors))
 
 
@@ -183,15 +280,21 @@ def _parse_llama3_json(text: str) -> ParsedReply:
                                         f"{body[:200]!r}",))
         # Plain text, or JSON that is no call (e.g. an answer given as an object): no calls.
         return ParsedReply(text.strip())
-    decoder = json.JSONDecoder()
+    try:
+        _check_depth(body)  # once for the whole reply: every call's decode is a part of it
+    except UnreadableJson as e:
+        return ParsedReply("", (), (f"the tool call cannot be read: {e}: {body[:200]!r}",))
     calls, errors, pos, n = [], [], 0, 0
     while pos < len(body):
         n += 1
         try:
-            obj, end = decoder.raw_decode(body, pos)
+            obj, end = _DECODER.raw_decode(body, pos)
         except json.JSONDecodeError as e:
             errors.append(f"tool call {n} is not valid JSON ({e.msg} at character {e.pos}): "
-                          f"{body[pos:][:200]!r}")
+                          f"{body[pos:pos + 200]!r}")
+            break
+        except UnreadableJson as e:
+            errors.append(f"tool call {n} cannot be read: {e}: {body[pos:pos + 200]!r}")
             break
         call, error = _call_from_object(obj, "parameters", f"tool call {n}")
         if call is not None:
@@ -203,6 +306,9 @@ def _parse_llama3_json(text: str) -> ParsedReply:
             pos += 1
         if pos < len(body) and body[pos] != "{":
             errors.append(f"text after tool call {n} is neither another call nor a ';': "
-                          f"{body[pos:][:200]!r}")
+                          f"{body[pos:pos + 200]!r}")
             break
     return ParsedReply("", tuple(calls), tuple(errors))
+
+
+_PARSERS = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json}
