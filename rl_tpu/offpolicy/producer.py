@@ -282,6 +282,13 @@ class AsyncProducer:
             while self._to_publish is not None and self._error is None:
                 self._cond.wait(timeout=1.0)
             self._raise_if_failed(f"publishing version {version}")
+            loaded = self._published
+        # Every host's publisher is done with `loaded`: servers every host shares hold it (a
+        # barrier, here on the main thread, outside the lock the producer thread needs), and
+        # other hosts' requests may name it (LoRA adapters: before, they could name a version
+        # process 0 had not loaded yet).
+        components.wait_for_shared_weights(self._engine, loaded)
+        with self._cond:
             self._to_publish = (copy, version)
             self._cond.notify_all()
 

@@ -102,7 +102,10 @@ def check_hosts(config: ml_collections.ConfigDict) -> None:
     host's producer thread starts its chunks at its own pace, so one host's chunk could be
     sampled with the version another host's chunk needs; agreeing on the swaps would take a
     collective in the producer threads. (Free-running tolerates it: every token's version is
-    reported and counted; synchronous runs swap on the main thread, hosts waiting together.)"""
+    reported and counted, and with LoRA a host names a version only after a barrier on the
+    main thread says process 0 loaded it, which unloads none another host may still name:
+    `wait_for_shared_weights`; synchronous runs swap on the main thread, hosts waiting
+    together.)"""
     r = config.rollout
     if (jax.process_count() > 1 and r.engine == "sglang" and r.max_staleness > 0
             and r.deterministic):
@@ -520,12 +523,15 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
     if r.engine == "sglang":
         from rl_tpu.rollout.sglang import SGLangEngine
         urls = [u.strip() for u in r.urls.split(",") if u.strip()]
+        weights_dir = r.weights_dir or os.path.join(workdir, "sync")
+        kwargs = {}
         if model_cfg.lora is not None:  # versions in flight: up to max_staleness behind
-            kwargs = {"keep_adapters": r.max_staleness + 1}
-        else:
-            kwargs = {}
-        engine = SGLangEngine(urls, model_config=model_cfg, **kwargs,
-                              weights_dir=r.weights_dir or os.path.join(workdir, "sync"),
+            # the adapters' names carry the run (adapter_versions.py): process 0's id on
+            # every host, which may see the workdir under another path
+            from rl_tpu.rollout.adapter_versions import run_id_of
+            run_id = parallel.across_hosts_bytes(run_id_of(weights_dir).encode())[0].decode()
+            kwargs = {"keep_adapters": r.max_staleness + 1, "adapter_run_id": run_id}
+        engine = SGLangEngine(urls, model_config=model_cfg, **kwargs, weights_dir=weights_dir,
                               tokenizer=tokenizer, router_url=r.router_url or None,
                               # a server started with --api_key (launch.serve_rollout reads
                               # the same variable); kept out of configs and their logs
@@ -564,9 +570,21 @@ def wait_for_shared_weights(engine: RolloutEngine, version) -> None:
     """After a weight update of servers every host shares (SGLang's `shared_across_hosts`),
     which process 0 alone performs while the others return at once: a barrier, so that no
     host samples before the servers hold `version`. Main thread only; nothing for an engine
-    of this host's own (the embedded sampler)."""
-    if getattr(engine, "shared_across_hosts", False):
-        parallel.sync_hosts(f"weights_{version}_loaded")
+    of this host's own (the embedded sampler).
+
+    With LoRA adapters (several versions loaded at once, adapter_versions.py), other hosts'
+    requests may name `version` from then on, and process 0 learns the oldest version each
+    other host may still name until the next such barrier, so that it unloads none of them."""
+    if not getattr(engine, "shared_across_hosts", False):
+        return
+    parallel.sync_hosts(f"weights_{version}_loaded")
+    engine.shared_weights_loaded(version)
+    if jax.process_count() > 1 and engine.model_config is not None \
+            and engine.model_config.lora is not None:
+        oldest = engine.oldest_adapter_named()
+        named = parallel.across_hosts_bytes(json.dumps(oldest).encode())
+        if jax.process_index() == 0:
+            engine.hold_adapters_for_other_hosts([json.loads(b) for b in named[1:]])
 
 
 def horizon_at(config: ml_collections.ConfigDict, step: int) -> int:

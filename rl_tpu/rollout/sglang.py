@@ -7,7 +7,8 @@ least-loaded server, timeouts), the weight sync (weight_sync.py: HF export +
 `/update_weights_from_disk`), and this file (generation, health, and what the logprobs mean).
 
 LoRA (`model_config.lora` set): a weight update moves only the adapters (weight_sync.py:
-a PEFT dir loaded with `/load_lora_adapter` under the version's name), and each `generate`
+a PEFT dir loaded with `/load_lora_adapter` under the run's id and the version,
+adapter_versions.py), and each `generate`
 call pins its requests to the newest version loaded when it starts (`lora_path` in the
 body; the results carry that version), however many updates land before they finish. The
 servers keep `keep_adapters` versions; an older one is unloaded once no pinned request is
@@ -122,6 +123,8 @@ class SGLangEngine(RolloutEngine):
         router place each episode's turns by their own prefix.
       keep_adapters: with `model_config.lora`, how many adapter versions stay loaded on the
         servers; an async run passes max_staleness + 1 (the versions its requests may carry).
+      adapter_run_id: with `model_config.lora`, the run's id in the adapters' names on the
+        servers (default: `weights_dir`'s; adapter_versions.py). The same on every host.
     """
 
     def __init__(self, urls: Sequence[str], *, tokenizer=None, weights_dir: Optional[str] = None,
@@ -132,7 +135,7 @@ class SGLangEngine(RolloutEngine):
                  update_timeout_s: float = 600.0, served_model_path: Optional[str] = None,
                  export_dtype: Optional[str] = None, failover_cooldown_s: float = 30.0,
                  logprob_convention: str = "auto", router_url: Optional[str] = None,
-                 keep_adapters: int = 2):
+                 keep_adapters: int = 2, adapter_run_id: Optional[str] = None):
         if max_concurrency < 1 or batch_size < 1:
             raise ValueError(f"max_concurrency and batch_size must be >= 1, got "
                              f"{max_concurrency} and {batch_size}")
@@ -150,7 +153,8 @@ class SGLangEngine(RolloutEngine):
         self.weight_sync = DiskWeightSync(
             self.transport, weights_dir=weights_dir, model_config=model_config,
             tokenizer=tokenizer, served_model_path=served_model_path, export_dtype=export_dtype,
-            update_timeout_s=update_timeout_s, keep_adapters=keep_adapters)
+            update_timeout_s=update_timeout_s, keep_adapters=keep_adapters,
+            run_id=adapter_run_id)
         self._declared = (None if logprob_convention == "auto"
                           else logprob_probe.declared(logprob_convention))
         self.max_concurrency, self.batch_size = int(max_concurrency), int(batch_size)
@@ -266,8 +270,8 @@ class SGLangEngine(RolloutEngine):
                     "return_logprob": True, "logprob_start_len": -1}
             if n == 1 and all(r.request_id for r in requests):
                 body["rid"] = [str(r.request_id) for r in requests]
-        if adapter is not None:
-            body["lora_path"] = adapter  # SGLang repeats one name for every prompt and sample
+        if adapter is not None:  # SGLang repeats one name for every prompt and sample
+            body["lora_path"] = self.weight_sync.adapter_name(adapter)
         try:
             url, reply = self._generation.call("POST", "/generate", body)
         except RolloutError as e:
@@ -293,7 +297,7 @@ class SGLangEngine(RolloutEngine):
                 result.logprob_convention = meaning.convention(request.sampling)
                 if adapter is not None:  # SGLang reports the base's version; this is the policy's
                     result.weight_version = adapter
-                    result.info["adapter"] = adapter
+                    result.info["adapter"] = body["lora_path"]
                     # every id sampled under the one adapter (the base's spans say nothing)
                     result.info["weight_versions"] = [
                         {"version": adapter, "start": 0, "end": len(result.output_ids)}]
@@ -552,10 +556,28 @@ class SGLangEngine(RolloutEngine):
     # thread) before anyone samples with a version just loaded (producer.py).
     shared_across_hosts = True
 
+    def shared_weights_loaded(self, version) -> None:
+        """Every host passed the barrier after process 0 loaded `version`: with LoRA, other
+        hosts' requests may name it from now on (main thread: wait_for_shared_weights)."""
+        if self._lora:
+            self.weight_sync.confirm_loaded(str(version))
+
+    def oldest_adapter_named(self) -> Optional[str]:
+        """With LoRA, the oldest adapter version this host's requests may name until the next
+        `shared_weights_loaded` (None: none, or no LoRA)."""
+        return self.weight_sync.adapters.oldest_named() if self._lora else None
+
+    def hold_adapters_for_other_hosts(self, oldest: list) -> None:
+        """Process 0, with LoRA: the other hosts' `oldest_adapter_named`; those versions and
+        newer stay loaded until the next call."""
+        if self._lora:
+            self.weight_sync.hold_for_other_hosts(oldest)
+
     def update_weights(self, params, version: str) -> None:
         """Exports `params` to `weights_dir/<version>` and has every server load them
         (weight_sync.py); with `model_config.lora`, the adapters alone (`params` may be just
-        those), to `weights_dir/adapter_<version>`, which requests submitted from now on use.
+        those), to `weights_dir/adapter_<version>`, which requests submitted from now on use
+        (on other hosts than process 0: from `shared_weights_loaded(version)` on).
         Refuses (ValueError / RolloutError, before any request that could change a server)
         when the export would not match what a server serves, a server was not launched
         with LoRA (the error names the flags), or the router routes to a worker not in

@@ -21,15 +21,16 @@ every process takes part in the export's gathers.
 
 LoRA (`model_config.lora` set): only the adapters move. `update` writes them as a PEFT dir
 (`peft_format.save_adapter`: adapter_config.json + adapter_model.safetensors) to
-`weights_dir/adapter_<version>` and has each server load it under the name `<version>` with
-`POST /load_lora_adapter {lora_name, lora_path}`; the base the servers launched with stays.
-Requests then pick an adapter per request (`lora_path` of `/generate`, the engine's job), so
-several versions serve side by side: `AdapterVersions` keeps at most `keep_adapters` of them,
-and unloads (`POST /unload_lora_adapter`) and deletes the oldest beyond that once no request
-of the engine's still uses it. `params` may be the whole model or the adapters alone (what
-the trainer sends once the base is frozen); the base is never read. On several hosts
-process 0 alone writes, loads and unloads; the others keep the same list of versions, which
-their requests name.
+`weights_dir/adapter_<version>` and has each server load it under the name
+`<run id>-<version>` with `POST /load_lora_adapter {lora_name, lora_path}`; the base the servers
+launched with stays. Requests then pick an adapter per request (`lora_path` of `/generate`, the
+engine's job), so several versions serve side by side: `AdapterVersions` keeps at most
+`keep_adapters` of them, and unloads (`POST /unload_lora_adapter`) and deletes the oldest beyond
+that once no request of the engine's, nor of another host's, may still use it. `params` may be
+the whole model or the adapters alone (what the trainer sends once the base is frozen); the
+base is never read. On several hosts process 0 alone writes, loads and unloads; the others
+name a version once process 0 has loaded it. adapter_versions.py has the names (a resumed run
+unloads what its earlier life left on a server that stayed up) and the hosts' agreement.
 
 What SGLang 0.5.23 needs for that, read in its source (sglang/srt/...): the launch flags
 `--enable-lora --max-lora-rank R --lora-target-modules all` (or the modules), and on a CPU
@@ -57,7 +58,6 @@ import math
 import os
 import re
 import shutil
-import threading
 from typing import Optional
 
 import jax
@@ -66,6 +66,8 @@ import numpy as np
 from rl_tpu import parallel
 from rl_tpu.models import hf, lora, peft_format
 from rl_tpu.models.transformer import ModelConfig, Transformer
+from rl_tpu.rollout.adapter_versions import (AdapterVersions, adapter_name, earlier_life,
+                                             run_id_of)
 from rl_tpu.rollout.engine import RolloutError
 from rl_tpu.rollout.http_transport import HttpTransport, error_message
 
@@ -214,84 +216,6 @@ def sglang_scale_config(path: str, cfg: lora.LoraConfig) -> None:
         json.dump(config, f, indent=2)
 
 
-class AdapterVersions:
-    """Which adapter versions the servers hold, the one new requests get (the newest), and
-    how many of the engine's requests in flight carry each (thread-safe).
-
-    `acquire` pins a request to the newest version and `release` unpins it; `add` makes a
-    just-loaded version the newest. Both return the versions to unload now: the oldest
-    beyond `keep`, never the newest, never one a request still carries (it waits for its
-    last `release`). `unloaded` forgets a version; `unload_failed` keeps it for the next try.
-    """
-
-    def __init__(self, keep: int):
-        if keep < 1:
-            raise ValueError(f"keep_adapters={keep} must be >= 1 (the newest version is "
-                             "always loaded)")
-        self.keep = int(keep)
-        self._lock = threading.Lock()
-        self._loaded: list[str] = []  # oldest first
-        self._in_flight: dict[str, int] = {}
-        self._unloading: set[str] = set()
-
-    @property
-    def newest(self) -> Optional[str]:
-        with self._lock:
-            return self._loaded[-1] if self._loaded else None
-
-    def loaded(self) -> list[str]:
-        """Versions loaded on the servers (or being unloaded), oldest first."""
-        with self._lock:
-            return list(self._loaded)
-
-    def in_flight(self, version: str) -> int:
-        with self._lock:
-            return self._in_flight.get(version, 0)
-
-    def acquire(self, count: int = 1) -> Optional[str]:
-        """The newest version (None before the first load), now carried by `count` more
-        requests."""
-        with self._lock:
-            if not self._loaded:
-                return None
-            version = self._loaded[-1]
-            self._in_flight[version] = self._in_flight.get(version, 0) + count
-            return version
-
-    def release(self, version: Optional[str], count: int = 1) -> list[str]:
-        if version is None:
-            return []
-        with self._lock:
-            self._in_flight[version] -= count
-            if self._in_flight[version] <= 0:
-                del self._in_flight[version]
-            return self._to_unload()
-
-    def add(self, version: str) -> list[str]:
-        with self._lock:
-            if version in self._loaded:
-                raise ValueError(f"adapter version {version!r} is loaded already")
-            self._loaded.append(version)
-            return self._to_unload()
-
-    def unloaded(self, version: str) -> None:
-        with self._lock:
-            self._unloading.discard(version)
-            if version in self._loaded:
-                self._loaded.remove(version)
-
-    def unload_failed(self, version: str) -> None:
-        with self._lock:
-            self._unloading.discard(version)
-
-    def _to_unload(self) -> list[str]:
-        """The versions past `keep` (oldest first) no request carries, now marked unloading."""
-        excess = self._loaded[:max(0, len(self._loaded) - self.keep)]
-        out = [v for v in excess if v not in self._in_flight and v not in self._unloading]
-        self._unloading.update(out)
-        return out
-
-
 class DiskWeightSync:
     """Exports params to `weights_dir/<version>` and has every server of `transport` load them
     (with LoRA, the adapters to `weights_dir/adapter_<version>`: module doc).
@@ -309,14 +233,19 @@ class DiskWeightSync:
       update_timeout_s: seconds one server may take to load new weights.
       keep_adapters: with LoRA, how many adapter versions stay loaded (an async run passes
         max_staleness + 1, the versions its requests may still carry).
+      run_id: with LoRA, the run's id in its adapters' names (default: `weights_dir`'s,
+        `adapter_versions.run_id_of`); every host of a job must pass the same.
     """
 
     def __init__(self, transport: HttpTransport, *, weights_dir: Optional[str] = None,
                  model_config: Optional[ModelConfig] = None, tokenizer=None,
                  served_model_path: Optional[str] = None, export_dtype: Optional[str] = None,
-                 update_timeout_s: float = 600.0, keep_adapters: int = 2):
+                 update_timeout_s: float = 600.0, keep_adapters: int = 2,
+                 run_id: Optional[str] = None):
         self.transport = transport
         self.weights_dir = weights_dir
+        # names the adapters on the servers (adapter_versions.py): the same on every host
+        self.run_id = run_id or (run_id_of(weights_dir) if weights_dir else "")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.served_model_path = served_model_path
@@ -325,6 +254,7 @@ class DiskWeightSync:
         self._served: dict[str, tuple[str, dict]] = {}  # url -> (model_path, name -> shape)
         self.adapters = AdapterVersions(keep_adapters)
         self._lora_ready: set[str] = set()  # servers whose launch flags serve the adapters
+        self._cleared: set[str] = set()  # servers an earlier life's adapters were unloaded from
         self.last_sync_bytes = 0  # bytes of the files the last update wrote
         self.total_sync_bytes = 0
         self.syncs = 0
@@ -449,6 +379,43 @@ class DiskWeightSync:
     def adapter_path(self, version: str) -> str:
         return os.path.abspath(os.path.join(self.weights_dir, ADAPTER_PREFIX + version))
 
+    def adapter_name(self, version: str) -> str:
+        """The name the servers hold `version` under (adapter_versions.py)."""
+        return adapter_name(self.run_id, version)
+
+    def served_adapters(self, url: str) -> dict[str, str]:
+        """{name: path} of the adapters `url` holds: rl_tpu's server says in `/server_info`
+        (`loaded_adapters`), SGLang lists them in `GET /v1/models` (the entries with a parent:
+        id the name, root the path)."""
+        info = self.server_info(url)
+        if isinstance(info.get("loaded_adapters"), dict):
+            return dict(info["loaded_adapters"])
+        try:
+            reply = self.transport.call("GET", "/v1/models", urls=[url])[1]
+        except RolloutError as e:
+            if e.status != 404:
+                raise
+            log.warning("%s lists no adapters (GET /v1/models: 404): adapters an earlier life "
+                        "of this run left there stay loaded", url)
+            return {}
+        models = reply.get("data", []) if isinstance(reply, dict) else []
+        return {m["id"]: m.get("root", "") for m in models
+                if isinstance(m, dict) and m.get("parent") and "id" in m}
+
+    def _unload_earlier_life(self, url: str) -> None:
+        """At first contact with `url`: unloads the adapters an earlier life of this run
+        loaded there (its names carry this run's id; a resumed run would load the same names
+        again, which SGLang refuses), before this life loads any."""
+        if url in self._cleared:
+            return
+        left = earlier_life(self.run_id, self.served_adapters(url))
+        if left:
+            log.info("unloading %d adapter(s) an earlier life of this run left on %s: %s",
+                     len(left), url, left)
+        for name in left:
+            self._unload(url, name)
+        self._cleared.add(url)
+
     def _update_adapters(self, params, version: str) -> None:
         """Writes the adapters of `params` as `version` and has every server load them
         (module doc); the versions past `keep_adapters` that no request carries are then
@@ -476,25 +443,29 @@ class DiskWeightSync:
             for url in self.transport.urls:
                 self.check_lora_server(url)
         if not writer and _host_copy(params):
-            # Process 0 loads it; this host's requests name it from now on (they sample after
-            # the barrier that follows every load: components.wait_for_shared_weights).
-            self.retire(self.adapters.add(version))
+            # Process 0 loads it; this host's requests name it once the barrier after the load
+            # says it is there (`confirm_loaded`, from components.wait_for_shared_weights).
+            self.adapters.announce(version)
             return
         path = self.adapter_path(version)
         os.makedirs(self.weights_dir, exist_ok=True)
         base = self.served_shapes(self.transport.urls[0])[0] if writer else ""
         peft_format.save_adapter(path, cfg, params, base_model_path=base)
         if not writer:
-            self.retire(self.adapters.add(version))
+            self.adapters.announce(version)
             return
+        failed = self._on_every_server(self._unload_earlier_life)
+        if failed:
+            raise _one_error(failed, "update_weights (unloading an earlier life's adapters)")
         sglang_scale_config(path, cfg.lora)
         open(os.path.join(path, EXPORT_MARKER), "w").close()
         nbytes = dir_bytes(path)
-        body = {"lora_name": version, "lora_path": path}
+        name = self.adapter_name(version)
+        body = {"lora_name": name, "lora_path": path}
         failed = self._on_every_server(lambda url: self._load_adapter(url, body))
         if failed:
             loaded = [u for u in self.transport.urls if u not in failed]
-            stuck = self._on_every_server(lambda url: self._unload(url, version), urls=loaded)
+            stuck = self._on_every_server(lambda url: self._unload(url, name), urls=loaded)
             if stuck:  # harmless but for memory: requests never name this version
                 log.warning("adapter version %r stays loaded on %s after a failed update: %s",
                             version, sorted(stuck), "; ".join(map(str, stuck.values())))
@@ -545,25 +516,37 @@ class DiskWeightSync:
                                f"{(reply or {}).get('error_message') or error_message(reply, b'')}",
                                url)
 
-    def _unload(self, url: str, version: str) -> None:
-        reply = self.transport.call("POST", "/unload_lora_adapter", {"lora_name": version},
+    def _unload(self, url: str, name: str) -> None:
+        """Unloads the adapter `name` (as the server holds it: `adapter_name`) from `url`."""
+        reply = self.transport.call("POST", "/unload_lora_adapter", {"lora_name": name},
                                     urls=[url], timeout=self.update_timeout_s)[1]
         if not (isinstance(reply, dict) and reply.get("success")):
-            raise RolloutError(f"POST {url}/unload_lora_adapter ({version!r}) did not succeed: "
+            raise RolloutError(f"POST {url}/unload_lora_adapter ({name!r}) did not succeed: "
                                f"{(reply or {}).get('error_message') or error_message(reply, b'')}",
                                url)
+
+    def confirm_loaded(self, version: str) -> None:
+        """After the barrier every host passes once process 0's load of `version` returned
+        (components.wait_for_shared_weights): other hosts' requests may name it now."""
+        self.retire(self.adapters.confirm(str(version)))
+
+    def hold_for_other_hosts(self, oldest: list) -> None:
+        """Process 0, given the oldest version each other host may name until the next
+        barrier (their `adapters.oldest_named()`): keeps those loaded, unloads what is free."""
+        self.retire(self.adapters.hold(oldest))
 
     def retire(self, versions: list[str]) -> None:
         """Unloads `versions` (as AdapterVersions handed them out) from every server and
         deletes their dirs; one that fails stays loaded, tried again at the next retire. On
-        other hosts than process 0 (which alone loads and unloads) only forgets them: hosts
-        sharing servers sample in lock step, so none holds a request across an update."""
+        other hosts than process 0 (which alone loads and unloads) only forgets them; process
+        0 hands out none another host may still name (`hold_for_other_hosts`)."""
         if jax.process_index() != 0:
             for version in versions:
                 self.adapters.unloaded(version)
             return
         for version in versions:
-            failed = self._on_every_server(lambda url, v=version: self._unload(url, v))
+            name = self.adapter_name(version)
+            failed = self._on_every_server(lambda url, n=name: self._unload(url, n))
             if failed:
                 log.warning("adapter version %r stays loaded (tried again later): %s", version,
                             "; ".join(map(str, failed.values())))

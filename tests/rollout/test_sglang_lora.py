@@ -177,6 +177,11 @@ class FakeLoraServer:
                 if self.path == "/server_info":
                     return self._reply(200, {"enable_lora": True, "max_lora_rank": 8,
                                              "lora_target_modules": ["all"]})
+                if self.path == "/v1/models":  # the base, then each adapter (its parent)
+                    return self._reply(200, {"object": "list", "data": [
+                        {"id": "base", "root": "base"}] + [
+                        {"id": name, "root": path, "parent": "base"}
+                        for name, path in fake.loaded.items()]})
                 self._reply(200 if self.path == "/health_generate" else 404, {})
 
             def do_POST(self):
@@ -229,7 +234,8 @@ def test_a_load_one_server_refuses_is_undone_on_the_others(tmp_path, lora_cfg):
     try:
         with pytest.raises(RolloutError, match="disk quota"):
             engine.update_weights(random_adapters(lora_cfg, 0), "v1")
-        assert good.loaded == {} and ("/unload_lora_adapter", {"lora_name": "v1"}) in good.posts
+        name = engine.weight_sync.adapter_name("v1")
+        assert good.loaded == {} and ("/unload_lora_adapter", {"lora_name": name}) in good.posts
         assert not os.path.exists(weights / "adapter_v1")
         assert engine.stats()["adapters_loaded"] == [] and engine.last_sync_bytes == 0
         engine.generate([GenerateRequest(PROMPTS[0], greedy(1))])
@@ -241,25 +247,95 @@ def test_a_load_one_server_refuses_is_undone_on_the_others(tmp_path, lora_cfg):
         bad.close()
 
 
-def test_other_hosts_name_the_versions_process_0_loads(tmp_path, lora_cfg, monkeypatch):
+def test_other_hosts_name_a_version_once_process_0_has_loaded_it(tmp_path, lora_cfg,
+                                                                 monkeypatch):
     """Process 1 of a multi-host trainer (its own copy of the adapters): no file, no load or
-    unload request, but its requests carry the version process 0 loaded, and it forgets the
-    versions process 0 unloads."""
+    unload request; its requests name a version only once the barrier after process 0's load
+    confirms it (`shared_weights_loaded`: before, process 0 may still be loading it), and it
+    forgets the versions past keep."""
     server = FakeLoraServer(str(tmp_path / "served"))
     engine = SGLangEngine([server.url], model_config=lora_cfg, keep_adapters=1,
                           weights_dir=str(tmp_path / "w"), logprob_convention="full")
     monkeypatch.setattr(weight_sync.jax, "process_index", lambda: 1)
+
+    def named():
+        [result] = engine.generate([GenerateRequest(PROMPTS[0], greedy(1))])
+        [body] = [b for p, b in server.posts[-1:] if p == "/generate"]
+        return result.weight_version, body.get("lora_path")
+
     try:
         engine.update_weights(random_adapters(lora_cfg, 0), "v1")
+        assert named() == ("default", None)  # announced only: the base still
+        engine.shared_weights_loaded("v1")
+        assert named() == ("v1", engine.weight_sync.adapter_name("v1"))
         engine.update_weights(random_adapters(lora_cfg, 1), "v2")
-        assert not os.path.exists(tmp_path / "w") and server.posts == []
+        assert named()[0] == "v1"  # process 0 may not hold v2 yet
+        engine.shared_weights_loaded("v2")
+        engine.shared_weights_loaded("v2")  # a second barrier on it changes nothing
+        assert named() == ("v2", engine.weight_sync.adapter_name("v2"))
+        assert not os.path.exists(tmp_path / "w")
+        assert {p for p, _ in server.posts} == {"/generate"}
         assert engine.stats()["adapters_loaded"] == ["v2"] and engine.weight_version == "v2"
-        [result] = engine.generate([GenerateRequest(PROMPTS[0], greedy(1))])
-        assert result.weight_version == "v2"
-        assert [b.get("lora_path") for p, b in server.posts if p == "/generate"] == ["v2"]
-        assert [p for p, _ in server.posts] == ["/generate"]
     finally:
         engine.close()
+        server.close()
+
+
+def test_process_0_unloads_no_version_another_host_may_still_name():
+    """Retirement counts every host's requests: at each barrier the other hosts report the
+    oldest version they may name until the next one, and process 0 keeps it and the newer."""
+    elsewhere = AdapterVersions(keep=1)  # another host
+    elsewhere.announce("v1")
+    assert elsewhere.oldest_named() is None and elsewhere.acquire() is None
+    assert elsewhere.confirm("v1") == [] and elsewhere.acquire(2) == "v1"  # a long call
+    here = AdapterVersions(keep=1)  # process 0
+    here.add("v1")
+    assert here.hold([elsewhere.oldest_named()]) == []
+    assert here.add("v2") == [] and here.add("v3") == []  # v1 is named elsewhere: kept
+    assert here.loaded() == ["v1", "v2", "v3"]
+    elsewhere.announce("v2")
+    assert elsewhere.confirm("v2") == []  # v1 still carried there
+    assert elsewhere.release("v1", 2) == ["v1"]  # that host only forgets it
+    elsewhere.unloaded("v1")
+    assert elsewhere.oldest_named() == "v2"
+    assert here.hold([elsewhere.oldest_named()]) == ["v1"]  # free everywhere: unload it
+    here.unloaded("v1")
+    assert here.hold([None]) == ["v2"]  # a host naming none holds none
+
+
+def test_a_resumed_run_unloads_what_its_earlier_life_left(tmp_path, lora_cfg):
+    """A server that outlived the trainer still holds the adapters the run's earlier life
+    loaded: the resumed run (same weights_dir: the same run id) unloads them at first contact
+    and loads its own again; another run's adapters on the server are left alone."""
+    server = FakeLoraServer(str(tmp_path / "served"))
+    run = str(tmp_path / "run" / "sync")
+    adapters = random_adapters(lora_cfg, 0)
+    engines = []
+
+    def engine(weights_dir):
+        engines.append(SGLangEngine([server.url], model_config=lora_cfg, keep_adapters=2,
+                                    weights_dir=weights_dir, logprob_convention="full"))
+        return engines[-1]
+
+    try:
+        earlier = engine(run)
+        earlier.update_weights(adapters, "1")
+        earlier.update_weights(adapters, "2")  # then killed: nothing unloaded
+        other = engine(str(tmp_path / "other" / "sync"))
+        other.update_weights(adapters, "2")
+        ours, theirs = earlier.weight_sync.adapter_name, other.weight_sync.adapter_name
+        assert ours("2") != theirs("2") and set(server.loaded) == {ours("1"), ours("2"),
+                                                                   theirs("2")}
+        resumed = engine(run)
+        resumed.update_weights(adapters, "2")
+        assert set(server.loaded) == {ours("2"), theirs("2")}
+        assert server.loaded[ours("2")] == os.path.join(run, "adapter_2")
+        assert sorted(os.listdir(run)) == ["adapter_2"]
+        [result] = resumed.generate([GenerateRequest(PROMPTS[0], greedy(1))])
+        assert result.weight_version == "2"
+    finally:
+        for e in engines:
+            e.close()
         server.close()
 
 
@@ -310,15 +386,21 @@ def _engine(server, cfg, tmp_path, **kwargs):
     return engine
 
 
-def served_adapters(engine) -> list[str]:
+def served_names(engine) -> list[str]:
     """The adapter names the server holds (its OpenAI model list: the base, then each)."""
     models = engine.transport.call("GET", "/v1/models")[1]["data"]
     return sorted(m["id"] for m in models[1:])
 
 
+def served_adapters(engine) -> list[str]:
+    """The versions of `engine`'s run the server holds (names without the run's prefix)."""
+    prefix = engine.weight_sync.adapter_name("")
+    return sorted(n[len(prefix):] for n in served_names(engine) if n.startswith(prefix))
+
+
 def _unload_all(engine):
     """Leaves the module's server as it found it: no adapters."""
-    for name in served_adapters(engine):
+    for name in served_names(engine):
         engine.transport.call("POST", "/unload_lora_adapter", {"lora_name": name})
 
 
@@ -406,6 +488,38 @@ def test_requests_keep_the_version_they_started_with(server, lora_setup, tmp_pat
     finally:
         _unload_all(engine)
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollout_servers")
+def test_a_run_resumed_against_a_server_that_stayed_up_serves_its_versions(server, lora_setup,
+                                                                           tmp_path):
+    """(d) A trainer loads versions 1 and 2 and dies (nothing unloaded); the server stays up.
+    Resumed from its step-2 checkpoint (the same weights_dir), it loads version 2 again: the
+    server, which refuses a second adapter under a name it holds, holds the resumed run's 2
+    alone and serves it at rl_tpu's log-probs."""
+    cfg, params, v1, v2 = lora_setup
+    earlier = _engine(server, cfg, tmp_path, keep_adapters=2)
+    try:
+        earlier.update_weights(v1, "1")
+        earlier.update_weights(v2, "2")
+        assert len(served_names(earlier)) == 2
+        earlier.close()  # killed: its adapters stay on the server
+        resumed = _engine(server, cfg, tmp_path, keep_adapters=2)
+        try:
+            resumed.update_weights(v2, "2")
+            assert served_adapters(resumed) == ["2"] and len(served_names(resumed)) == 1
+            [result] = resumed.generate([GenerateRequest(PROMPTS[1], greedy())])
+            assert result.weight_version == "2"
+            np.testing.assert_allclose(
+                result.logprobs, rl_tpu_logprobs(cfg, lora.with_adapters(params, v2),
+                                                 PROMPTS[1], result.output_ids),
+                atol=LOGPROB_ATOL)
+        finally:
+            _unload_all(resumed)
+            resumed.close()
+    finally:
+        earlier.close()
 
 
 @pytest.mark.slow
