@@ -1,15 +1,18 @@
 """The command lines that start a sandbox: bubblewrap's for isolation, a plain interpreter for
 the unsafe mode, and the check of whether bubblewrap works on this machine at all.
 
-What a bubblewrap sandbox sees: /usr read-only (with /bin, /lib, /lib64, /sbin as this host
-lays them out), its own /proc and a minimal read-only /dev, and two private size-limited tmpfs:
-/tmp (its cwd and $HOME) and /dev/shm. Nothing else is writable: no /etc, /root, /home or
-working directory at all. Every namespace is new (user, pid, net, ipc, uts, cgroup): no
-network but a loopback of its own, no view of the host's processes, and no further user
-namespaces of its own making. Capabilities dropped, a new session (no TIOCSTI into the host's
-terminal), a cleared environment, no fds but stdin, stdout, stderr and the launcher's status
-pipe, and it dies with the process that started it. No seccomp filter: the program reaches the
-kernel's syscalls an unprivileged process does.
+What a bubblewrap sandbox sees: /usr read-only (with /bin, /lib, /lib64, /sbin as this host lays
+them out), its own /proc and a minimal read-only /dev, and two private tmpfs limited in size and
+inodes: /tmp (its cwd and $HOME) and /dev/shm, mounted by the launcher. Nothing else is
+writable: no /etc, /root, /home or working directory at all. Every namespace is new (user, pid,
+net, ipc, uts, cgroup): no network but a loopback of its own, no view of the host's processes,
+and no further user namespaces of its own making. Capabilities dropped, a new session (no
+TIOCSTI into the host's terminal), a cleared environment, no fds but stdin, stdout, stderr and
+the launcher's status pipe, and it dies with the process that started it. A seccomp filter
+(seccomp.py) refuses the syscalls through which a program could hold memory no limit counts;
+every other syscall an unprivileged process has stays reachable. The launcher alone starts with
+CAP_SYS_ADMIN in the sandbox's user namespace, to mount the two tmpfs with an inode limit, and
+drops it before any program arrives (launcher.py).
 
 Run as root, the host drops to SANDBOX_UID before bwrap: the kernel never enforces
 RLIMIT_NPROC against uid 0, so a fork bomb would otherwise be limited by nothing."""
@@ -25,8 +28,9 @@ import shutil
 import subprocess
 from typing import Optional
 
-from rl_tpu.sandbox import launcher
+from rl_tpu.sandbox import launcher, seccomp
 from rl_tpu.sandbox.limits import SandboxUnavailable
+from rl_tpu.sandbox.totals import tmpfs_inodes
 
 # The interpreter inside the sandbox: the system's, from the read-only /usr (the project's own
 # interpreter may live under /root or /home, which the sandbox does not see).
@@ -62,33 +66,55 @@ def system_dirs() -> list[str]:
     return args
 
 
-def launcher_command(python: str, status_fd: int) -> list[str]:
+def launcher_command(python: str, status_fd: int,
+                     tmpfs_bytes: Optional[int] = None) -> list[str]:
+    """The launcher's command line; with `tmpfs_bytes` (bubblewrap only) it mounts the sandbox's
+    two tmpfs at that size and its inode limit, then drops its capabilities."""
     # bwrap passes inherited fds through with their numbers, so the launcher is told its own.
-    return [python, "-I", "-c", LAUNCHER_SOURCE, str(status_fd)]
+    command = [python, "-I", "-c", LAUNCHER_SOURCE, str(status_fd)]
+    if tmpfs_bytes is not None:
+        command += [str(tmpfs_bytes), str(tmpfs_inodes(tmpfs_bytes))]
+    return command
 
 
-def bubblewrap_command(tmpfs_bytes: int, inner: list[str],
-                       info_fd: Optional[int] = None) -> list[str]:
+def seccomp_filter_fd() -> int:
+    """A pipe's read end holding the seccomp filter, for bwrap's --seccomp (it reads to EOF);
+    the caller passes it to bwrap and closes it."""
+    program = seccomp.memory_filter()
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, program)  # under a pipe's 64 KiB: never blocks
+    finally:
+        os.close(write_end)
+    return read_end
+
+
+def bubblewrap_command(inner: list[str], info_fd: Optional[int] = None,
+                       seccomp_fd: Optional[int] = None) -> list[str]:
     """bwrap's command line, running `inner` in a fresh sandbox; bwrap writes its init's pid
-    to `info_fd` when one is given."""
+    to `info_fd` and loads the seccomp filter from `seccomp_fd` when they are given."""
     command = [shutil.which("bwrap") or "bwrap",
                "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                # No user namespaces inside: in one of its own a program is root enough to mount
                # a tmpfs of no size limit, and reaches far more of the kernel.
                "--disable-userns", "--assert-userns-disabled",
-               "--cap-drop", "ALL", "--clearenv"]
+               # CAP_SYS_ADMIN only inside the sandbox's user namespace, only for the launcher's
+               # tmpfs mounts: it drops it before the program arrives.
+               "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--clearenv"]
     for name, value in ENVIRONMENT.items():
         command += ["--setenv", name, value]
     command += system_dirs()
-    # bwrap builds / and /dev as tmpfs without a size: both go read-only once set up, so the
-    # only writable places are the two sized tmpfs, /tmp (the cwd) and /dev/shm (POSIX shared
-    # memory and semaphores: multiprocessing's locks need it).
-    command += ["--proc", "/proc", "--dev", "/dev",
-                "--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm",
-                "--size", str(tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
+    # bwrap builds / and /dev as tmpfs without a size: both go read-only once set up. /tmp (the
+    # cwd) and /dev/shm (POSIX shared memory and semaphores: multiprocessing's locks need it)
+    # stay read-only directories here: the launcher mounts the writable tmpfs on them in a
+    # mount namespace of its own, with an inode limit bwrap's --tmpfs cannot set. Were they
+    # bwrap's tmpfs, a program would still reach them, uncovered, through /proc/1/root.
+    command += ["--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--chdir", "/tmp",
                 "--remount-ro", "/dev", "--remount-ro", "/", "--hostname", "sandbox"]
     if info_fd is not None:
         command += ["--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        command += ["--seccomp", str(seccomp_fd)]
     return command + inner
 
 
@@ -156,14 +182,20 @@ def sandbox_unavailable_reason() -> Optional[str]:
                 f"{'.'.join(map(str, MINIMUM_BWRAP))} (needed for --disable-userns)")
     if not os.access(SANDBOX_PYTHON, os.X_OK):
         return f"{SANDBOX_PYTHON} (the interpreter run inside the sandbox) does not exist"
+    if not seccomp.supported():
+        return (f"the sandbox's seccomp filter has no syscall table for this machine "
+                f"({seccomp.machine()}; known: {', '.join(sorted(seccomp.ARCHES))})")
     info_read, info_write = os.pipe()
-    probe = bubblewrap_command(2**20, [SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"], info_write)
+    filter_fd = seccomp_filter_fd()
+    probe = bubblewrap_command([SANDBOX_PYTHON, "-I", "-c", "print(6 * 7)"], info_write,
+                               filter_fd)
     try:
         try:
             process = subprocess.Popen(probe, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       pass_fds=(info_write,), **spawn_options())
+                                       pass_fds=(info_write, filter_fd), **spawn_options())
         finally:
             os.close(info_write)
+            os.close(filter_fd)
         init_pidfd = read_init_pidfd(info_read)
         try:
             stdout, stderr = process.communicate(timeout=60)

@@ -24,7 +24,10 @@ class Limits:
         enforced exactly).
     output_bytes: per stream (stdout, stderr); what comes past it is cut and the run killed.
     tmpfs_bytes: size of the private writable tmpfs that is the program's cwd, /tmp and $HOME
-        (and, in bubblewrap, of a second one at /dev/shm: at most twice this is writable).
+        (and, in bubblewrap, of a second one at /dev/shm: at most twice this is writable); each
+        also holds at most one file, directory or link a 4 KiB page of it (totals.tmpfs_inodes).
+    open_files: fds each process may hold (RLIMIT_NOFILE): what bounds the socket and pipe
+        buffers a process can fill (totals.py).
     """
 
     wall_seconds: float = 5.0
@@ -33,13 +36,14 @@ class Limits:
     processes: int = 32
     output_bytes: int = 64 * 1024
     tmpfs_bytes: int = 64 * 2**20
+    open_files: int = 64
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"Limits.{field.name} must be a positive number, got {value!r}")
-        for name in ("memory_bytes", "processes", "output_bytes", "tmpfs_bytes"):
+        for name in ("memory_bytes", "processes", "output_bytes", "tmpfs_bytes", "open_files"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"Limits.{name} must be an int, got {getattr(self, name)!r}")
         if self.memory_bytes < 64 * 2**20:
@@ -48,6 +52,9 @@ class Limits:
                 f"Limits.memory_bytes must be at least 64 MiB, got {self.memory_bytes}")
         if self.processes < 2:
             raise ValueError(f"Limits.processes must be at least 2, got {self.processes}")
+        if self.open_files < 16:
+            # The launcher holds 4 and the interpreter opens a few more while it imports.
+            raise ValueError(f"Limits.open_files must be at least 16, got {self.open_files}")
 
 
 @dataclass(frozen=True)

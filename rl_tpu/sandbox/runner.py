@@ -22,6 +22,7 @@ from typing import Optional
 from rl_tpu.sandbox import bubblewrap
 from rl_tpu.sandbox.launcher import HEADER_BYTES
 from rl_tpu.sandbox.limits import Execution, Limits
+from rl_tpu.sandbox.totals import SandboxBudget, process_budget, worst_case_bytes
 
 # A sandbox that has not started the program this long after being handed it is broken (bwrap
 # failed, the interpreter is missing), not slow: the run raises instead of reporting a timeout.
@@ -115,9 +116,12 @@ class Sandbox:
 
     Made by `make_sandbox`. pool_size sandboxes are kept started ahead of time for the default
     limits' tmpfs size; a run with another tmpfs size, or one that finds the pool empty, starts
-    its own sandbox (cold)."""
+    its own sandbox (cold). Every run first waits for room in `budget` (default: the one budget
+    of this process, totals.process_budget), reserving its worst case (totals.worst_case_bytes)
+    until it ends."""
 
-    def __init__(self, mode: str, limits: Limits, pool_size: int):
+    def __init__(self, mode: str, limits: Limits, pool_size: int,
+                 budget: Optional[SandboxBudget] = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(limits, Limits):
@@ -127,6 +131,7 @@ class Sandbox:
         self.mode = mode
         self.limits = limits
         self.pool_size = pool_size
+        self.budget = budget if budget is not None else process_budget()
         self._ready: collections.deque[Started] = collections.deque()
         self._live: set[Started] = set()  # every started launcher not yet released
         self._condition = threading.Condition()
@@ -144,18 +149,21 @@ class Sandbox:
     def _start(self, tmpfs_bytes: int) -> Started:
         status_read, status_write = os.pipe()
         info_read, info_write = os.pipe()
-        passed = (status_write, info_write)
+        isolated = self.mode == "bubblewrap"
+        filter_fd = bubblewrap.seccomp_filter_fd() if isolated else None
+        passed = (status_write, info_write, filter_fd) if isolated else (status_write,)
         workdir = None
         try:
-            if self.mode == "bubblewrap":
-                inner = bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write)
-                command = bubblewrap.bubblewrap_command(tmpfs_bytes, inner, info_fd=info_write)
+            if isolated:
+                inner = bubblewrap.launcher_command(bubblewrap.SANDBOX_PYTHON, status_write,
+                                                    tmpfs_bytes)
+                command = bubblewrap.bubblewrap_command(inner, info_fd=info_write,
+                                                        seccomp_fd=filter_fd)
                 options = bubblewrap.spawn_options()
             else:
                 workdir = tempfile.mkdtemp(prefix="rl_tpu-unsafe-sandbox-")
                 command = bubblewrap.launcher_command(bubblewrap.unsafe_python(), status_write)
                 options = bubblewrap.spawn_options(isolated=False, cwd=workdir)
-                passed = (status_write,)
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, pass_fds=passed, bufsize=0,
                                        **options)
@@ -167,9 +175,10 @@ class Sandbox:
         finally:
             os.close(status_write)
             os.close(info_write)
+            if filter_fd is not None:
+                os.close(filter_fd)
         try:
-            init_pidfd = (bubblewrap.read_init_pidfd(info_read) if self.mode == "bubblewrap"
-                          else None)
+            init_pidfd = bubblewrap.read_init_pidfd(info_read) if isolated else None
         finally:
             os.close(info_read)
         started = Started(process, status_read, workdir, init_pidfd)
@@ -225,11 +234,12 @@ class Sandbox:
         limits = self.limits if limits is None else limits
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be a rl_tpu.sandbox.Limits, got {type(limits).__name__}")
-        started = self._take(limits.tmpfs_bytes)
-        try:
-            return self._execute(started, code, stdin, limits)
-        finally:
-            self._discard(started)
+        with self.budget.reserve(worst_case_bytes(limits)):
+            started = self._take(limits.tmpfs_bytes)
+            try:
+                return self._execute(started, code, stdin, limits)
+            finally:
+                self._discard(started)
 
     def _processes_allowed(self, limits: Limits) -> int:
         if self.mode == "bubblewrap":
@@ -243,7 +253,8 @@ class Sandbox:
         # "replace": a lone surrogate in model output becomes "?" instead of failing the call.
         source = code.encode("utf-8", "replace")
         header = (f"{limits.cpu_seconds} {limits.memory_bytes} "
-                  f"{self._processes_allowed(limits)} {len(source)}").ljust(HEADER_BYTES)
+                  f"{self._processes_allowed(limits)} {limits.open_files} "
+                  f"{len(source)}").ljust(HEADER_BYTES)
         payload = memoryview(header.encode("ascii") + source + stdin.encode("utf-8", "replace"))
         process = started.process
         outputs = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
