@@ -5,18 +5,17 @@
     obs = env.reset(env.tasks().get("eval", 0))
     env.step("def f(x):\\n    return x * 3 + 1")  # -> reward 0.75 when 3 of 4 tests pass
 
-The program is the reply's last ```python (or bare ```) block, else the whole reply. All tests
-of one candidate run in ONE sandbox execution (rl_tpu.sandbox): a harness script defines the
-program, then runs each test and reports it on stdout as one line behind a random marker, so
-what the program itself prints (redirected to stderr) never reads as a result; a test that
-never reports (the program exited, hung, or blew a limit) counts as failed, and the tests
-reported before it still count. `info` holds passed/tests, success (every test passed), the
-sandbox's status and `error`: the first failing test's message (input, expected, got) or the
-tail of its traceback.
-
-The harness guards against a program's accidental output, not against a program written to
-cheat: it runs in the same interpreter as the tests (as HumanEval's own harness does), so it
-could read them. The sandbox bounds what it can do to the host, not to its own score.
+The program is the reply's last ```python (or bare ```) block, else the whole reply. The
+program never judges itself (rl_tpu/envs/code_verdict.py says how, and why that holds): one
+sandbox execution runs it and asks it each call the tests make (`f(3)`, or the arguments a
+HumanEval assert passes), and it answers with plain data (rl_tpu/envs/plain_data.py); the
+expected values never enter its process. A `call` test is compared here; a HumanEval test runs
+its own statements on the decoded answers in a second, fresh sandbox the program never ran
+in. So forging the harness's records, exiting early, patching builtins or returning an object
+equal to everything earns nothing; a test the program did not answer (it exited, hung, or blew
+a limit) counts as failed, and the tests it answered before still count. `info` holds
+passed/tests, success (every test passed), the sandbox's status and `error`: the first failing
+test's message (input, expected, got) or the tail of its traceback.
 
 Without a working sandbox the env refuses to start (SandboxUnavailable's message) unless
 `sandbox="unsafe_no_isolation"` (a plain subprocess with rlimits) is named.
@@ -24,12 +23,12 @@ Without a working sandbox the env refuses to start (SandboxUnavailable's message
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import json
 import re
-import secrets
 from typing import Optional
 
+from rl_tpu.envs import code_verdict
 from rl_tpu.envs.base import Env, StepResult, Task, register
 
 SYSTEM_PROMPT = ("Write the Python function the task asks for. Reply with the code only, e.g.\n"
@@ -48,67 +47,23 @@ def extract_program(reply: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The harness: one script runs the program and every test, reporting each behind a marker
+# The verdict: the program answers calls with plain data; the tests run elsewhere (code_verdict)
 # ---------------------------------------------------------------------------------------------
 
-# The tests travel as JSON inside the script (no stdin: a program may read it). Each test is
-# {"call": "f(3)", "expected": "7"} (the value of `call` must equal that of `expected`) or
-# {"exec": "assert ...", "show": "..."} (statements that pass unless they raise).
-_HARNESS = r'''
-import io as _io, json as _json, signal as _signal, sys as _sys, traceback as _traceback
-_report_to = _sys.stdout
-_marker = %(marker)r
-_tests = _json.loads(%(tests)r)
-_test_seconds = %(test_seconds)r
-def _report(record):
-    _report_to.write(_marker + _json.dumps(record) + "\n")
-    _report_to.flush()
-def _tail(exc):  # the program's and the test's frames only, never the harness's
-    frames = [f for f in _traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<")
-              and f.filename != "<string>"]
-    lines = _traceback.format_list(frames[-2:]) + _traceback.format_exception_only(type(exc), exc)
-    return "".join(lines)[-%(tail_chars)d:]
-def _alarm(signum, frame):
-    raise TimeoutError("the test ran over %%.1f s" %% _test_seconds)
-_sys.stdout = _sys.stderr  # the program's prints never mix with the reports
-_namespace = {"__name__": "__main__"}
-try:
-    exec(compile(%(program)r, "<program>", "exec"), _namespace)
-    exec(compile(%(setup)r, "<setup>", "exec"), _namespace)
-except BaseException as exc:
-    _report({"loaded": False, "error": _tail(exc)})
-    raise SystemExit(0)
-_report({"loaded": True})
-_signal.signal(_signal.SIGALRM, _alarm)
-for _i, _test in enumerate(_tests):
-    _record = {"test": _i, "ok": False}
-    _signal.setitimer(_signal.ITIMER_REAL, _test_seconds)
-    try:
-        if "call" in _test:
-            _got = eval(_test["call"], _namespace)
-            _expected = eval(_test["expected"], {})
-            _record["ok"] = bool(type(_got) == type(_expected) and _got == _expected)
-            _record["got"] = repr(_got)[:200]
-        else:
-            exec(compile(_test["exec"], "<test %%d>" %% _i, "exec"), _namespace)
-            _record["ok"] = True
-    except BaseException as exc:
-        _record["error"] = _tail(exc)
-    finally:
-        _signal.setitimer(_signal.ITIMER_REAL, 0)
-    _report(_record)
-'''
 
-
-def harness_script(program: str, tests: list[dict], setup: str = "", marker: str = "",
-                   test_seconds: float = 2.0, tail_chars: int = 400) -> str:
-    """The script that runs `program`, then `setup`, then each test, reporting on stdout."""
+def check_tests(tests: list[dict]) -> None:
+    """Each test is {"call": "f(3)", "expected": "7"} (the call's value must equal the literal,
+    exact type included) or {"exec": "assert ...", "show": "..."} (statements that pass unless
+    they raise)."""
     for test in tests:
-        if not (("call" in test and "expected" in test) or "exec" in test):
+        if "call" in test and "expected" in test:
+            try:
+                ast.literal_eval(test["expected"])
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                raise ValueError(f"a call test's expected value must be a Python literal; got "
+                                 f"{test['expected']!r}") from None
+        elif "exec" not in test:
             raise ValueError(f"a test is {{'call', 'expected'}} or {{'exec'}}; got {test!r}")
-    return _HARNESS % {"marker": marker, "tests": json.dumps(tests), "program": program,
-                       "setup": setup, "test_seconds": float(test_seconds),
-                       "tail_chars": int(tail_chars)}
 
 
 @dataclasses.dataclass
@@ -134,39 +89,10 @@ def describe_failure(test: dict, record: Optional[dict]) -> str:
     of its traceback."""
     shown = test.get("call") or test.get("show") or test.get("exec", "")
     if record is None:
-        return f"{shown}: no result (the program exited or ran out of time or memory first)"
+        return f"{shown}: {code_verdict.NO_RESULT}"
     if "error" in record:
         return f"{shown} raised:\n{record['error'].rstrip()}"
     return f"{shown} returned {record.get('got')}, expected {test.get('expected')}"
-
-
-def read_report(stdout: str, marker: str, tests: list[dict], status: str,
-                stderr: str = "") -> TestReport:
-    """Parses the harness's marked lines; tests with no line count as failed."""
-    records, loaded = {}, None
-    for line in stdout.splitlines():
-        if not line.startswith(marker):
-            continue
-        try:
-            record = json.loads(line[len(marker):])
-        except json.JSONDecodeError:
-            continue  # a line cut short by the output limit
-        if "loaded" in record:
-            loaded = record
-        elif isinstance(record.get("test"), int):
-            records[record["test"]] = record
-    passed = [bool(records.get(i, {}).get("ok")) for i in range(len(tests))]
-    if loaded is None or not loaded.get("loaded"):
-        why = ((loaded or {}).get("error") or stderr[-400:]
-               or f"it ended before any test ran (sandbox status {status})")
-        return TestReport(passed, status, "The program failed to run:\n" + why.rstrip())
-    first = next((i for i, ok in enumerate(passed) if not ok), None)
-    if first is None:
-        return TestReport(passed, status)
-    error = describe_failure(tests[first], records.get(first))
-    if first not in records and status != "ok":
-        error += f" [sandbox: {status}]"
-    return TestReport(passed, status, error, first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,13 +123,53 @@ def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: in
 
 
 def run_tests(sandbox, program: str, tests: list[dict], setup: str = "",
-              test_seconds: float = 2.0) -> TestReport:
-    """Runs every test of `program` in one sandbox execution."""
+              test_seconds: float = 2.0, entry_point: str = "", reference: str = "",
+              helpers: str = "") -> TestReport:
+    """Scores `program` on `tests` (code_verdict says how, and why the program cannot reach
+    the verdict): one sandbox run of the program, plus a replay run when a test is an `exec`
+    one. Those need `entry_point` (the function the tests call as `candidate`), `reference`
+    (a program that passes them; their calls are recorded from it) and `helpers` (the prompt's
+    code the tests may use, without a solution)."""
     if not tests:
         raise ValueError("a task needs at least one test")
-    marker = f"@@test-{secrets.token_hex(8)}@@"
-    execution = sandbox.run(harness_script(program, tests, setup, marker, test_seconds))
-    return read_report(execution.stdout, marker, tests, execution.status, execution.stderr)
+    check_tests(tests)
+    sources = [t["exec"] for t in tests if "call" not in t]
+    if sources and not (entry_point and reference):
+        raise ValueError("exec tests need the task's entry_point and a reference solution "
+                         "(their calls are recorded from it)")
+    asked = iter(code_verdict.reference_calls(sandbox, reference, setup, sources, entry_point,
+                                              test_seconds) if sources else [])
+    calls = [[{"expression": t["call"]}] if "call" in t else next(asked) for t in tests]
+    answers, execution = code_verdict.ask(sandbox, program, calls, entry_point, test_seconds)
+    status = execution.status
+    if not answers.loaded:
+        why = (answers.load_error or execution.stderr[-400:]
+               or f"it ended before any test ran (sandbox status {status})")
+        return TestReport([False] * len(tests), status,
+                          "The program failed to run:\n" + why.rstrip())
+    exec_index = [i for i, t in enumerate(tests) if "call" not in t]
+    replayed = {}
+    if exec_index:
+        verdicts = code_verdict.replay(sandbox, helpers, setup, sources, entry_point,
+                                       [calls[i] for i in exec_index],
+                                       [answers.per_test[i] for i in exec_index], test_seconds)
+        replayed = {i: verdicts.get(j) for j, i in enumerate(exec_index)}
+    records = {}
+    for i, test in enumerate(tests):
+        if "call" in test:
+            records[i] = code_verdict.judge_call(
+                answers.per_test[i][0] if answers.per_test[i] else None, test["expected"])
+        else:
+            record = replayed.get(i)
+            records[i] = None if record is None or record.get("no_result") else record
+    passed = [bool(records[i] and records[i].get("ok")) for i in range(len(tests))]
+    first = next((i for i, ok in enumerate(passed) if not ok), None)
+    if first is None:
+        return TestReport(passed, status)
+    error = describe_failure(tests[first], records[first])
+    if records[first] is None and status != "ok":
+        error += f" [sandbox: {status}]"
+    return TestReport(passed, status, error, first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,8 +239,11 @@ class CodeEnvBase(Env):
             info["error"] = (f"The program is {len(program)} characters; the limit is "
                              f"{self.max_program_chars}.")
             return TestReport([False] * len(tests), "too_long", info["error"]), info
-        full = assemble(prefix, program, self._task.data.get("entry_point", ""))
-        report = run_tests(self.sandbox, full, tests, setup, self.test_seconds)
+        entry, canonical = self._task.data.get("entry_point", ""), self._task.data.get("canonical")
+        full = assemble(prefix, program, entry)
+        report = run_tests(self.sandbox, full, tests, setup, self.test_seconds, entry,
+                           reference=assemble(prefix, canonical, entry) if canonical else "",
+                           helpers=assemble(prefix, "    pass") if prefix else "")
         info.update(passed=sum(report.passed), success=report.success, status=report.status,
                     error=report.error)
         return report, info

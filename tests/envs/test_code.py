@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs import code, code_tasks
+from rl_tpu.envs import code, code_tasks, code_verdict
 from rl_tpu.envs.base import Task, make
 from rl_tpu.sandbox import SandboxUnavailable, sandbox_unavailable_reason
 
@@ -88,20 +88,22 @@ def test_a_hanging_test_is_cut_and_the_others_still_run():
     assert "TimeoutError" in result.info["error"]
 
 
-def test_read_report_counts_missing_and_garbled_lines_as_failed():
-    tests = DOUBLE[:3]
-    stdout = ('M{"loaded": true}\nM{"test": 0, "ok": true}\nnoise\nM{"test": 1, "ok"\n'
-              'M{"test": 2, "ok": true}\n')
-    report = code.read_report(stdout, "M", tests, "ok")
-    assert report.passed == [True, False, True] and report.fraction == 2 / 3
-    assert report.failed_test == 1 and "f(2): no result" in report.error
-    empty = code.read_report("", "M", tests, "timeout")
-    assert empty.passed == [False] * 3 and "sandbox status timeout" in empty.error
+def test_marked_records_skip_garbled_lines_and_a_call_needs_a_right_typed_answer():
+    stdout = 'M{"loaded": true}\nnoise\nM{"test": 1, "ok"\nM{"test": 2, "call": 0}\n'
+    assert code_verdict.read_records(stdout, "M") == [{"loaded": True},
+                                                      {"test": 2, "call": 0}]
+    assert code_verdict.judge_call(None, "2") is None  # no answer: "no result"
+    assert code_verdict.judge_call({"value": ["int", "2"]}, "2")["ok"]
+    assert not code_verdict.judge_call({"value": ["bool", True]}, "1")["ok"]  # True == 1
+    assert code_verdict.judge_call({"value": ["sub_int", "2"]}, "2")["error"].startswith(
+        "NotPlainData")
 
 
-def test_a_test_is_a_call_with_expected_or_statements():
+def test_a_test_is_a_call_with_a_literal_expected_or_statements():
     with pytest.raises(ValueError, match="a test is"):
-        code.harness_script("", [{"call": "f(1)"}])
+        code.check_tests([{"call": "f(1)"}])
+    with pytest.raises(ValueError, match="must be a Python literal"):
+        code.check_tests([{"call": "f(1)", "expected": "2 * g()"}])
 
 
 # --- the generated functions ---------------------------------------------------------------
@@ -174,7 +176,8 @@ def humaneval():
     return env(tasks="humaneval")
 
 
-@pytest.mark.parametrize("index", [0, 2, 53, 163])
+# 53 draws its inputs from an unseeded `random`; 33 calls the function by name as well
+@pytest.mark.parametrize("index", [0, 2, 33, 53, 163])
 def test_canonical_humaneval_solutions_score_one(humaneval, index):
     t = humaneval.tasks().get("eval", index)
     humaneval.reset(t)
@@ -189,6 +192,15 @@ def test_a_wrong_humaneval_solution_scores_below_one(humaneval):
     result = humaneval.step("    return True\n")  # right on the 4 cases that expect True
     assert result.reward == 4 / 7 and not result.info["success"]
     assert result.info["error"].startswith("assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05)")
+
+
+def test_exec_tests_whose_reference_fails_are_refused_by_name(humaneval):
+    test = [{"exec": "assert candidate(2) == 5", "show": "assert candidate(2) == 5"}]
+    with pytest.raises(ValueError, match="reference solution does not pass its test 0"):
+        code.run_tests(humaneval.sandbox, "def g(x):\n    return 4", test, "candidate = g",
+                       entry_point="g", reference="def g(x):\n    return 4")
+    with pytest.raises(ValueError, match="need the task's entry_point and a reference"):
+        code.run_tests(humaneval.sandbox, "def g(x):\n    return 5", test, "candidate = g")
 
 
 def test_a_whole_function_replaces_the_prompts_stub(humaneval):
