@@ -147,9 +147,10 @@ class SandboxBudget:
 
 
 def default_budget() -> SandboxBudget:
-    """Half the host's memory for sandboxes, and as many runs at once as there are cores (at
-    least 2): programs are CPU-bound, so more at once only adds memory."""
-    return SandboxBudget(max_running=max(2, os.cpu_count() or 1),
+    """Half the host's memory for sandboxes, and twice as many runs at once as there are cores
+    (at least 4): more only adds memory and processes, fewer would queue programs that sleep or
+    wait out their wall limit behind each other."""
+    return SandboxBudget(max_running=max(4, 2 * (os.cpu_count() or 1)),
                          max_total_bytes=host_memory_bytes() // 2)
 
 
