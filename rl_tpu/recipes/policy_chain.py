@@ -136,7 +136,8 @@ class PolicyChain:
                     max_turns=components.eval_horizon(config))
             params = sft.warm_start(
                 config, params, self.model, self.mesh, self.tokenizer, self.make_env,
-                _NoWriter(), checkpoint_dir=os.path.join(self.workdir, "start", "checkpoints"))
+                lambda _: _NoWriter(),
+                checkpoint_dir=os.path.join(self.workdir, "start", "checkpoints"))
         record.update(self.evaluate(params, "start"))
         self._save_policy(0, params)
         self.writer.write(0, record | {"time/loop_s": time.time() - self.started})

@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 TIME_KEYS_PREFIX = "time/"  # wall-clock metrics: the only ones a resumed run may not repeat
 REFERENCE = "reference"  # the frozen reference policy: saved once per run, not every step
 FINISHED_FILE = "finished.json"  # written last by Trainer.finish: the run reached its end
+# the SFT warm start's checkpoints (fresh runs: RL's first checkpoint holds its result)
+WARM_START_DIR = os.path.join("warm_start", "checkpoints")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
@@ -81,9 +83,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
     if finished is not None:
         return finished
     metrics_lib.announce_start(config, workdir, config.train.steps)
-    trainer = (trainer_class or Trainer)(config, workdir)
-    try:
-        with PreemptionGuard():  # SIGTERM / SIGINT: stop after the step, checkpointed
+    # SIGTERM / SIGINT: stop after the step, checkpointed (the warm start's SFT steps too)
+    with PreemptionGuard():
+        trainer = (trainer_class or Trainer)(config, workdir)
+        try:
             trainer.start_producer()
             for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
                                              "RL steps", enabled=trainer.is_chief):
@@ -91,10 +94,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
                 trainer.end_step(step, record)            # eval (when due), log, checkpoint
                 trainer.stop_if_signalled(step)           # pre-emption: every host agrees
             trainer.finish()
-    except BaseException:
-        trainer.close(after_error=True)  # the error that stopped the run is the one raised
-        raise
-    trainer.close()
+        except BaseException:
+            trainer.close(after_error=True)  # the error that stopped the run is the one raised
+            raise
+        trainer.close()
     return {k: v for k, v in trainer.last_eval.items() if k.startswith("eval/")}
 
 
@@ -155,13 +158,17 @@ class Trainer:
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  async_save=config.checkpoint.async_save)
         resume_step = self.ckpt.latest_step()
-        # A fresh run rewrites the metrics file from scratch (SFT lines sit at negative steps).
         self.writer = None
-        if resume_step is None:
+        sft_offset = -config.sft.steps - 1  # SFT step j is logged at j + sft_offset (< 0)
+
+        def open_metrics(sft_start: int = 0):
+            """A fresh run rewrites the metrics file from scratch; a warm start resumed from
+            its step k keeps the lines up to k's."""
             self.writer = metrics_lib.MetricsWriter(
-                workdir, resume_step=-sys.maxsize, tensorboard=config.log.tensorboard,
-                enabled=self.is_chief, wandb_project=config.log.wandb_project,
-                wandb_config=self.config_record)
+                workdir, resume_step=sft_start + sft_offset + 1 if sft_start else -sys.maxsize,
+                tensorboard=config.log.tensorboard, enabled=self.is_chief,
+                wandb_project=config.log.wandb_project, wandb_config=self.config_record)
+            return self.writer
 
         # --- warm start (fresh runs only: a checkpoint already holds its result) ---------
         self.eval_list = [t for _, t in eval_tasks(source, env_cfg.eval_split,
@@ -172,8 +179,18 @@ class Trainer:
                 start_metrics["eval/teacher_success"] = sft.teacher_success(
                     self.make_env, self.eval_list, config.sft.teacher_skill, config.seed,
                     max_turns=components.eval_horizon(config))
-            params = sft.warm_start(config, params, model, self.mesh, self.tokenizer,
-                                    self.make_env, self.writer, step_offset=-config.sft.steps - 1)
+            # checkpointed, so SIGTERM / SIGINT stop it at a step (Preempted) and the rerun
+            # resumes there, rather than the signal waiting for RL's first step
+            try:
+                params = sft.warm_start(config, params, model, self.mesh, self.tokenizer,
+                                        self.make_env, open_metrics, step_offset=sft_offset,
+                                        checkpoint_dir=os.path.join(workdir, WARM_START_DIR))
+            except BaseException:
+                if self.writer is not None:
+                    self.writer.close()
+                raise
+        elif resume_step is None:
+            open_metrics()
 
         # --- learner: policy, critic, reference ---------------------------------------
         update_cfg = algorithms.update_config(config)

@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import ml_collections
@@ -315,22 +315,29 @@ def checkpointed_steps(config: ml_collections.ConfigDict, checkpoint_dir: str,
 
 def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
               examples: Sequence[Example], *, steps: int, lr: float, batch_size: int,
-              checkpoint_dir: Optional[str] = None, on_metrics=None):
+              checkpoint_dir: Optional[str] = None, on_metrics=None,
+              on_start: Optional[Callable[[int], None]] = None):
     """`steps` SFT steps of `params` on `examples` at `lr` (the config's schedule, warmup
     sft.warmup_steps), checkpointed in `checkpoint_dir` every checkpoint.every steps when it
-    is given (and resumed from it); returns the new params. The sampling loops (expert
-    iteration, RLoop) call this for each round's fine-tune; on_metrics(step, metrics)."""
+    is given (and resumed from it; SIGTERM / SIGINT then save the step and stop the run:
+    rl_tpu/preemption.py); returns the new params. The sampling loops (expert iteration,
+    RLoop) call this for each round's fine-tune; on_start(the step it resumes from, 0 when
+    fresh) before the first step, on_metrics(step, metrics) after each."""
     from rl_tpu.checkpoint import Checkpointer
 
     optim = components.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
     state = components.new_state(params, optim)
     data = example_batches(config, examples, mesh, batch_size, config.sft.max_length)
     if checkpoint_dir is None:
+        if on_start is not None:
+            on_start(0)
         return train(state, model, mesh, data, num_steps=steps,
                      on_step=lambda i, _, m: on_metrics and on_metrics(i, m)).params
     with Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
                       async_save=config.checkpoint.async_save) as ckpt:
         start, state = restore(ckpt, state, data)
+        if on_start is not None:
+            on_start(start)
         save = checkpoint_every(ckpt, data, config.checkpoint.every, steps)
 
         def after(step, state, metrics):
@@ -358,14 +365,24 @@ def demonstrations(config: ml_collections.ConfigDict, make_env: Callable[[], Env
 
 
 def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer,
-               make_env: Callable[[], Env], writer, step_offset: int = 0,
-               checkpoint_dir: Optional[str] = None):
+               make_env: Callable[[], Env], open_writer: Callable[[int], Any],
+               step_offset: int = 0, checkpoint_dir: Optional[str] = None):
     """SFT the initial params on the configured demonstrations; returns the new params.
-    Metrics go to `writer` at step `step_offset + sft_step` (the RL recipe logs them at
+    Checkpointed in `checkpoint_dir` when given: a signal saves the step and stops the run
+    there (Preempted), and the rerun resumes from it. Metrics go to `open_writer(k)`'s writer
+    (k: the SFT step resumed from, 0 when fresh; it is opened then, so that a resumed log keeps
+    exactly the lines before it) at step `step_offset + sft_step` (the RL recipe logs them at
     negative steps, before RL's step 0)."""
     s = config.sft
     examples = demonstrations(config, make_env, tokenizer)
     started = time.time()
+    writer = None
+
+    def on_start(step):
+        nonlocal writer
+        writer = open_writer(step)
+        if step:
+            log.warning("resumed the SFT warm start from its step %d", step)
 
     def on_metrics(step, m):
         if step % 10 == 0 or step == s.steps:
@@ -374,7 +391,7 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
 
     params = fine_tune(config, params, model, mesh, examples, steps=s.steps, lr=s.lr,
                        batch_size=s.batch_size, checkpoint_dir=checkpoint_dir,
-                       on_metrics=on_metrics)
+                       on_metrics=on_metrics, on_start=on_start)
     log.info("SFT warm start: %d steps on %d examples in %.1fs", s.steps, len(examples),
              time.time() - started)
     return params

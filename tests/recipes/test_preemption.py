@@ -201,3 +201,51 @@ def test_two_processes_stop_at_the_same_step_when_one_is_signalled(tmp_path):
     a, b = _final_params(straight), _final_params(workdir)
     for key in a:
         np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+def _warm_start_command(workdir):
+    return [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
+            "--workdir", str(workdir), "--config.train.steps=1", "--config.sft.steps=400",
+            "--config.checkpoint.every=1000"]
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_warm_start_checkpoints_its_step_and_the_rerun_resumes_there(tmp_path):
+    """SIGTERM while the RL recipe's SFT warm start runs: the run stops after that SFT step
+    (not after RL step 1), with the step in W/warm_start/checkpoints and no RL checkpoint; the
+    rerun resumes the warm start there and ends as an uninterrupted run does, metric for metric
+    (the SFT lines logged once each) and weight for weight."""
+    straight = tmp_path / "straight"
+    done = subprocess.run(_warm_start_command(straight), cwd=REPO, env=_cpu_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    workdir, logs = tmp_path / "run", str(tmp_path / "logs")
+    procs = start_job(_warm_start_command(workdir)[3:], 1, 0, logs)
+    deadline = time.time() + 300
+    while not any("sft/loss" in r for r in (read_metrics(str(workdir)) if (
+            workdir / "metrics.jsonl").exists() else [])):
+        assert procs[0].poll() is None, "the run ended before the signal"
+        assert time.time() < deadline, "no SFT step logged after 300 s"
+        time.sleep(0.02)
+    procs[0].send_signal(signal.SIGTERM)
+    job = wait_job(procs, logs, timeout_s=300)
+    assert job.returncodes == [128 + signal.SIGTERM], job.tail()
+    k = _stopped_at(job.logs[0])
+    assert 10 <= k < 400
+    assert f"checkpointed in {workdir / 'warm_start' / 'checkpoints'};" in job.logs[0]
+    assert (workdir / "warm_start" / "checkpoints" / str(k)).is_dir()
+    assert not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+
+    result = subprocess.run(_warm_start_command(workdir), cwd=REPO, env=_cpu_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed the SFT warm start from its step {k}" in result.stderr
+    a = [_finite(r) for r in read_metrics(str(straight))]
+    b = [_finite(r) for r in read_metrics(str(workdir))]
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra == rb, f"step {ra['step']} differs after the pre-emption"
+    straight_params, resumed = _final_params(straight), _final_params(workdir)
+    for key in straight_params:
+        np.testing.assert_array_equal(resumed[key], straight_params[key], err_msg=key)
