@@ -120,16 +120,15 @@ HOSTILE = {
     ''',
     # read the expected values out of its own process and answer from them
     "reads_the_expected_values": '''
-        import gc, re
-        _answers = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, dict) and "call" in obj and "expected" in obj:
-                _answers[obj["call"]] = eval(obj["expected"])
-        for obj in gc.get_objects():
-            if isinstance(obj, list):
-                for item in obj:
-                    if isinstance(item, dict) and "expected" in item:
-                        _answers[item.get("call")] = eval(item["expected"])
+        import sys
+        _answers, frame = {}, sys._getframe(0)
+        while frame is not None:  # every list of dicts the callers' globals hold
+            for held in list(frame.f_globals.values()):
+                if isinstance(held, list):
+                    for item in held:
+                        if isinstance(item, dict) and "expected" in item:
+                            _answers[item.get("call")] = eval(item["expected"])
+            frame = frame.f_back
         def f(x):
             return _answers.get("f(%d)" % x, 0)
     ''',
@@ -196,22 +195,29 @@ HUMANEVAL_HOSTILE = {
     ''',
     # parse `assert candidate(ARGS) == VALUE` out of every string the process holds
     "reads_the_asserts": '''
-    import ast, gc
-    for text in [o for o in gc.get_objects() if isinstance(o, (list, dict, tuple))]:
-        for s in (text.values() if isinstance(text, dict) else text):
-            if isinstance(s, str) and "candidate(" in s:
-                try:
-                    nodes = list(ast.walk(ast.parse(s)))
-                except SyntaxError:
-                    continue
-                for node in nodes:
-                    try:
-                        call, right = node.test.left, node.test.comparators[0]
-                        if ast.literal_eval(call.args[0]) == numbers and \\
-                                ast.literal_eval(call.args[1]) == threshold:
-                            return ast.literal_eval(right)
-                    except Exception:
-                        continue
+    import ast, sys
+    strings, frame = [], sys._getframe(0)
+    while frame is not None:  # every list of dicts the callers' globals hold
+        for held in list(frame.f_globals.values()):
+            if isinstance(held, list):
+                strings.extend(v for item in held if isinstance(item, dict)
+                               for v in item.values())
+        frame = frame.f_back
+    for text in strings:
+        if not (isinstance(text, str) and "candidate(" in text):
+            continue
+        try:
+            nodes = list(ast.walk(ast.parse(text)))
+        except SyntaxError:
+            continue
+        for node in nodes:
+            try:
+                call, right = node.test.left, node.test.comparators[0]
+                if (ast.literal_eval(call.args[0]) == numbers
+                        and ast.literal_eval(call.args[1]) == threshold):
+                    return ast.literal_eval(right)
+            except Exception:
+                continue
     return None
     ''',
     "forged_reports_then_exit": '''
