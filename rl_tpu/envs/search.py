@@ -64,6 +64,7 @@ from typing import Optional, Sequence
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
 from rl_tpu.tools.builtins import search_tool
 from rl_tpu.tools.calls import CALL_FORMATS, parse_tool_calls
+from rl_tpu.tools.env import run_reply_calls
 from rl_tpu.tools.registry import ToolRegistry
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -429,17 +430,14 @@ class SearchEnv(Env):
             verdict = "correct" if result.done else "incorrect"
             result.observation, result.done = f"Your answer {answer!r} is {verdict}.", True
             return result
-        results = [self._registry.error_result(e) for e in parsed.errors]
-        for n, call in enumerate(parsed.calls, 1):
-            if len(results) >= MAX_CALLS_PER_REPLY:
-                results.append(self._registry.error_result(
-                    f"too many tool calls in one reply (at most {MAX_CALLS_PER_REPLY}); call "
-                    f"{n} was not run", call.name))
-            elif len(str(call.arguments.get("query", ""))) > self.max_query_chars:
-                results.append(self._registry.error_result(
-                    f"the query is longer than {self.max_query_chars} characters", call.name))
-            else:
-                results.append(self._registry.execute(call))
+        def run(call):
+            if len(str(call.arguments.get("query", ""))) > self.max_query_chars:
+                return self._registry.error_result(
+                    f"the query is longer than {self.max_query_chars} characters", call.name)
+            return self._registry.execute(call)
+
+        results = run_reply_calls(self._registry, parsed.calls, parsed.errors,
+                                  MAX_CALLS_PER_REPLY, run)
         messages = [r.as_message() for r in results]
         return StepResult("\n\n".join(m["content"] for m in messages), 0.0, False, {
             "observation_messages": messages, "tool_errors": sum(not r.ok for r in results),

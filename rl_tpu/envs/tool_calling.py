@@ -15,11 +15,12 @@ signature and docstring, `Tool.from_function`), comma-separated in `tools`.
 
 The teacher (for an SFT warm start, `teacher_reply`): on a task that states its expression
 (arithmetic's `metadata.expression`) and with a calculator, it calls the calculator with the
-expression `skill` of the time and then answers with the result; otherwise it answers at once
-through the task env's own teacher at skill 0 (a slip: the tiny model cannot multiply two
-2-digit numbers in its head, so the answer without the tool is the wrong one). What RL can
-learn here is to call the tool every time and copy its result, which imitation of a teacher
-that calls it `skill` of the time does not give.
+expression `skill` of the time, written in `call_format` (a Llama demo teaches Llama's calls),
+and then answers with the result; otherwise it answers at once through the task env's own
+teacher at skill 0 (a slip: the tiny model cannot multiply two 2-digit numbers in its head,
+so the answer without the tool is the wrong one). What RL can learn here is to call the tool
+every time and copy its result, which imitation of a teacher that calls it `skill` of the
+time does not give.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Optional
 
 from rl_tpu.envs.base import StepResult, Task, make, register
 from rl_tpu.tools.builtins import builtin_tools
+from rl_tpu.tools.calls import format_tool_call
 from rl_tpu.tools.env import ToolEnv
 from rl_tpu.tools.registry import Tool, ToolRegistry
 
@@ -93,9 +95,8 @@ class TeachingToolEnv(ToolEnv):
             return teacher(task, rng, skill)
         if self.last_results:  # the calculator answered: copy its result
             return f"<answer>{self.last_results[-1]}</answer>"
-        if rng.random() < skill:
-            return ('<tool_call>{"name": "calculator", "arguments": {"expression": "'
-                    + expression + '"}}</tool_call>')
+        if rng.random() < skill:  # in the policy's own format: the demo teaches it
+            return format_tool_call("calculator", {"expression": expression}, self.call_format)
         if teacher is None:
             return "<answer>0</answer>"
         return teacher(task, rng, 0.0)

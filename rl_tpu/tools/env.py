@@ -13,18 +13,46 @@ parsed in the tokenizer's call format (`rl_tpu.tools.calls`):
         (its reward, done and info pass through; an answer the task env does not end on comes
         back as a user message, as without tools).
 
-Episode-level limits: `max_calls_per_reply` (calls past it are refused with an error result)
+Episode-level limits: `max_calls_per_reply` (calls and malformed calls past it are refused,
+all of them in one error result)
 and `max_tool_turns` (the reply that uses the last one ends the episode unsuccessfully: a
 policy that never answers must not run to the loop's turn limit on tool calls alone).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
-from rl_tpu.tools.calls import CALL_FORMATS, parse_tool_calls
+from rl_tpu.tools.calls import CALL_FORMATS, ToolCall, parse_tool_calls
 from rl_tpu.tools.registry import ToolRegistry, ToolResult
+
+
+def run_reply_calls(registry: ToolRegistry, calls: Sequence[ToolCall], errors: Sequence[str],
+                    limit: int, run: Optional[Callable[[ToolCall], ToolResult]] = None
+                    ) -> list[ToolResult]:
+    """The results of one reply's calls, in order: its malformed calls' errors first (their
+    position among the calls is lost in parsing), then each call's result (`run(call)`, by
+    default `registry.execute`). At most `limit` of them are read or run; the rest are named
+    in one error result, so a reply of a thousand calls is not a thousand tool messages."""
+    run = run or registry.execute
+    results = [registry.error_result(e) for e in errors[:limit]]
+    if len(errors) > limit:
+        results.append(registry.error_result(
+            f"{len(errors) - limit} more malformed tool calls in this reply were not read "
+            f"(at most {limit} calls a reply)"))
+    room = max(limit - len(errors), 0)
+    results.extend(run(call) for call in calls[:room])
+    refused = calls[room:]
+    if len(refused) == 1:
+        results.append(registry.error_result(
+            f"too many tool calls in one reply (at most {limit}); call {room + 1} "
+            f"({refused[0].name!r}) was not run", refused[0].name))
+    elif refused:
+        results.append(registry.error_result(
+            f"too many tool calls in one reply (at most {limit}); calls {room + 1} to "
+            f"{len(calls)} were not run"))
+    return results
 
 
 class ToolEnv(Env):
@@ -93,18 +121,12 @@ class ToolEnv(Env):
         return StepResult(observation, 0.0, False, info)
 
     def run_calls(self, calls, errors) -> list[ToolResult]:
-        """The results of one reply's calls, in order: its malformed calls' errors first
-        (their position among the calls is lost in parsing), then each call's result."""
-        results = [self.registry.error_result(e) for e in errors]
-        for n, call in enumerate(calls):
-            if len(results) >= self.max_calls_per_reply:
-                results.append(self.registry.error_result(
-                    f"too many tool calls in one reply (at most {self.max_calls_per_reply}); "
-                    f"call {n + 1} ({call.name!r}) was not run", call.name))
-                continue
+        """The results of one reply's calls (`run_reply_calls` with `max_calls_per_reply`)."""
+        def run(call):
             self.calls_made += 1
-            results.append(self.registry.execute(call))
-        return results
+            return self.registry.execute(call)
+
+        return run_reply_calls(self.registry, calls, errors, self.max_calls_per_reply, run)
 
     def close(self) -> None:
         try:

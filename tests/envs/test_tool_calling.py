@@ -12,6 +12,7 @@ from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import sft
 from rl_tpu.recipes.components import check_call_format
 from rl_tpu.recipes.config import CALCULATOR_ARITHMETIC
+from rl_tpu.tools.calls import CALL_FORMATS, ToolCall, parse_tool_calls
 
 TASK_KWARGS = {"config": dict(CALCULATOR_ARITHMETIC), "isolate": False,
                "system_prompt": "Answer in <answer>...</answer>."}
@@ -55,6 +56,20 @@ def test_the_teacher_calls_at_skill_one_and_guesses_wrong_at_skill_zero():
     messages, success = sft.teacher_episode(env, task, random.Random(0), 0.0, max_turns=2)
     assert not success and [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert "<tool_call>" not in messages[2]["content"]
+    env.close()
+
+
+@pytest.mark.parametrize("call_format", CALL_FORMATS)
+def test_the_teacher_writes_calls_in_the_configured_format(call_format):
+    env = calculator_env(call_format=call_format)
+    task = env.tasks().get("train", 3)
+    messages, success = sft.teacher_episode(env, task, random.Random(0), 1.0, max_turns=2)
+    assert success  # the env parsed the teacher's call in its own format and ran it
+    call = messages[2]["content"]
+    expected = ToolCall("calculator", {"expression": task.data["metadata"]["expression"]})
+    assert parse_tool_calls(call, call_format).calls == (expected,)
+    other = next(f for f in CALL_FORMATS if f != call_format)
+    assert parse_tool_calls(call, other).calls == ()  # a demo teaches one format, not both
     env.close()
 
 

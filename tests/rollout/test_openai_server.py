@@ -115,6 +115,45 @@ def test_chat_with_tools_puts_the_schemas_in_the_prompt(server):
     assert '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text
 
 
+HOSTILE_CALLS = {  # replies whose tool calls once made the routes answer 500 after generating
+    "1,200 nested [": "<tool_call>" + "[" * 1200 + "</tool_call>",
+    "arguments nested 3,000 deep in a JSON string":
+        '<tool_call>{"name": "add", "arguments": ' + json.dumps("[" * 3000) + "}</tool_call>",
+    "a 5,000-digit integer":
+        '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>",
+    "a lone surrogate escape": '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}'
+                               "</tool_call>",
+    "a good call, then a bad one": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+                                   "</tool_call><tool_call>" + "{" * 2000 + "</tool_call>",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_hostile_tool_calls_are_errors_in_a_200_not_a_500(server, monkeypatch, stream):
+    """The model really generates; only its decoded text is replaced (a random tiny model
+    cannot be made to write these), so the route's own parse and reply run on it."""
+    for what, reply in HOSTILE_CALLS.items():
+        monkeypatch.setattr(server["service"], "text_of", lambda res, *a, **k: reply)
+        status, text = post(server, "/v1/chat/completions", {
+            "model": "tiny", "messages": USER, "tools": [ADD], "max_tokens": 3,
+            "temperature": 0, "stream": stream})
+        assert status == 200, (what, text[:300])
+        if stream:
+            assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, (what, text)
+            events = [json.loads(line[6:]) for line in text.split("\n")
+                      if line.startswith("data: {")]
+            choice = events[-1]["choices"][0]
+            calls = choice["delta"].get("tool_calls") or []
+        else:
+            choice = json.loads(text)["choices"][0]
+            calls = choice["message"].get("tool_calls") or []
+            assert choice["tool_call_errors"], what  # the client learns what was wrong
+        if what == "a good call, then a bad one":
+            assert [c["function"]["arguments"] for c in calls] == ['{"a": 1, "b": 2}']
+        else:
+            assert calls == [], what
+
+
 def test_completions_from_text_and_ids_with_logprobs(server):
     client, tok = server["client"], server["tok"]
     reply = client.completions.create(model="tiny", prompt=[[5, 6, 7], "hello"], n=2,

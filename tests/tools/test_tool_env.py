@@ -79,6 +79,24 @@ def test_limits():
     assert second.observation == "4\n\nOut of tool turns (2)."
 
 
+def test_a_reply_of_a_thousand_calls_is_a_few_messages():
+    env, _ = make(max_calls_per_reply=2)
+    result = env.step("<tool_call>{oops}</tool_call>" * 1000 + CALL.format("1") * 1000)
+    assert [m["content"] for m in result.info["observation_messages"]] == [
+        "Error: tool call 1 is not valid JSON (Expecting property name enclosed in double "
+        "quotes at character 1): '{oops}'",
+        "Error: tool call 2 is not valid JSON (Expecting property name enclosed in double "
+        "quotes at character 1): '{oops}'",
+        "Error: 998 more malformed tool calls in this reply were not read (at most 2 calls a "
+        "reply)",
+        "Error: too many tool calls in one reply (at most 2); calls 1 to 1000 were not run"]
+    assert env.calls_made == 0 and not result.done
+    many = env.step(CALL.format("1") + CALL.format("2") * 50)
+    assert [m["content"] for m in many.info["observation_messages"]] == [
+        "1", "2", "Error: too many tool calls in one reply (at most 2); calls 3 to 51 were not "
+                  "run"]
+
+
 def test_bad_configuration_and_close():
     with pytest.raises(ValueError, match="call_format must be one of"):
         ToolEnv(Echo(), ToolRegistry([calculator_tool()]), "xml")
