@@ -47,7 +47,7 @@ from rl_tpu.recipes.policy_chain import PolicyChain
 from rl_tpu.rewards.mix import RewardMix
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
-from rl_tpu.train.rollout_batch import UNSCORED_FINISHES
+from rl_tpu.train.rollout_batch import NO_LOSS, UNSCORED_FINISHES
 from rl_tpu.agent.trajectory import Trajectory, groups_of
 
 Example = sft.Example
@@ -119,11 +119,14 @@ def round_pairs(chain: PolicyChain, r: int, params, mix=None) -> tuple[list[Pair
 def online_pairs(trajectories: Sequence[Trajectory]) -> tuple[list[Pair], int]:
     """(pairs, episodes left out): one (best, worst) pair per group whose scored episodes
     differ in reward. An episode that ended in env_error or abort (UNSCORED_FINISHES) has a
-    reward that says nothing about its reply (0 from a crashed env, not from a bad answer):
-    it is neither chosen nor rejected, and the count of those left out is returned."""
+    reward that says nothing about its reply (0 from a crashed env, not from a bad answer),
+    and one the reward mix kept out of the loss (`NO_LOSS`: no reply to score, or a judge
+    that gave no verdict) a reward without its model's or judge's part: it is neither chosen
+    nor rejected, and the count of those left out is returned."""
     pairs, unscored = [], 0
     for group in groups_of(trajectories):
-        scored = [t for t in group if t.finish not in UNSCORED_FINISHES]
+        scored = [t for t in group
+                  if t.finish not in UNSCORED_FINISHES and not t.info.get(NO_LOSS)]
         unscored += len(group) - len(scored)
         if not scored:
             continue

@@ -49,6 +49,12 @@ def question_and_reply(messages: Sequence[dict]) -> tuple[str, str]:
     return users[0], replies[-1]
 
 
+def has_question_and_reply(messages: Sequence[dict]) -> bool:
+    """Whether `question_and_reply` finds a task and a reply in `messages`."""
+    roles = {m.get("role") for m in messages}
+    return "user" in roles and "assistant" in roles
+
+
 def ring_pairs(trajectories: Sequence[Trajectory]) -> list[tuple[int, int]]:
     """(i, j) index pairs to compare: within each group (same group_id, in order of first
     appearance), member k against member k + 1 around the ring; a group of two once, of one
@@ -102,11 +108,20 @@ class JudgeReward:
         return [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
 
     def judge(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
-        """Pointwise verdicts, one a trajectory."""
-        if not trajectories:
-            return []
-        return [parse_pointwise(text)
-                for text in self._ask([self.prompt_ids(t) for t in trajectories])]
+        """Pointwise verdicts, one a trajectory; a transcript with no task or no reply is not
+        put to the judge: its verdict is None, the error saying why."""
+        verdicts: list[Optional[Verdict]] = [None] * len(trajectories)
+        asked, prompts = [], []
+        for i, traj in enumerate(trajectories):
+            try:
+                prompts.append(self.prompt_ids(traj))
+            except ValueError as err:
+                verdicts[i] = Verdict("", None, f"not judged: {err}")
+                continue
+            asked.append(i)
+        for i, text in zip(asked, self._ask(prompts) if prompts else []):
+            verdicts[i] = parse_pointwise(text)
+        return verdicts
 
     def rewards(self, trajectories: Sequence[Trajectory]
                 ) -> tuple[list[Optional[float]], list[str]]:
@@ -114,7 +129,9 @@ class JudgeReward:
             verdicts = self.judge(trajectories)
             return ([None if v.value is None else float(v.value) for v in verdicts],
                     [v.error for v in verdicts])
-        pairs = ring_pairs(trajectories)
+        # a sample without a reply is compared with nothing: it gets no verdict
+        judgeable = [has_question_and_reply(t.messages) for t in trajectories]
+        pairs = [(i, j) for i, j in ring_pairs(trajectories) if judgeable[i] and judgeable[j]]
         # each comparison's order drawn from (seed, its group, its place): a judge's bias
         # toward A (or B) then falls on both sides alike
         flips = [random.Random(f"{self.seed}:{trajectories[i].group_id}:{k}").random() < 0.5
@@ -125,7 +142,8 @@ class JudgeReward:
         verdicts = [parse_pairwise(text) for text in texts]
         winners = [None if v.value is None else (a if v.value == "A" else b)
                    for (a, b), v in zip(ordered, verdicts)]
-        errors = [""] * len(trajectories)
+        errors = ["" if ok else "not judged: the transcript has no task or no reply"
+                  for ok in judgeable]
         for (a, b), v in zip(ordered, verdicts):
             for k in (a, b):
                 errors[k] = errors[k] or v.error

@@ -12,6 +12,12 @@ verdict on is kept out of the loss). Each trajectory keeps its sources in
 `info["reward_sources"]`, and `source_metrics` logs their means over every host beside
 rollout/reward, so a run against a learned reward shows what the model paid and what the env would have (rollout/success stays
 the env's own verdict: the gold signal against a proxy).
+
+An episode without a reply (its env failed at reset, or its first prompt left no room in the
+context) is never put to the reward model or the judge: there is nothing of the policy's to
+score, a reward model refuses an empty sequence and a judge a transcript with no answer, and
+one such episode must not end a run. It keeps the env's part of the reward, is kept out of the
+loss (`NO_LOSS`, as an env error is) and says why in `info["reward_error"]`.
 """
 
 from __future__ import annotations
@@ -80,13 +86,23 @@ class RewardMix:
                    r.judge_weight)
 
     def model_rewards(self, trajectories: Sequence[Trajectory]) -> np.ndarray:
-        """[N] f(score) of each trajectory's ids."""
+        """[N] f(score) of each trajectory's ids (each with a reply: `has_reply`)."""
         scores = self.scorer.score([t.tokens for t in trajectories])[:, 0].astype(np.float64)
         if self.transform == "sigmoid":
             scores = 1.0 / (1.0 + np.exp(-scores))
         return scores
 
     def apply(self, trajectories: Sequence[Trajectory]) -> None:
+        for traj in trajectories:
+            if not has_reply(traj):
+                rule = float(traj.reward)
+                traj.info[NO_LOSS] = True
+                traj.info["reward_error"] = (
+                    f"not scored: the episode ended (finish={traj.finish!r}) before the policy "
+                    "replied, so the reward model and judge have nothing to score")
+                traj.info["reward_sources"] = {"rule": rule}
+                traj.reward = self.rule_weight * rule
+        trajectories = [t for t in trajectories if has_reply(t)]
         if not trajectories:
             return
         model = self.model_rewards(trajectories) if self.scorer is not None else None
@@ -108,6 +124,12 @@ class RewardMix:
                     reward += self.judge_weight * value
             traj.info["reward_sources"] = sources
             traj.reward = reward
+
+
+def has_reply(traj: Trajectory) -> bool:
+    """Whether the policy sampled any id in `traj` (an episode that ended before its first
+    reply has none)."""
+    return traj.num_generated > 0
 
 
 def source_metrics(trajectories: Sequence[Trajectory],

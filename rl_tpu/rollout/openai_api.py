@@ -25,6 +25,7 @@ import json
 from typing import Any, Callable, Optional, Sequence, Union
 
 from rl_tpu.rollout.engine import GenerateResult, SamplingParams
+from rl_tpu.rollout.server_requests import stop_token_ids_field
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
                             integer_field, number_field, shown, text_field)
 
@@ -100,9 +101,8 @@ def sampling_of(body: dict, max_tokens: Optional[int]) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a non-empty string or a list of them, got "
                          f"{shown(body.get('stop'))}")
-    stop_ids = body["stop_token_ids"] if _given(body, "stop_token_ids") else []
-    if not isinstance(stop_ids, list):
-        raise BadRequest(f"'stop_token_ids' must be a list of token ids, got {shown(stop_ids)}")
+    stop_ids = stop_token_ids_field(body["stop_token_ids"] if _given(body, "stop_token_ids")
+                                    else [], "stop_token_ids")
     top_k = integer_field(body["top_k"], "top_k", -1, INT32_MAX) if _given(body, "top_k") else -1
     if top_k == 0:
         raise BadRequest("'top_k' must be -1 (all tokens) or >= 1, got 0")
@@ -116,8 +116,7 @@ def sampling_of(body: dict, max_tokens: Optional[int]) -> SamplingParams:
         top_p=number_field(body["top_p"], "top_p", 0.0, 1.0, low_open=True)
         if _given(body, "top_p") else 1.0,
         top_k=top_k, stop=tuple(text_field(s, f"stop[{i}]") for i, s in enumerate(stop)),
-        stop_token_ids=tuple(integer_field(t, f"stop_token_ids[{i}]", 0, INT32_MAX)
-                             for i, t in enumerate(stop_ids)),
+        stop_token_ids=stop_ids,
         ignore_eos=flag_field(body["ignore_eos"], "ignore_eos") if _given(body, "ignore_eos")
         else False,
         n=integer_field(body["n"], "n", 1, INT32_MAX) if _given(body, "n") else 1,

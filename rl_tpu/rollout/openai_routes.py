@@ -254,6 +254,7 @@ class OpenAIRoutes:
                                  ) -> AsyncIterator[dict]:
         n = req.sampling.n
         streams = [TextStream(self.decode, req.sampling.stop) for _ in range(n * len(prompts))]
+        offsets = [0] * len(streams)  # text_offset after each stream's tokens sent, kept up
         try:
             async for kind, payload in events:
                 if kind == "tokens":
@@ -264,18 +265,20 @@ class OpenAIRoutes:
                         if not text:
                             continue
                         first, end = stream.released(ids) if req.logprobs else (0, 0)
+                        offset, offsets[index] = offsets[index], offsets[index] + self._offset(
+                            ids[first:end])
                         choices.append({
                             "index": index, "text": text, "finish_reason": None,
                             "logprobs": api.completion_logprobs(
                                 ids[first:end], logprobs[first:end], self.token_text,
-                                self._offset(ids[:first])) if req.logprobs else None})
+                                offset) if req.logprobs else None})
                     if choices:
                         yield api.completion_chunk(rid, self.model, created, choices)
                     continue
                 for index, res in enumerate(payload):
                     stream = streams[index]
                     first = stream.tokens_sent
-                    offset = self._offset(res.output_ids[:first]) if req.logprobs else 0
+                    offset = offsets[index]
                     yield api.completion_chunk(rid, self.model, created, [{
                         "index": index, "text": stream.finish(self.service.text_of(res)),
                         "logprobs": api.completion_logprobs(

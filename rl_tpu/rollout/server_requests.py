@@ -7,9 +7,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rl_tpu.rollout.engine import SamplingParams
+from rl_tpu.rollout.engine import MAX_STOP_TOKEN_IDS, SamplingParams
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
                             integer_field, number_field, shown, text_field)
+
+
+def stop_token_ids_field(value: Any, where: str) -> tuple[int, ...]:
+    """A request's stop_token_ids: a list of at most MAX_STOP_TOKEN_IDS ids, each an int32,
+    duplicates dropped (the sampler checks them against the vocab). The length is checked
+    before any element is read, so a list of a million ids costs nothing to refuse."""
+    if not isinstance(value, (list, tuple)):
+        raise BadRequest(f"'{where}' must be a list of token ids, got {shown(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"'{where}': {len(value)} ids are over this server's limit of "
+                         f"{MAX_STOP_TOKEN_IDS} stop ids a request; name the few that end a "
+                         "reply")
+    return tuple(dict.fromkeys(integer_field(t, f"{where}[{i}]", 0, INT32_MAX)
+                               for i, t in enumerate(value)))
 
 
 def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingParams:
@@ -28,10 +42,8 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
                          f"{shown(raw.get('stop'))}")
     for i, s in enumerate(stop):
         text_field(s, f"{where}.stop[{i}]")
-    stop_ids = raw["stop_token_ids"] if given("stop_token_ids") else ()
-    if not isinstance(stop_ids, (list, tuple)):
-        raise BadRequest(f"'{where}.stop_token_ids' must be a list of token ids, got "
-                         f"{shown(stop_ids)}")
+    stop_ids = stop_token_ids_field(raw["stop_token_ids"] if given("stop_token_ids") else (),
+                                    f"{where}.stop_token_ids")
 
     def integer(name: str, low: int, high: int, default: Any) -> int:
         # every integer is bounded here: one that does not fit the sampler's arrays would
@@ -55,8 +67,7 @@ def sampling_from_json(raw: Any, where: str = "sampling_params") -> SamplingPara
             max_new_tokens=max_new, min_new_tokens=min_new,
             temperature=number("temperature", 0.0, float("inf"), 1.0),
             top_p=number("top_p", 0.0, 1.0, 1.0, low_open=True), top_k=top_k,
-            stop_token_ids=tuple(integer_field(t, f"{where}.stop_token_ids[{i}]", 0, INT32_MAX)
-                                 for i, t in enumerate(stop_ids)),
+            stop_token_ids=stop_ids,
             stop=tuple(stop),
             ignore_eos=flag_field(raw["ignore_eos"], f"{where}.ignore_eos") if given("ignore_eos")
             else False,

@@ -23,6 +23,77 @@ from rl_tpu.rollout.engine import GenerateRequest
 log = logging.getLogger(__name__)
 
 
+class IncrementalText:
+    """The text `decode` gives a row's growing ids, kept up to date as ids come: each new id is
+    decoded with the few ids before it (a token's text may depend on its neighbours: a leading
+    space, a character split over byte tokens), not with the whole reply again, so a reply of
+    n ids costs O(n) decoding, not O(n^2). Text that no later id can change ("settled": it does
+    not end in an unfinished character) is kept; only the tail after it is decoded again. Were
+    a new id to change settled text (a decoder that is not local), the whole is decoded again.
+
+    `ends[k]` is the length of the text of ids[:k + 1]; `decoded` counts the ids passed to
+    `decode` (what streaming a reply costs).
+    """
+
+    CONTEXT = 4  # settled ids decoded before the tail
+    MAX_PENDING = 16  # a tail this long settles even if unfinished (invalid bytes never finish)
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self.ends: list[int] = []
+        self.decoded = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids, self.ends = [], []
+        self._settled, self._parts, self._chars = 0, [], 0  # ids, their text, its length
+        self._before, self._tail = "", ""  # text of the context ids; of the ids after them
+
+    def _text_of(self, ids: Sequence[int]) -> str:
+        self.decoded += len(ids)
+        return self._decode(ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts) + self._tail
+
+    def update(self, ids: Sequence[int]) -> str:
+        """The text of `ids`: the ids seen before with more after them (else all anew)."""
+        n = len(self.ids)
+        if len(ids) < n or list(ids[:n]) != self.ids:
+            self._reset()
+            n = 0
+        for token in ids[n:]:
+            self._append(int(token))
+        return self.text
+
+    def _append(self, token: int) -> None:
+        self.ids.append(token)
+        start = max(0, self._settled - self.CONTEXT)
+        now = self._text_of(self.ids[start:])
+        if now.startswith(self._before):
+            self._tail = now[len(self._before):]
+        else:  # settled text changed: decode the whole, and settle it
+            self._parts, self._tail = [self._text_of(self.ids)], ""
+            self._chars = len(self._parts[0])
+            self._settle()
+            self.ends.append(self._chars)
+            return
+        self.ends.append(self._chars + len(self._tail))
+        if not self._tail.endswith("\ufffd") or \
+                len(self.ids) - self._settled >= self.MAX_PENDING:
+            self._parts.append(self._tail)
+            self._chars += len(self._tail)
+            self._tail = ""
+            self._settle()
+
+    def _settle(self) -> None:
+        self._settled = len(self.ids)
+        start = max(0, self._settled - self.CONTEXT)
+        self._before = self._text_of(self.ids[start:]) if self._settled > start else ""
+
+
 class TextStream:
     """The text of one row sent so far, and the next delta that is safe to send.
 
@@ -32,12 +103,17 @@ class TextStream:
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()):
-        self._decode, self._stops = decode, tuple(s for s in stops if s)
+        self._text, self._stops = IncrementalText(decode), tuple(s for s in stops if s)
         self.sent = ""
         self.tokens_sent = 0  # ids whose text lies within `sent` (their log-probs went out)
 
+    @property
+    def decoded(self) -> int:
+        """Ids decoded so far (linear in the reply's length)."""
+        return self._text.decoded
+
     def safe_text(self, ids: Sequence[int]) -> str:
-        text = self._decode(ids)
+        text = self._text.update(ids)
         cut = len(text)
         for stop in self._stops:
             at = text.find(stop)
@@ -70,7 +146,9 @@ class TextStream:
         """(first, end) of the ids newly covered by the text sent: the tokens whose
         log-probs may go out with it."""
         first, end = self.tokens_sent, self.tokens_sent
-        while end < len(ids) and len(self._decode(ids[:end + 1])) <= len(self.sent):
+        self._text.update(ids)
+        ends = self._text.ends
+        while end < len(ids) and ends[end] <= len(self.sent):
             end += 1
         self.tokens_sent = end
         return first, end

@@ -104,6 +104,30 @@ def test_pairwise_prompt_and_no_verdicts(random_judge):
     assert rewards == [None, None] and all(e.startswith("no verdict") for e in errors)
 
 
+def test_an_episode_without_a_reply_is_never_put_to_the_judge(random_judge):
+    judge, tokenizer = random_judge
+    pairwise = JudgeReward(judge.engine, tokenizer, max_new_tokens=8, mode="pairwise")
+    for mode in (judge, pairwise):
+        failed = trajectory(MESSAGES[:2], 0.0)  # reset gave the task, no reply came
+        failed.tokens, failed.loss_mask = np.asarray([5], np.int32), np.zeros(1, bool)
+        no_transcript = trajectory([], 0.0)  # the env failed at reset: nothing at all
+        no_transcript.tokens, no_transcript.loss_mask = (np.zeros(0, np.int32),
+                                                         np.zeros(0, bool))
+        trajs = [trajectory(MESSAGES, 1.0), failed, no_transcript, trajectory(MESSAGES, 0.0)]
+        RewardMix(None, rule_weight=1.0, model_weight=0.0, judge=mode).apply(trajs)
+        for traj in (failed, no_transcript):
+            assert traj.info[NO_LOSS] and "before the policy replied" in traj.info["reward_error"]
+            assert "judge" not in traj.info["reward_sources"]  # not counted as unparsed
+        assert all(math.isnan(t.info["reward_sources"]["judge"]) for t in (trajs[0], trajs[3]))
+        assert source_metrics(trajs, ("rule", "judge"))["rollout/judge_unparsed"] == 0.5
+    # the judge alone, handed a transcript with no reply: no verdict, no exception
+    [verdict] = judge.judge([trajectory(MESSAGES[:2], 0.0)])
+    assert verdict.value is None and "no assistant reply" in verdict.error
+    rewards, errors = pairwise.rewards([trajectory(MESSAGES[:2], 0.0),
+                                        trajectory(MESSAGES, 1.0)])
+    assert rewards == [None, None] and "no task or no reply" in errors[0]
+
+
 @pytest.mark.slow
 def test_a_frozen_judge_that_approves_pays_every_rollout(tmp_path):
     """A tiny model fine-tuned (from its random start) to answer every judgement [[YES]]

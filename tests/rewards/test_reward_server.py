@@ -22,7 +22,9 @@ from rl_tpu.rewards import remote
 from rl_tpu.rewards.mix import RewardMix
 from rl_tpu.rewards.scorer import RewardScorer
 from rl_tpu.rewards.server import CoalescingScorer, RewardLimits, RewardService, serve
-from test_scoring import trajectory
+from test_scoring import trajectory, unreplied
+
+from rl_tpu.train.rollout_batch import NO_LOSS
 
 V = 320
 LIMITS = RewardLimits(max_sequences=8, max_sequence_tokens=64, max_request_tokens=200)
@@ -279,6 +281,21 @@ def test_reward_urls_pay_what_the_local_scorer_pays(server, tmp_path):
     config.reward.urls = dead_url()
     with pytest.raises(ValueError, match="reward.urls: no reward server answers at"):
         components.check_inputs(config)
+
+
+def test_the_remote_scorer_is_never_sent_an_episode_without_a_reply(server):
+    scorer = remote.RemoteRewardScorer(server["url"])
+    seqs = sequences([5, 9], seed=4)
+    failed = unreplied([], "env_error")
+    trajs = [trajectory(seqs[0], 1.0), failed, trajectory(seqs[1], 0.0)]
+    try:
+        RewardMix(scorer, 0.5, 2.0).apply(trajs)  # the server would answer the empty one 400
+    finally:
+        scorer.close()
+    scores = server["local"].score(seqs)[:, 0]
+    assert [trajs[0].reward, trajs[2].reward] == pytest.approx(
+        [0.5 + 2.0 * scores[0], 2.0 * scores[1]], abs=1e-5)
+    assert failed.info[NO_LOSS] and failed.reward == 0.0
 
 
 def test_a_few_rows_pad_to_their_own_power_of_two_not_a_full_batch(server):

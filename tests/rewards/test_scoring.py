@@ -15,6 +15,7 @@ from rl_tpu.models import tiny
 from rl_tpu.rewards.mix import RewardMix, source_metrics
 from rl_tpu.rewards.scorer import RewardScorer
 from rl_tpu.train import steps
+from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.train.state import create_state
 
 V = 64
@@ -146,3 +147,52 @@ def test_scorer_reads_an_exported_reward_model(tmp_path):
     scorer = RewardScorer.from_dir(str(tmp_path), devices=jax.local_devices()[:2])
     seqs = sequences([3, 20, 9])
     np.testing.assert_allclose(scorer.score(seqs)[:, 0], one_by_one(params, seqs), atol=1e-5)
+
+
+def unreplied(prompt, finish):
+    """An episode that ended before the policy replied: its env failed at reset (no ids at
+    all) or its first prompt left no room in the context (prompt ids, none sampled)."""
+    n = len(prompt)
+    return Trajectory(tokens=np.asarray(prompt, np.int32), loss_mask=np.zeros(n, bool),
+                      behaviour_logprobs=np.zeros(n, np.float32),
+                      turn_ids=np.full(n, -1, np.int32), rewards=[], reward=0.0, success=False,
+                      num_turns=0, weight_versions=[], task_id="t", group_id=0, finish=finish,
+                      messages=[], info={"error": "reset raised"})
+
+
+def test_episodes_without_a_reply_are_not_scored_and_stay_out_of_the_loss():
+    params = reward_params()
+    seqs = sequences([4, 11])
+    scorer = RewardScorer(CFG, HEAD, params, local_mesh(1))
+    failed, too_long = unreplied([], "env_error"), unreplied([3, 4, 5], "context_limit")
+    trajs = [trajectory(seqs[0], 1.0), failed, too_long, trajectory(seqs[1], 0.0)]
+    RewardMix(scorer, rule_weight=0.5, model_weight=2.0).apply(trajs)  # no "sequence is empty"
+    scores = one_by_one(params, seqs)
+    assert trajs[0].reward == pytest.approx(0.5 + 2.0 * scores[0], abs=1e-5)
+    assert trajs[3].reward == pytest.approx(2.0 * scores[1], abs=1e-5)
+    for traj in (failed, too_long):
+        assert traj.info[NO_LOSS] and "before the policy replied" in traj.info["reward_error"]
+        assert traj.info["reward_sources"] == {"rule": 0.0} and traj.reward == 0.0
+    assert not any(NO_LOSS in t.info for t in (trajs[0], trajs[3]))
+    # the model's mean is over the scored episodes alone
+    assert source_metrics(trajs, ("rule", "model"))["rollout/reward_model"] == pytest.approx(
+        float(scores.mean()), abs=1e-5)
+    RewardMix(scorer, 1.0, 1.0).apply([unreplied([], "env_error")])  # none to score at all
+
+
+def test_online_dpo_with_a_reward_model_leaves_out_an_episode_without_a_reply():
+    from rl_tpu.recipes import dpo
+    scorer = RewardScorer(CFG, HEAD, reward_params(), local_mesh(1))
+    # group 0: two replies and one whose first prompt left no room (not env_error: its
+    # finish alone would not leave it out); group 1: an env that failed at reset
+    replies = [trajectory([1, 2, 3], 0.0), trajectory([1, 4, 5, 6], 0.0)]
+    too_long = unreplied([1, 7, 8], "context_limit")
+    failed = unreplied([], "env_error")
+    failed.group_id = 1
+    trajectories = replies + [too_long, failed]
+    RewardMix(scorer, 0.0, 1.0).apply(trajectories)  # was: "sequence 3 is empty"
+    pairs, left_out = dpo.online_pairs(trajectories)
+    assert left_out == 2
+    best, worst = sorted(replies, key=lambda t: -t.reward)
+    assert pairs == [tuple(([int(x) for x in t.tokens], [bool(m) for m in t.loss_mask])
+                           for t in (best, worst))]

@@ -76,6 +76,24 @@ def test_bad_chat_bodies_are_refused_naming_the_field(body, named):
         api.parse_chat_request(body)
 
 
+def test_stop_token_ids_are_capped_before_they_are_read_and_deduplicated():
+    """A million stop ids are refused by their count (nothing walked, no program compiled for
+    them); repeats are sent on once, on the OpenAI routes and on /generate alike."""
+    import time
+
+    from rl_tpu.rollout.server_requests import sampling_from_json
+    many = list(range(1_000_000))
+    start = time.perf_counter()
+    with pytest.raises(BadRequest, match="1000000 ids are over this server's limit of 32"):
+        api.parse_chat_request({"messages": USER, "stop_token_ids": many})
+    with pytest.raises(BadRequest, match=r"'sampling_params.stop_token_ids': 1000000 ids"):
+        sampling_from_json({"stop_token_ids": many})
+    assert time.perf_counter() - start < 0.5
+    assert api.parse_chat_request({"messages": USER, "stop_token_ids": [7, 9, 7, 7]}
+                                  ).sampling.stop_token_ids == (7, 9)
+    assert sampling_from_json({"stop_token_ids": [3, 3]}).stop_token_ids == (3,)
+
+
 def test_tool_choice_none_keeps_tools_from_the_template():
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     assert api.parse_chat_request({"messages": USER, "tools": tools}).tools == tools

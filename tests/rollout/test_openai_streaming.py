@@ -8,7 +8,7 @@ from rl_tpu.models import hf, tiny
 from rl_tpu.rollout.continuous import ContinuousBatcher
 from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
-from rl_tpu.rollout.streaming import TextStream
+from rl_tpu.rollout.streaming import IncrementalText, TextStream
 
 PIECES = {1: "ab", 2: "<", 3: "/e", 4: "nd>", 5: "x", 6: "\ufffd", 7: "é", 8: "<"}
 
@@ -46,6 +46,44 @@ def test_released_tokens_follow_the_text_sent():
     stream.advance([1, 2, 5])
     assert stream.released([1, 2, 5]) == (1, 3)
     assert stream.released([1, 2, 5]) == (3, 3)
+
+
+def test_incremental_text_is_the_whole_decode_at_every_length():
+    """Against a real byte-level BPE tokenizer, on random ids (byte tokens that split a
+    character, specials skipped): after each id the text is what decoding every id gives."""
+    import random
+
+    from rl_tpu.models.tiny_tokenizer import build_tokenizer
+    from rl_tpu.models.tokenizer import ChatTokenizer
+    tok = ChatTokenizer(build_tokenizer(512))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rng = random.Random(0)
+    text = "héllo wörld 🙂 ünïcode, tabs\tand  spaces 数字 " * 4
+    for ids in (tok.encode(text), [rng.randrange(512) for _ in range(300)]):
+        incremental = IncrementalText(decode)
+        for k in range(1, len(ids) + 1):
+            assert incremental.update(ids[:k]) == decode(ids[:k]), k
+        assert incremental.ends[-1] == len(decode(ids))
+    assert incremental.update([5, 6]) == decode([5, 6])  # ids that do not extend: anew
+
+
+def test_streaming_a_long_reply_with_logprobs_decodes_linearly():
+    """Each chunk's text and released log-probs cost the new ids, not the whole reply again
+    (before: released() decoded ids[:k] for every token k, n^2/2 ids for a reply of n)."""
+    calls = [0]
+
+    def counting(ids):
+        calls[0] += len(ids)
+        return decode(ids)
+
+    ids = [(1, 5, 7, 2, 3)[k % 5] for k in range(4000)]
+    stream = TextStream(counting, stops=["</end>"])
+    for end in range(4, len(ids) + 1, 4):  # a decode chunk of 4 tokens
+        stream.advance(ids[:end])
+        stream.released(ids[:end])
+    assert stream.sent == decode(ids)[:len(stream.sent)] and len(stream.sent) > 5500
+    assert stream.tokens_sent > 3990
+    assert calls[0] < 20 * len(ids), calls[0]  # was ~8,000,000
 
 
 @pytest.fixture(scope="module")

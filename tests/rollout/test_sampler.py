@@ -12,7 +12,7 @@ from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer, init_cache
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+from rl_tpu.rollout.engine import MAX_STOP_TOKEN_IDS, GenerateRequest, SamplingParams
 from rl_tpu.rollout.decoding import decode, prefill
 from rl_tpu.rollout.sampler import JaxSampler
 
@@ -157,6 +157,21 @@ def test_bad_requests_are_clear(setup):
         gen(setup, [[]], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0)
+
+
+def test_stop_ids_are_checked_against_the_vocab_and_capped(setup):
+    """A stop id the model cannot sample, or more distinct ids than MAX_STOP_TOKEN_IDS, is
+    refused before it reaches a row (the width of a row's stop ids is part of the compiled
+    shapes: a million ids compiled new programs and slowed every later request); repeats of
+    one id count once."""
+    sampler = setup["sampler"]
+    for ids, message in (([7, 320], r"stop_token_ids\[1\]=320: must be a token id in \[0, 320\)"),
+                         (list(range(MAX_STOP_TOKEN_IDS + 1)), "33 distinct ids are over")):
+        with pytest.raises(ValueError, match=message):
+            sampler.validate(GenerateRequest([5, 6], SamplingParams(stop_token_ids=tuple(ids))))
+    repeated = GenerateRequest([5, 6], SamplingParams(stop_token_ids=(9,) * 200))
+    sampler.validate(repeated)
+    assert sampler.stop_width([repeated]) == 4  # 9 and the eos: the narrowest program
 
 
 def test_weight_update_mid_sample_and_abort_between_chunks(setup):
