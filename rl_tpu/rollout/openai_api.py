@@ -28,6 +28,7 @@ from rl_tpu.rollout.engine import GenerateResult, SamplingParams
 from rl_tpu.rollout.server_requests import stop_token_ids_field
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
                             integer_field, number_field, shown, text_field)
+from rl_tpu.tools.calls import UnreadableJson, decode_call_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -174,10 +175,12 @@ def _tool_call_for_template(call: Any, where: str) -> dict:
     if not isinstance(name, str) or not name:
         raise BadRequest(f"'{where}.function.name' must be a non-empty string")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+        try:  # bounded as a model's calls are (depth, digits): a client's JSON is no safer
+            arguments = decode_call_json(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise BadRequest(f"'{where}.function.arguments' is not JSON: {err}") from err
+        except UnreadableJson as err:
+            raise BadRequest(f"'{where}.function.arguments' cannot be read: {err}") from err
     if not isinstance(arguments, dict):
         raise BadRequest(f"'{where}.function.arguments' must be a JSON object")
     return {"id": call.get("id"), "type": "function",

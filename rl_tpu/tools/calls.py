@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
+
+from rl_tpu.http_limits import deeper_than
 
 CALL_FORMATS = ("hermes", "llama3_json")
 MAX_JSON_DEPTH = 64
@@ -35,9 +36,6 @@ MAX_INTEGER_DIGITS = 1000
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-# The characters that decide JSON nesting: brackets, and the quotes and escapes of strings
-# (a bracket inside a string does not nest).
-_JSON_STRUCTURE = re.compile(r'["\\\[\]{}]')
 
 
 class UnreadableJson(ValueError):
@@ -55,40 +53,17 @@ def _bounded_integer(digits: str) -> int:
 _DECODER = json.JSONDecoder(parse_int=_bounded_integer)
 
 
-def json_depth_exceeds(text: str, limit: int) -> bool:
-    """Whether JSON `text` nests brackets more than `limit` deep (strings skipped). One pass
-    over the structural characters; it stops at the first level past `limit`. Unbalanced
-    closers never lower the count below 0, so the answer bounds what any decoder of any
-    prefix of `text` would recurse."""
-    depth, in_string, escaped_at = 0, False, -1
-    for match in _JSON_STRUCTURE.finditer(text):
-        at, char = match.start(), match.group()
-        if at == escaped_at:
-            continue
-        if in_string:
-            if char == "\\":
-                escaped_at = at + 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif char in "]}":
-            depth = max(depth - 1, 0)
-    return False
-
-
 def _check_depth(text: str) -> None:
-    if json_depth_exceeds(text, MAX_JSON_DEPTH):
+    # the servers' scan of request bodies; non-ASCII bytes are never structure, and
+    # surrogatepass lets a lone surrogate in the text through to be refused later by name
+    if deeper_than(text.encode("utf-8", "surrogatepass"), MAX_JSON_DEPTH):
         raise UnreadableJson(f"it nests more than {MAX_JSON_DEPTH} levels of [ and {{")
 
 
-def _decode_json(text: str) -> Any:
-    """json.loads within the bounds of the module docstring. Raises json.JSONDecodeError
-    (malformed) or UnreadableJson (past a bound)."""
+def decode_call_json(text: str) -> Any:
+    """json.loads within the bounds of the module docstring, for a call's JSON from anywhere
+    (a reply, a client's arguments string). Raises json.JSONDecodeError (malformed) or
+    UnreadableJson (past a bound): both ValueErrors."""
     _check_depth(text)
     return _DECODER.decode(text)
 
@@ -206,7 +181,7 @@ def format_tool_call(name: str, arguments: dict, call_format: str) -> str:
 def _call_from_json(body: str, arguments_key: str, where: str) -> tuple[ToolCall | None, str]:
     """(the call, "") from the JSON text of one call, or (None, what is wrong with it)."""
     try:
-        obj = _decode_json(body)
+        obj = decode_call_json(body)
     except json.JSONDecodeError as e:
         return None, (f"{where} is not valid JSON ({e.msg} at character {e.pos}): "
                       f"{body.strip()[:200]!r}")
@@ -230,7 +205,7 @@ def _call_from_object(obj: Any, arguments_key: str, where: str) -> tuple[ToolCal
     if isinstance(args, str):
         # Some models write the arguments as a JSON string (OpenAI's wire form): unwrap it.
         try:
-            args = _decode_json(args) if args.strip() else {}
+            args = decode_call_json(args) if args.strip() else {}
         except json.JSONDecodeError:
             pass
         except UnreadableJson as e:

@@ -154,6 +154,21 @@ def test_hostile_tool_calls_are_errors_in_a_200_not_a_500(server, monkeypatch, s
             assert calls == [], what
 
 
+def test_hostile_tool_call_arguments_from_a_client_are_a_400(server):
+    """A conversation's earlier call, its arguments a JSON string as OpenAI sends them: past
+    the call bounds it is the request's fault (a 400 naming the field), never a 500."""
+    for arguments, message in [("[" * 3000, "nests more than 64 levels"),
+                               ('{"a": ' + "9" * 5000 + "}", "an integer of 5000 digits"),
+                               ("{oops", "is not JSON")]:
+        turn = USER + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": arguments}}]}]
+        status, text = post(server, "/v1/chat/completions", {
+            "model": "tiny", "messages": turn, "tools": [ADD], "max_tokens": 1})
+        assert status == 400, text[:300]
+        assert "messages[1].tool_calls[0].function.arguments" in text and message in text
+
+
 def test_completions_from_text_and_ids_with_logprobs(server):
     client, tok = server["client"], server["tok"]
     reply = client.completions.create(model="tiny", prompt=[[5, 6, 7], "hello"], n=2,
