@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse
 
 from rl_tpu.agent.loop import content_text
 from rl_tpu.agent.trajectory import NO_VERSION, token_versions
+from rl_tpu.http_limits import HttpLimits, JSONLimitError, loads
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout import openai_api
 from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
@@ -410,8 +411,11 @@ class RecordingServer:
             recorder = self.recorders.get(key)
             if recorder is None:
                 return error_response(404, f"no episode {key!r} is recording here")
-            try:
-                body = json.loads(await request.body() or b"{}")
+            try:  # the servers' bounded parse: a body nested past the limit is a 400, not a
+                # RecursionError's 500
+                body = loads(await request.body() or b"{}", HttpLimits.max_json_depth)
+            except JSONLimitError as err:
+                return error_response(400, str(err))
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 return error_response(400, f"the body is not JSON: {err}")
             try:

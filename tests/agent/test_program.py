@@ -7,6 +7,8 @@ it reported. The real sampler's log-probs against the trainer's: test_program_en
 """
 
 import threading
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -246,6 +248,39 @@ def test_tool_calls_round_trip_token_exactly(tok):
     assert list(traj.tokens[n0:n0 + len(first_ids)]) == first_ids  # the sampled call, as is
     [second] = engine.calls[1]
     assert list(traj.tokens[:len(second.prompt_ids)]) == list(second.prompt_ids)
+
+
+def test_a_hostile_tool_call_reply_is_an_answer_with_errors_not_a_failed_step(tok):
+    """The model's own reply nests its call 1,200 deep (Python's JSON decoder recursed into a
+    RecursionError): the program gets the reply with its call errors, and plays on."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    hostile = "<tool_call>" + "[" * 1200 + "</tool_call>"
+    seen = {}
+
+    def program(base_url, task):
+        reply = client(base_url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Add."}], tools=tools)
+        seen["calls"] = reply.choices[0].message.tool_calls
+        seen["errors"] = reply.choices[0].model_extra["tool_call_errors"]
+        # and a program's own body past the JSON limits: a 400, the episode unharmed
+        for body in (b'{"messages": ' + b"[" * 3000, b'{"n": ' + b"9" * 5000 + b"}"):
+            request = urllib.request.Request(base_url + "/chat/completions", data=body)
+            try:
+                urllib.request.urlopen(request, timeout=60)
+            except urllib.error.HTTPError as err:
+                seen.setdefault("refused", []).append((err.code, err.read().decode()))
+        return 1.0
+
+    engine = ScriptedEngine(tok, lambda text, turn: hostile)
+    [traj] = play_programs(engine, env_of(program), [Task("t", {})], tokenizer=tok,
+                           **{**ARGS, "max_new_tokens_per_turn": 2048,
+                              "max_context_tokens": 4096})
+    assert traj.finish == "done" and traj.reward == 1.0 and traj.num_turns == 1
+    assert seen["calls"] is None and "nests more than 64 levels" in seen["errors"][0]
+    [(deep, deep_text), (long, long_text)] = seen["refused"]
+    assert (deep, long) == (400, 400)
+    assert "nested deeper than 64" in deep_text and "5000 digits" in long_text
 
 
 def test_the_engine_failing_fails_the_play_after_the_programs_end(tok):
