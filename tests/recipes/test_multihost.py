@@ -327,6 +327,49 @@ def test_hosts_sharing_servers_sample_the_version_each_step_names(tmp_path, shar
         assert rollouts == [(1, 0), (2, 1), (3, 2)]
 
 
+@pytest.fixture
+def shared_lora_server(tmp_path):
+    """As `shared_server`, with LoRA adapters on (rank 4; 2 versions kept + 1 loading + 1 a
+    host may still name)."""
+    from rl_tpu.recipes import components
+    from test_rl_sglang import _smoke_config  # puts tests/rollout on the path
+    from sglang_server import start_rollout_server
+    model_dir = components.model_path(_smoke_config(), str(tmp_path / "shared"))
+    server = start_rollout_server(model_dir, "--enable_lora", "--max_lora_rank=4",
+                                  "--max_loaded_loras=4")
+    yield model_dir, server.url
+    server.stop()
+
+
+@pytest.mark.multihost
+@pytest.mark.xdist_group("rollout_servers")
+def test_free_running_lora_hosts_name_only_adapters_the_server_holds(tmp_path,
+                                                                      shared_lora_server):
+    """Two free-running hosts, LoRA, one server: process 0 loads each adapter version while
+    both learners train on; the other host names a version only after the barrier that
+    follows that load (before, its requests could name an adapter the server did not hold
+    yet: a 400 that ended the run), and process 0 unloads none a host may still name. The
+    server's adapters carry the run's id."""
+    import httpx
+    from rl_tpu.rollout.adapter_versions import run_id_of
+    model_dir, url = shared_lora_server
+    steps = 4
+    args = _config_args("math_sglang.py:smoke", tmp_path / "run", f"--rollout_urls={url}",
+                        f"--config.model.path={model_dir}", f"--config.train.steps={steps}",
+                        "--config.model.lora.rank=4", "--config.model.lora.alpha=8",
+                        "--config.rollout.max_staleness=1",
+                        "--config.rollout.deterministic=False")
+    job = run_job(args, 2, 1, str(tmp_path / "logs"))
+    assert job.ok, job.tail()
+    records = [r for r in read_metrics(str(tmp_path / "run")) if "rollout/reward" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["rollout/staleness_max"] <= 1 for r in records)
+    assert max(r["rollout/weight_version"] for r in records) >= 1  # adapters sampled
+    loaded = httpx.get(f"{url}/server_info").json()["loaded_adapters"]
+    run_id = run_id_of(str(tmp_path / "run" / "sync"))
+    assert loaded and all(name.startswith(run_id + "-") for name in loaded), loaded
+
+
 @pytest.mark.multihost
 def test_lock_step_on_shared_servers_is_refused_on_several_hosts(tmp_path):
     args = _config_args("math_sglang.py:smoke", tmp_path / "run",
