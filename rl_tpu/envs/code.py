@@ -111,7 +111,7 @@ def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: in
     if mode not in SANDBOX_MODES:
         raise ValueError(f"sandbox={mode!r}; choose one of {SANDBOX_MODES}")
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=wall_seconds,
-                    memory_bytes=int(memory_mb) * 2**20, processes=32,
+                    memory_bytes=int(memory_mb) * 2**20,
                     output_bytes=64 * 1024, tmpfs_bytes=64 * 2**20)
     try:
         return process_sandbox(mode, limits, int(pool_size))

@@ -43,8 +43,11 @@ LAUNCHER_SOURCE = pathlib.Path(launcher.__file__).read_text(encoding="utf-8")
 MINIMUM_BWRAP = (0, 8, 0)
 # The sandbox's own processes besides the program: bwrap's pid-1 init. RLIMIT_NPROC counts it.
 SANDBOX_OWN_PROCESSES = 1
+# One thread for BLAS and OpenMP pools: RLIMIT_NPROC counts threads, and a pool sized to the
+# host's cores (96 on a TPU host) would fail to start under `processes` or spend it all.
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+               "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 INSTALL_HINT = ("install Debian's `bubblewrap` package (apt-get install bubblewrap) on a kernel "
                 "that allows unprivileged user namespaces, or pass mode=\"unsafe_no_isolation\" "
                 "knowing that the program then runs unisolated, with only rlimits")

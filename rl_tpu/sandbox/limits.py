@@ -33,7 +33,7 @@ class Limits:
     wall_seconds: float = 5.0
     cpu_seconds: float = 4.0
     memory_bytes: int = 512 * 2**20
-    processes: int = 32
+    processes: int = 8
     output_bytes: int = 64 * 1024
     tmpfs_bytes: int = 64 * 2**20
     open_files: int = 64

@@ -99,8 +99,9 @@ def test_a_run_with_another_tmpfs_size_gets_that_size(sandbox):
 
 def test_the_environment_is_cleared(sandbox):
     execution = sandbox.run("import os\nprint(sorted(os.environ))\nprint(os.getcwd())\n")
-    assert execution.stdout == ("['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE']\n"
-                                "/tmp\n")
+    assert execution.stdout == ("['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', "
+                                "'OPENBLAS_NUM_THREADS', 'PATH', 'PWD', "
+                                "'PYTHONDONTWRITEBYTECODE']\n/tmp\n")
 
 
 @pytest.mark.parametrize("bad", [dict(wall_seconds=0), dict(cpu_seconds=-1),
