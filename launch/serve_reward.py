@@ -53,6 +53,8 @@ flags.DEFINE_integer("max_sequence_tokens", 0, "Tokens of one sequence; 0 = the 
                      "max_position_embeddings.")
 flags.DEFINE_integer("max_request_tokens", _LIMITS.max_request_tokens, "Tokens of all one "
                      "request's sequences together.")
+flags.DEFINE_integer("max_queued_requests", _LIMITS.max_queued_requests, "Requests held at "
+                     "once (queued or being scored); one more is answered 503 + Retry-After.")
 
 
 def main(argv):
@@ -61,7 +63,8 @@ def main(argv):
     logging.basicConfig(level=logging.INFO)
     try:
         http_limits = serving.http_limits_from_flags(f)
-        limits = RewardLimits(f.max_sequences, f.max_sequence_tokens, f.max_request_tokens)
+        limits = RewardLimits(f.max_sequences, f.max_sequence_tokens, f.max_request_tokens,
+                              f.max_queued_requests)
     except ValueError as e:
         sys.exit(f"launch.serve_reward: {e}")  # one line, not the flag help
     local = jax.local_devices()

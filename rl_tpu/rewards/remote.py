@@ -12,6 +12,8 @@ sequences and tokens a request), sent round robin over the urls, several at once
   the server, so it is safe to send again): retried `retries` times with exponential backoff
   (`backoff_s`, doubling), each time on the next url;
 - no reply within `timeout_s`: raised at once (a hung server is not helped by waiting);
+- HTTP 503 with Retry-After (the server holds as many requests as it may): sent again after
+  the wait it asks for (at most MAX_BACKOFF_S), `retries` times, on the next url;
 - HTTP 4xx (the request is wrong: every server would say so) or 5xx: raised at once with the
   url and the server's message.
 """
@@ -175,6 +177,13 @@ class RemoteRewardScorer:
             try:
                 return url, self._call_one(url, method, path, body)
             except _NoConnection as e:
+                if e.retry_after_s is not None and attempt < self.retries:
+                    log.warning("%s; retrying in %.2fs", e, e.retry_after_s)
+                    time.sleep(e.retry_after_s)
+                    continue
+                if attempt == self.retries and e.retry_after_s is not None:
+                    raise RewardServerError(f"{e} (after {attempt + 1} attempts)", url,
+                                            503) from e
                 if attempt == self.retries:
                     raise RewardServerError(
                         f"{e} (after {attempt + 1} attempts over {len(self.urls)} server(s)); "
@@ -202,6 +211,13 @@ class RemoteRewardScorer:
             payload = response.json() if response.content else None
         except ValueError:
             payload = None
+        if response.status_code == 503 and "retry-after" in response.headers:
+            try:
+                wait = min(max(float(response.headers["retry-after"]), 0.0), MAX_BACKOFF_S)
+            except ValueError:
+                wait = self.backoff_s
+            raise _NoConnection(f"{what}: busy (HTTP 503: "
+                                f"{error_message(payload, response.content)})", wait)
         if response.status_code != 200:
             raise RewardServerError(
                 f"{what} failed with HTTP {response.status_code}: "
@@ -213,7 +229,12 @@ class RemoteRewardScorer:
 
 
 class _NoConnection(Exception):
-    """Nothing came back from one server: safe to send again."""
+    """Nothing came back from one server, or it asked to be asked again later
+    (`retry_after_s`): safe to send again."""
+
+    def __init__(self, message: str, retry_after_s: Optional[float] = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def probe(url: str, timeout_s: float = 5.0, key: str = "reward.urls") -> dict:

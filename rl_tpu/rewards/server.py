@@ -29,6 +29,11 @@ each request gets its own rows back. A request over a `RewardLimits` limit (sequ
 a sequence, tokens a request) is answered 400 naming the limit, its flag and the value sent,
 before it is queued; an empty sequence, an id outside the model's vocab or a value of the
 wrong type is a 400 naming the field.
+
+The server holds at most `max_queued_requests` requests at once (queued or being scored):
+one more is answered 503 with `Retry-After` at once, so a flood makes clients back off
+instead of waiting behind it without bound. A client that disconnects while its request
+waits has it dropped before it is scored (its rows would go to nobody).
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ from starlette.concurrency import run_in_threadpool
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rewards.scorer import MIN_LENGTH, RewardScorer, padded_length
-from rl_tpu.serving import (BadRequest, Server, docs_routes, error_response, guard,
-                            install_error_handlers, read_json)
+from rl_tpu.serving import (BadRequest, Server, client_disconnected, docs_routes,
+                            error_response, guard, install_error_handlers, read_json)
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +74,10 @@ class RewardLimits:
     max_sequences: int = 1024  # sequences a request (--max_sequences)
     max_sequence_tokens: int = 0  # tokens a sequence; 0 = the model's positions
     max_request_tokens: int = 1 << 20  # tokens of all a request's sequences together
+    max_queued_requests: int = 64  # requests held at once, queued or scored (server-wide)
 
     def __post_init__(self):
-        for name in ("max_sequences", "max_request_tokens"):
+        for name in ("max_sequences", "max_request_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sequence_tokens < 0:
@@ -110,13 +116,23 @@ class ServerClosed(RuntimeError):
     """The scoring thread has stopped: the request is answered 503."""
 
 
+class QueueFull(RuntimeError):
+    """The server holds as many requests as it may: this one is answered 503 with
+    Retry-After."""
+
+
 class CoalescingScorer:
     """One thread that scores, for every request waiting when it looks, all their sequences in
     one `scorer.score` call; `submit` returns a future of the request's own [N, C] rows."""
 
-    def __init__(self, scorer: RewardScorer, max_sequences: int = 4096):
-        self.scorer, self.max_sequences = scorer, max_sequences
+    def __init__(self, scorer: RewardScorer, max_sequences: int = 4096,
+                 max_queued: int = 1 << 30):
+        self.scorer, self.max_sequences, self.max_queued = scorer, max_sequences, max_queued
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # futures submitted and not done: a cancelled one (its client gone) leaves at once,
+        # though its entry waits in the queue until the thread skips it
+        self._held: set = set()
+        self._held_lock = threading.Lock()
         self._closed = threading.Event()
         self.batches = self.sequences = 0
         self.error: Optional[str] = None
@@ -127,11 +143,23 @@ class CoalescingScorer:
         if self._closed.is_set() or not self._thread.is_alive():
             raise ServerClosed(f"the scoring thread has stopped ({self.error or 'closed'})")
         future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._held_lock:
+            if len(self._held) >= self.max_queued:
+                raise QueueFull(f"this server holds {len(self._held)} requests, its limit "
+                                f"(--max_queued_requests={self.max_queued}); retry shortly")
+            self._held.add(future)
+        future.add_done_callback(self._let_go)
         self._queue.put((sequences, future))
         return future
 
+    def _let_go(self, future: concurrent.futures.Future) -> None:
+        with self._held_lock:
+            self._held.discard(future)
+
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Requests held: queued or being scored (a departed client's not counted)."""
+        with self._held_lock:
+            return len(self._held)
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closed.is_set()
@@ -244,7 +272,8 @@ class RewardService:
         self.positions = scorer.cfg.max_position_embeddings
         # a batch's sequences beyond one request's are not taken: a drained queue of many
         # large requests would otherwise be one call of unbounded size
-        self.batcher = CoalescingScorer(scorer, max(limits.max_sequences, 256))
+        self.batcher = CoalescingScorer(scorer, max(limits.max_sequences, 256),
+                                        limits.max_queued_requests)
 
     def close(self) -> None:
         self.batcher.close()
@@ -359,19 +388,42 @@ class RewardService:
                 "sequences_scored": self.batcher.sequences}
 
 
-async def _scored(service: RewardService, sequences: list[list[int]]) -> np.ndarray:
+async def _scored(service: RewardService, sequences: list[list[int]],
+                  request: Request) -> np.ndarray:
+    """The rows of `sequences`, scored; _Gone when the client leaves first (its request is
+    then dropped, unscored, if the thread has not taken it yet)."""
     try:
         future = service.batcher.submit(sequences)
+    except QueueFull as err:
+        raise _Unavailable(str(err), retry_after_s=1) from err
     except ServerClosed as err:
         raise _Unavailable(str(err)) from err
+    scored = asyncio.wrap_future(future)  # cancelling it cancels `future`, if still queued
+    gone = asyncio.ensure_future(client_disconnected(request))
     try:
-        return await asyncio.wrap_future(future)
+        await asyncio.wait({scored, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not scored.done():
+            scored.cancel()
+    if scored.cancelled():
+        raise _Gone()
+    try:
+        return scored.result()
     except ServerClosed as err:
         raise _Unavailable(str(err)) from err
 
 
 class _Unavailable(Exception):
-    """Answered 503."""
+    """Answered 503 (with Retry-After when `retry_after_s` is set)."""
+
+    def __init__(self, message: str, retry_after_s: Optional[int] = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _Gone(Exception):
+    """The client left before its rows were scored: answered 499 (to nobody)."""
 
 
 def make_app(service: RewardService, api_key: Optional[str] = None,
@@ -388,7 +440,14 @@ def make_app(service: RewardService, api_key: Optional[str] = None,
 
     @app.exception_handler(_Unavailable)
     async def _unavailable(request: Request, err: _Unavailable):
-        return error_response(503, str(err))
+        response = error_response(503, str(err))
+        if err.retry_after_s is not None:
+            response.headers["Retry-After"] = str(err.retry_after_s)
+        return response
+
+    @app.exception_handler(_Gone)
+    async def _gone(request: Request, err: _Gone):
+        return error_response(499, "client closed the request")
 
     guard(app, limits or HttpLimits(), api_key,
           key_hint=f"; RemoteRewardScorer sends the key in {API_KEY_ENV}")
@@ -400,15 +459,17 @@ def make_app(service: RewardService, api_key: Optional[str] = None,
             raise BadRequest("'input' is missing: send a string or a list of strings")
         # tokenizing may take a while: off the event loop
         sequences = await run_in_threadpool(service.classify_inputs, body.input)
-        return JSONResponse(service.classify_reply(sequences, await _scored(service, sequences)))
+        scores = await _scored(service, sequences, request)
+        return JSONResponse(service.classify_reply(sequences, scores))
 
     @app.post("/score")
     async def score(request: Request):
         body = await read_json(request, ScoreBody)
         if body.input_ids is None:
             raise BadRequest("'input_ids' is missing: send a list of token-id lists")
-        sequences = service.token_ids(body.input_ids, "input_ids")
-        scores = await _scored(service, sequences)
+        # walking up to max_request_tokens ids: off the event loop, as classify's tokenizing
+        sequences = await run_in_threadpool(service.token_ids, body.input_ids, "input_ids")
+        scores = await _scored(service, sequences, request)
         return JSONResponse({"scores": scores.tolist(), "num_labels": service.num_labels,
                              "model": service.served_name})
 

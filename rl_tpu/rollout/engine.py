@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 # The most distinct stop_token_ids a request may name: each row holds its stop ids in a
 # power-of-two wide array that is part of the compiled programs' shapes, and a server's pool
 # keeps the widest it has seen, so without a cap one request could make every later one slow.
-MAX_STOP_TOKEN_IDS = 32
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import uuid
 from typing import Any, Optional, Union
@@ -46,8 +45,9 @@ from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.server_requests import ServerLimits, sampling_from_json
 from rl_tpu.rollout.streaming import TicketEvents, generate_events, sse_stream
 from rl_tpu.http_limits import HttpLimits
-from rl_tpu.serving import (BadRequest, Server, docs_routes, error_response, flag_field, guard,
-                            install_error_handlers, read_json, shown, text_field)
+from rl_tpu.serving import (BadRequest, Server, client_disconnected, docs_routes, error_response,
+                            flag_field, guard, install_error_handlers, read_json, shown,
+                            text_field)
 
 log = logging.getLogger(__name__)
 
@@ -391,16 +391,14 @@ async def await_ticket(ticket: Ticket, request: Optional[Request],
     """Waits for `ticket` without holding a thread; False if the client went away (its rows
     are then aborted) or `timeout_s` passed first.
 
-    The client's leaving is seen the moment its connection closes: a task waits on the ASGI
-    receive() for `http.disconnect` (the body has been read, so that is all it can bring),
-    where polling is_disconnected() would see it only at its next poll."""
+    The client's leaving is seen the moment its connection closes (`client_disconnected`)."""
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     ticket.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
     finished = asyncio.ensure_future(done.wait())
     waiters = {finished}
     if request is not None:
-        waiters.add(asyncio.ensure_future(_disconnected(request)))
+        waiters.add(asyncio.ensure_future(client_disconnected(request)))
     try:
         ended, _ = await asyncio.wait(waiters, timeout=timeout_s,
                                       return_when=asyncio.FIRST_COMPLETED)
@@ -418,18 +416,6 @@ async def await_ticket(ticket: Ticket, request: Optional[Request],
         log.info("client gone: aborting its rows")
     ticket.cancel()
     return False
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client of `request`, whose body has been read, disconnects."""
-    for messages in itertools.count():
-        if (await request.receive())["type"] == "http.disconnect":
-            return
-        # the body again first (BodyGuard hands the app its body on the first receive, and
-        # the app read the parsed copy instead); after that uvicorn waits for the disconnect,
-        # but a server that answered at once would be polled at the old pace, not spun on
-        if messages >= 2:
-            await asyncio.sleep(0.25)
 
 
 def make_app(service: RolloutService, api_key: Optional[str] = None,

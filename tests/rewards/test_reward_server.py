@@ -4,8 +4,12 @@ each get their own rows, limits and bad input named in 400s, and an RL config wh
 pays what the local scorer pays."""
 
 import concurrent.futures
+import dataclasses
+import json
 import math
+import socket
 import threading
+import time
 
 import httpx
 import jax
@@ -281,6 +285,102 @@ def test_reward_urls_pay_what_the_local_scorer_pays(server, tmp_path):
     config.reward.urls = dead_url()
     with pytest.raises(ValueError, match="reward.urls: no reward server answers at"):
         components.check_inputs(config)
+
+
+class GatedScorer:
+    """The real scorer behind a gate: the scoring thread blocks in score() until the test
+    opens it, so requests queue behind it; `scored` keeps what each call scored."""
+
+    def __init__(self, scorer):
+        self.scorer, self.gate, self.entered, self.scored = (scorer, threading.Event(),
+                                                             threading.Event(), [])
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def score(self, seqs):
+        self.entered.set()
+        assert self.gate.wait(60)
+        self.scored.append([list(s) for s in seqs])
+        return self.scorer.score(seqs)
+
+
+def wait_for(condition, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def gated(server, request):
+    """A server of its own whose scoring thread waits at a gate (`limits`: the param)."""
+    scorer = GatedScorer(server["local"])
+    service = RewardService(scorer, server["path"], None, request.param)
+    http = serve(service, "127.0.0.1", 0)
+    url = http.start()
+    yield scorer, service, url
+    scorer.gate.set()
+    http.shutdown()
+
+
+def hold_the_scoring_thread(scorer, url):
+    """A request the thread takes and holds at the gate; its thread."""
+    holder = threading.Thread(target=httpx.post, args=(url + "/score",),
+                              kwargs=dict(json={"input_ids": [[7, 8]]}, timeout=60))
+    holder.start()
+    assert scorer.entered.wait(30)
+    return holder
+
+
+@pytest.mark.parametrize("gated", [LIMITS], indirect=True)
+def test_a_request_whose_client_left_is_dropped_before_it_is_scored(gated):
+    scorer, service, url = gated
+    holder = hold_the_scoring_thread(scorer, url)
+    host, port = url.removeprefix("http://").split(":")
+    for i in range(5):  # each queued behind the holder, then its client leaves
+        body = json.dumps({"input_ids": [[9, 10, 11 + i]]}).encode()
+        before = service.load()["queued_requests"]
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            wait_for(lambda: service.load()["queued_requests"] > before, "it to be queued")
+        time.sleep(0.05)
+    wait_for(lambda: service.load()["queued_requests"] == 1, "the departed to be let go")
+    scorer.gate.set()
+    holder.join(60)
+    status, reply = post(dict(url=url), "/score", {"input_ids": [[5, 6]]})
+    assert status == 200
+    assert scorer.scored == [[[7, 8]], [[5, 6]]]  # the five left unscored
+
+
+@pytest.mark.parametrize("gated", [dataclasses.replace(LIMITS, max_queued_requests=2)],
+                         indirect=True)
+def test_a_full_server_answers_503_with_retry_after_and_the_client_retries(gated, server):
+    scorer, service, url = gated
+    holder = hold_the_scoring_thread(scorer, url)
+    queued = threading.Thread(target=httpx.post, args=(url + "/score",),
+                              kwargs=dict(json={"input_ids": [[3, 4]]}, timeout=60))
+    queued.start()
+    wait_for(lambda: service.load()["queued_requests"] == 2, "two requests held")
+    start = time.monotonic()
+    refused = httpx.post(url + "/score", json={"input_ids": [[5, 6]]}, timeout=60)
+    assert time.monotonic() - start < 5  # at once, not after the queue
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "--max_queued_requests=2" in refused.json()["error"]["message"]
+    # the trainer's client waits as asked and sends again
+    client = remote.RemoteRewardScorer(url, retries=5)
+    try:
+        client.info()
+        later = concurrent.futures.ThreadPoolExecutor(1).submit(client.score, [[5, 6]])
+        time.sleep(0.5)
+        scorer.gate.set()
+        np.testing.assert_allclose(later.result(60), server["local"].score([[5, 6]]),
+                                   atol=1e-5)
+    finally:
+        client.close()
+    holder.join(60)
+    queued.join(60)
 
 
 def test_the_remote_scorer_is_never_sent_an_episode_without_a_reply(server):

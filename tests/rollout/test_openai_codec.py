@@ -84,7 +84,7 @@ def test_stop_token_ids_are_capped_before_they_are_read_and_deduplicated():
     from rl_tpu.rollout.server_requests import sampling_from_json
     many = list(range(1_000_000))
     start = time.perf_counter()
-    with pytest.raises(BadRequest, match="1000000 ids are over this server's limit of 32"):
+    with pytest.raises(BadRequest, match="1000000 ids are over this server.s limit of 256"):
         api.parse_chat_request({"messages": USER, "stop_token_ids": many})
     with pytest.raises(BadRequest, match=r"'sampling_params.stop_token_ids': 1000000 ids"):
         sampling_from_json({"stop_token_ids": many})

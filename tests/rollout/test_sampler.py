@@ -166,7 +166,7 @@ def test_stop_ids_are_checked_against_the_vocab_and_capped(setup):
     one id count once."""
     sampler = setup["sampler"]
     for ids, message in (([7, 320], r"stop_token_ids\[1\]=320: must be a token id in \[0, 320\)"),
-                         (list(range(MAX_STOP_TOKEN_IDS + 1)), "33 distinct ids are over")):
+                         (list(range(MAX_STOP_TOKEN_IDS + 1)), "257 distinct ids are over")):
         with pytest.raises(ValueError, match=message):
             sampler.validate(GenerateRequest([5, 6], SamplingParams(stop_token_ids=tuple(ids))))
     repeated = GenerateRequest([5, 6], SamplingParams(stop_token_ids=(9,) * 200))
