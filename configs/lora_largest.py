@@ -16,7 +16,8 @@ embeddings and head frozen). Learning rates `lr1`-`lr4`: full 2.5e-4 / 5e-4 / 1e
 (the quickstart uses 5e-4), LoRA 3e-4 / 1e-3 / 3e-3 / 1e-2 (LoRA's best rate is commonly
 several times full's).
 `seed<N>` picks the seed (RL's sampling and the adapters' init; the base is the same).
-`smoke` runs any of them in seconds on the tiny random model (no base needed).
+`smoke` runs any of them in seconds on the tiny random model (no base needed); `smoke` alone
+runs `r8` (LoRA is what this file is about), `full,smoke` full fine-tuning.
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
@@ -31,6 +32,8 @@ def get_config(arg: str = ""):
     chosen, smoke = parse_variant(arg, {"method": METHODS, "lr": ("lr2", "lr1", "lr3", "lr4")},
                                   numbered={"seed": 0})
     method = chosen["method"]
+    if smoke and not set(arg.replace(" ", "").split(",")) & set(METHODS):
+        method = "r8"  # a bare smoke shows LoRA working; `full` is the experiments' default
     c = largest_task(base_config("grpo"))
     c.seed = chosen["seed"]
     c.eval.num_tasks = 500

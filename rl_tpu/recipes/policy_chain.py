@@ -34,7 +34,7 @@ from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.models import hf
-from rl_tpu.recipes import components, sft
+from rl_tpu.recipes import components, run_summary, sft
 from rl_tpu.recipes.config import check
 from rl_tpu.recipes.experience import read_json, write_json
 
@@ -61,7 +61,6 @@ class PolicyChain:
         self.base_path = components.model_path(config, workdir)
         self.model_cfg, self.model, params, self.tokenizer = components.load_policy(
             config, self.base_path, self.mesh)
-        del params  # each round loads its own start
         self.make_env = components.make_env_factory(config)
         self.source = components.task_source(config, self.make_env)
         self.eval_list = [t for _, t in eval_tasks(self.source, config.env.eval_split,
@@ -72,6 +71,11 @@ class PolicyChain:
         # the rounds every host sees done (one that saw the chief's newest record late
         # would otherwise start a round behind the others)
         self.rounds_done = int(parallel.across_hosts(self.rounds_done, "min"))
+        made = os.path.isfile(os.path.join(self.policy_path(0), "config.json"))
+        run_summary.announce(config, self.base_path, self.model_cfg, params,
+                             run_summary.warm_start_plan(config, done="done (P_0 is saved)"
+                                                         if made else ""))
+        del params  # each round loads its own start
         self.writer = metrics_lib.MetricsWriter(
             workdir, resume_step=self.rounds_done + 1 if self.rounds_done else None,
             tensorboard=config.log.tensorboard, enabled=self.is_chief,

@@ -54,7 +54,7 @@ from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import lora
 from rl_tpu.models.value import ValueModel
 from rl_tpu.preemption import PreemptionGuard, stop_here
-from rl_tpu.recipes import algorithms, components, resume, sft, shapes
+from rl_tpu.recipes import algorithms, components, resume, run_summary, sft, shapes
 from rl_tpu.recipes.config import check
 from rl_tpu.rewards.mix import RewardMix, source_metrics
 from rl_tpu.offpolicy.producer import (AsyncProducer, PartialRollouts, SyncProducer,
@@ -158,6 +158,8 @@ class Trainer:
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                                  async_save=config.checkpoint.async_save)
         resume_step = self.ckpt.latest_step()
+        run_summary.announce(config, path, self.model_cfg, params, run_summary.warm_start_plan(
+            config, done="" if resume_step is None else f"none (resuming at step {resume_step})"))
         self.writer = None
         sft_offset = -config.sft.steps - 1  # SFT step j is logged at j + sft_offset (< 0)
 
@@ -233,7 +235,7 @@ class Trainer:
                 workdir, resume_step=self.start + 1, tensorboard=config.log.tensorboard,
                 enabled=self.is_chief, wandb_project=config.log.wandb_project,
                 wandb_config=self.config_record)
-            log.warning("resumed from step %d", self.start)
+            run_summary.say(f"resumed from step {self.start}")
         elif self.learner.reference_params is not None:
             self.ckpt.save_static(REFERENCE, self.learner.reference_params)
         self.ckpt.prepare(self._checkpoint_state())  # the first save then compiles nothing

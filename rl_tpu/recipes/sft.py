@@ -29,7 +29,7 @@ from rl_tpu import parallel, preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.recipes import components
+from rl_tpu.recipes import components, run_summary
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.state import TrainState
@@ -373,21 +373,29 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
     (k: the SFT step resumed from, 0 when fresh; it is opened then, so that a resumed log keeps
     exactly the lines before it) at step `step_offset + sft_step` (the RL recipe logs them at
     negative steps, before RL's step 0)."""
+    from rl_tpu.metrics import StepLog
+
     s = config.sft
     examples = demonstrations(config, make_env, tokenizer)
-    started = time.time()
+    started = last = time.time()
     writer = None
+    # where no progress bar shows (a log file): a line every log.every_s seconds
+    step_log = StepLog(s.steps, every_s=config.log.every_s, enabled=jax.process_index() == 0,
+                       what="warm start: SFT step")
 
     def on_start(step):
         nonlocal writer
         writer = open_writer(step)
         if step:
-            log.warning("resumed the SFT warm start from its step %d", step)
+            run_summary.say(f"resumed the SFT warm start from its step {step}")
 
     def on_metrics(step, m):
+        nonlocal last
+        record = {f"sft/{k}": v for k, v in m.items()} | {"time/sft_s": time.time() - started}
         if step % 10 == 0 or step == s.steps:
-            writer.write(step + step_offset, {f"sft/{k}": v for k, v in m.items()}
-                         | {"time/sft_s": time.time() - started})
+            writer.write(step + step_offset, record)
+        step_log(step, record | {"time/step_s": time.time() - last})
+        last = time.time()
 
     params = fine_tune(config, params, model, mesh, examples, steps=s.steps, lr=s.lr,
                        batch_size=s.batch_size, checkpoint_dir=checkpoint_dir,
@@ -422,6 +430,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     mesh = components.make_mesh(config)
     path = components.model_path(config, workdir)
     model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
+    run_summary.announce(config, path, model_cfg, params,
+                         f"n/a (the run itself is {config.sft.steps} SFT steps)")
     make_env = components.make_env_factory(config)
     s = config.sft
     examples = demonstrations(config, make_env, tokenizer)
@@ -433,7 +443,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                         async_save=config.checkpoint.async_save)
     start, state = restore(ckpt, state, data)
     if start:
-        log.warning("resumed SFT from step %d", start)
+        run_summary.say(f"resumed SFT from step {start}")
     writer = metrics_lib.MetricsWriter(workdir, resume_step=start + 1,
                                        enabled=jax.process_index() == 0,
                                        tensorboard=config.log.tensorboard,

@@ -274,7 +274,7 @@ def test_sft_run_killed_mid_way_resumes_exactly(tmp_path):
     again = subprocess.run(_sft_command(resumed), cwd=REPO, env=_cpu_env(),
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed SFT from step" in again.stderr
+    assert "resumed SFT from step" in again.stdout  # information, not a warning
     a = [_finite(r) for r in read_metrics(str(tmp_path / "straight"))]
     b = [_finite(r) for r in read_metrics(str(resumed))]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [10, 20, 24, 24]

@@ -113,6 +113,15 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
     c = config(name)
     out = _train_smoke(name, tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    # the summary line, once, names what the config asks for (LoRA on or off in words)
+    summary = [line for line in out.stdout.splitlines() if line.startswith("run: ")]
+    assert len(summary) == 1, out.stdout[-2000:]
+    for field in (f"recipe {c.recipe}, ", f"algorithm {c.algo.name}, ", f"env {c.env.name}, ",
+                  "devices 1 x cpu on 1 host, ", f"warm start {c.sft.steps} SFT steps"
+                  if c.sft.steps else "warm start none"):
+        assert field in summary[0], summary[0]
+    assert (f"LoRA rank {c.model.lora.rank} (" if c.model.lora.rank
+            else "full fine-tuning") in summary[0]
     records = read_metrics(str(tmp_path))
     steps = [r["step"] for r in records if "rollout/reward" in r]
     assert steps == [1, 2]
@@ -258,7 +267,8 @@ def kill_mid_run(command, workdir, log_path, env, after: int, timeout_s: float =
 
 def resumed_from(result) -> int:
     """The k of the one "resumed from step k" the rerun logged."""
-    found = [int(k) for k in re.findall(r"resumed from step (\d+)", result.stderr + result.stdout)]
+    # a plain line on stdout: information, not a warning
+    found = [int(k) for k in re.findall(r"^resumed from step (\d+)$", result.stdout, re.M)]
     assert len(found) == 1, (result.stderr + result.stdout)[-3000:]
     return found[0]
 
