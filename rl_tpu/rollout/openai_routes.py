@@ -17,6 +17,7 @@ usual fields (the `openai` client's `extra_body`); without either it samples the
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -39,12 +40,19 @@ class AnyBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def chat_prompt(tokenizer: Any, request: api.ChatRequest) -> list[int]:
+def chat_prompt(service: RolloutService, request: api.ChatRequest) -> list[int]:
     """The prompt ids of a chat request: its messages (and tools) through the chat template,
-    ending with the assistant's turn opened."""
+    ending with the assistant's turn opened. Text too long for the context is refused by its
+    length first (`check_prompt_chars`), before the template runs."""
+    tokenizer = service.tokenizer
     if tokenizer is None:
         raise BadRequest("this server has no tokenizer (--skip_tokenizer_init): chat needs one; "
                          "send token ids to /v1/completions instead")
+    chars = sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"]))
+                                               if m.get("tool_calls") else 0)
+                for m in request.messages)
+    service.check_prompt_chars(chars + (len(json.dumps(request.tools)) if request.tools else 0),
+                               "messages")
     extra = {"tools": request.tools} if request.tools else {}
     try:
         return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
@@ -130,8 +138,9 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request):
         body = (await read_json(request, AnyBody)).model_dump()
-        req = api.parse_chat_request(body)
-        prompt = chat_prompt(self.service.tokenizer, req)
+        # checking, templating and tokenizing: off the event loop (they scale with the text)
+        req = await self.service.off_loop(api.parse_chat_request, body)
+        prompt = await self.service.off_loop(chat_prompt, self.service, req)
         tool_format = call_format(self.service.tokenizer) if req.tools else None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prepared = prepare(self.service, [prompt], req.sampling, req.max_tokens, rid,
@@ -220,19 +229,27 @@ class OpenAIRoutes:
         sum of each token's own text)."""
         return sum(len(self.token_text(t)) for t in ids)
 
-    async def completions(self, request: Request):
-        body = (await read_json(request, AnyBody)).model_dump()
-        req = api.parse_completion_request(body, self.service.sampler.cfg.vocab_size)
+    def _prompt_ids(self, req: api.CompletionRequest) -> list[list[int]]:
+        """Each prompt's ids: text through the tokenizer, refused by its length first."""
         prompts = []
         for i, p in enumerate(req.prompts):
             if isinstance(p, str):
                 if self.service.tokenizer is None:
                     raise BadRequest("this server has no tokenizer: send the prompt as token "
                                      "ids")
+                self.service.check_prompt_chars(len(p), f"prompt[{i}]")
                 p = self.service.tokenizer.encode(p)
                 if not p:
                     raise BadRequest(f"prompt {i} encodes to no tokens: a prompt needs one")
             prompts.append(p)
+        return prompts
+
+    async def completions(self, request: Request):
+        body = (await read_json(request, AnyBody)).model_dump()
+        # checking and tokenizing: off the event loop (they scale with the prompts)
+        req = await self.service.off_loop(api.parse_completion_request, body,
+                                          self.service.sampler.cfg.vocab_size)
+        prompts = await self.service.off_loop(self._prompt_ids, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prepared = prepare(self.service, prompts, req.sampling, req.max_tokens, rid,
                            adapter_of(self.service, body))

@@ -25,7 +25,9 @@ when no token comes within its timeout.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import uuid
 from typing import Any, Optional, Union
@@ -125,6 +127,33 @@ class RolloutService:
         self.tokenizer = tokenizer
         self.limits = limits
         self.stall_timeout_s = stall_timeout_s
+        # Templating and tokenizing a prompt take time in proportion to its text (seconds for
+        # megabytes): done on this pool, never on the event loop, so /health and running
+        # streams go on meanwhile. Two threads: a few huge prompts at once cannot hold many
+        # copies of their tokens in memory either.
+        self._prompt_pool = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="rollout-prompts")
+        # No token holds more than `longest` characters of text, so a prompt text longer than
+        # context x (longest + 1) cannot fit (the + 1: a token's leading space that decoding it
+        # alone drops), with a factor two for tokenizers that normalise text; it is refused
+        # by its length, before any templating or tokenizing.
+        self.context_tokens = min(limits.max_context_tokens or self.batcher.slot_tokens,
+                                  self.batcher.slot_tokens, sampler.cfg.max_position_embeddings)
+        longest = longest_token_chars(tokenizer) if tokenizer is not None else 0
+        self.max_prompt_chars = 2 * self.context_tokens * (longest + 1)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the prompt threads, awaited (its exception raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prompt_pool, functools.partial(fn, *args))
+
+    def check_prompt_chars(self, chars: int, where: str) -> None:
+        """BadRequest when `chars` characters of prompt text cannot fit the context."""
+        if chars > self.max_prompt_chars:
+            raise BadRequest(f"'{where}': {chars} characters of text cannot fit this server's "
+                             f"context of {self.context_tokens} tokens (at most "
+                             f"{self.max_prompt_chars} characters could); send a shorter "
+                             "prompt")
 
     # -- /generate -----------------------------------------------------------------------
 
@@ -234,6 +263,7 @@ class RolloutService:
             where = "text" if single else f"text[{i}]"
             if not isinstance(t, str):
                 raise BadRequest(f"'{where}' must be a string, got {shown(t)}")
+            self.check_prompt_chars(len(t), where)
             prompts.append(self.tokenizer.encode(text_field(t, where)))
             if not prompts[-1]:
                 raise BadRequest(f"'{where}' encodes to no tokens: a prompt needs one at least")
@@ -386,6 +416,14 @@ class RolloutService:
         self.sampler.resume()
 
 
+def longest_token_chars(tokenizer: ChatTokenizer) -> int:
+    """The most characters any one token of `tokenizer` decodes to."""
+    texts = tokenizer.hf.batch_decode([[i] for i in range(tokenizer.vocab_size)],
+                                      skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+    return max((len(text) for text in texts), default=1)
+
+
 async def await_ticket(ticket: Ticket, request: Optional[Request],
                         timeout_s: Optional[float] = None) -> bool:
     """Waits for `ticket` without holding a thread; False if the client went away (its rows
@@ -433,7 +471,7 @@ def make_app(service: RolloutService, api_key: Optional[str] = None,
     @app.post("/generate")
     async def generate(request: Request):
         raw = (await read_json(request, GenerateBody)).model_dump()
-        prepared = service.prepare(raw)
+        prepared = await service.off_loop(service.prepare, raw)  # it may tokenize text
         if raw.get("stream"):  # SSE as rows decode (streaming.py); submitted here, so a
             # refusal is still a 400, not an error inside a started stream
             events = TicketEvents(lambda on_tokens: service.submit(prepared, on_tokens))
