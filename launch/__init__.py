@@ -48,13 +48,17 @@ def run_errors() -> tuple:
     (resume.ResumeConfigError), and a checkpoint or metrics file the disk refuses
     (checkpoint_errors.RunWriteError: full, read-only, no permission; it names the step, the
     path and the last good checkpoint), and a workdir another trainer holds
-    (workdir_lock.WorkdirLockedError: it names the holder)."""
+    (workdir_lock.WorkdirLockedError: it names the holder), and a run whose episodes all
+    end in env errors, step after step (agent.env_failures.EnvFailuresError: it names the
+    first error and where the tracebacks are)."""
+    from rl_tpu.agent.env_failures import EnvFailuresError
     from rl_tpu.checkpoint_errors import RunWriteError
     from rl_tpu.models.hf import CheckpointError
     from rl_tpu.recipes.resume import ResumeConfigError
     from rl_tpu.workdir_lock import WorkdirLockedError
 
-    return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError, WorkdirLockedError)
+    return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError, WorkdirLockedError,
+                         EnvFailuresError)
 
 
 def run(main, prepare=None, check=None) -> None:

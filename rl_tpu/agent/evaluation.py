@@ -28,6 +28,7 @@ import numpy as np
 
 from rl_tpu import parallel
 from rl_tpu.agent import run_episodes
+from rl_tpu.agent.env_failures import EnvFailureWatch, warn_all_failed
 from rl_tpu.envs.base import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
@@ -85,15 +86,23 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
              max_context_tokens: int, pass_k: int = 0,
              sampling: Optional[SamplingParams] = None, seed: int = 0,
              step_timeout_s: Optional[float] = 60.0, reward_reduce="sum",
-             play: Callable[..., list[Trajectory]] = run_episodes) -> dict[str, float]:
+             play: Callable[..., list[Trajectory]] = run_episodes,
+             failures: Optional[EnvFailureWatch] = None, step: int = 0) -> dict[str, float]:
     """Greedy success (and pass@k with `sampling`) of `engine` on this host's `tasks`, played
-    by `play` (`run_episodes`'s arguments; an agent program's player, say)."""
+    by `play` (`run_episodes`'s arguments; an agent program's player, say). Greedy episodes
+    that all ended in an env error are warned about, and with `failures` (a run's watch) their
+    errors are logged as step `step`'s eval (rl_tpu/agent/env_failures.py)."""
     common = dict(tokenizer=tokenizer, max_turns=max_turns,
                   max_new_tokens_per_turn=max_new_tokens, max_context_tokens=max_context_tokens,
                   step_timeout_s=step_timeout_s, reward_reduce=reward_reduce)
     greedy = play(engine, make_env, list(tasks),
                   sampling=SamplingParams(temperature=0.0, seed=seed), **common)
     stats = episode_stats(greedy)
+    if failures is not None:
+        failures.observe(step, greedy, stats["episodes"], stats["env_errors"], eval_=True)
+    elif stats["episodes"] and stats["env_errors"] >= stats["episodes"]:
+        warn_all_failed("eval", [t for t in greedy if t.finish == "env_error"],
+                        stats["episodes"])
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
                                  "violation_rate", "format_valid_rate") if k in stats}
     out["num_tasks"] = stats["episodes"]

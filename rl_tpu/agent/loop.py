@@ -48,7 +48,8 @@ Episodes end (`Trajectory.finish`) with:
   context_limit  no room is left for another token within `max_context_tokens` (a turn cut by
                  the context room, or an observation that would not fit, which is then dropped);
   env_error      make_env/reset/step raised, timed out, or returned something malformed (the
-                 message is in `info["error"]`); the other episodes go on;
+                 message is in `info["error"]`, a raised error's traceback in
+                 `info["error_traceback"]`); the other episodes go on;
   abort          the engine aborted the request.
 """
 
@@ -437,6 +438,8 @@ def ended_on_failure(ep: Episode, outcome: Outcome, what: str) -> bool:
     if outcome.error is None:
         return False
     ep.end("env_error", f"{what}: {outcome.error}")
+    if outcome.traceback:  # for the run's env error log (rl_tpu/agent/env_failures.py)
+        ep.info["error_traceback"] = outcome.traceback
     if outcome.timed_out:
         ep.abandoned = True
         outcome.on_return(lambda ep=ep: _close_quietly(ep.env))

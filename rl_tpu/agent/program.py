@@ -150,6 +150,7 @@ class ProgramRun:
         self.seconds = 0.0
         self.reward, self.success, self.extra = 0.0, None, {}
         self.error: Optional[str] = None
+        self.traceback: Optional[str] = None  # the program's, when it raised
         self.done = threading.Event()
         self._end_lock = threading.Lock()
 
@@ -171,6 +172,7 @@ class ProgramRun:
             outcome = program_outcome(value)
         except Exception as err:  # noqa: BLE001 - the program's failure ends its episode only
             tail = "".join(traceback.format_exception(err)[-3:])
+            self.traceback = "".join(traceback.format_exception(err))
             self.end(f"the program raised {type(err).__name__}: {err}\n{tail}"[:2000])
         else:
             with self._end_lock:
@@ -236,6 +238,8 @@ def episode_trajectory(rec: EpisodeRecorder, run: ProgramRun, group_id: int, sam
         info["program_reward"] = reward
     if run.error is not None:
         reward, finish, info["error"] = 0.0, "env_error", run.error
+        if run.traceback:
+            info["error_traceback"] = run.traceback
     success = run.success if run.success is not None else reward > 0
     if seg is None:
         tokens, mask, logprobs, turns, versions = [], [], [], [], []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 
@@ -29,8 +30,9 @@ from typing import Any, Callable, Optional, Sequence
 class Outcome:
     """What one call came to. Exactly one of `value` (when `error` is None) or `error` holds.
 
-    `error` is "ExceptionType: message" for a call that raised, or "timed out after N s" (then
-    `timed_out` is True and the call may still be running). `seconds` is the time the call
+    `error` is "ExceptionType: message" for a call that raised (`traceback` its full traceback,
+    for the run's env error log), or "timed out after N s" (then `timed_out` is True and the
+    call may still be running). `seconds` is the time the call
     ran, from when a thread started it (not from when it was queued).
     """
 
@@ -38,6 +40,7 @@ class Outcome:
     error: Optional[str] = None
     seconds: float = 0.0
     timed_out: bool = False
+    traceback: Optional[str] = None
     _future: Optional[cf.Future] = dataclasses.field(default=None, repr=False)
 
     @property
@@ -55,6 +58,11 @@ class Outcome:
 
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def _failed(e: BaseException, seconds: float) -> Outcome:
+    return Outcome(error=_error_text(e), seconds=seconds,
+                   traceback="".join(traceback.format_exception(e)))
 
 
 class WorkerPool:
@@ -125,7 +133,7 @@ class WorkerPool:
                 try:
                     outcomes[i] = Outcome(value=f.result(), seconds=seconds)
                 except Exception as e:  # noqa: BLE001 - a failed call is an Outcome, not a crash
-                    outcomes[i] = Outcome(error=_error_text(e), seconds=seconds)
+                    outcomes[i] = _failed(e, seconds)
             if self.timeout_s is None:
                 continue
             now = time.monotonic()
@@ -165,7 +173,7 @@ class WorkerPool:
         try:
             return Outcome(value=call(), seconds=time.monotonic() - start)
         except Exception as e:  # noqa: BLE001
-            return Outcome(error=_error_text(e), seconds=time.monotonic() - start)
+            return _failed(e, time.monotonic() - start)
 
     def shutdown(self) -> None:
         """Drops queued calls and frees idle threads; running calls finish in the background."""

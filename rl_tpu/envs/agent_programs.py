@@ -23,6 +23,7 @@ import re
 from typing import Any, Callable
 
 from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, TaskSource, register
+from rl_tpu.optional import require
 
 
 def load_object(spec: str, what: str) -> Any:
@@ -49,6 +50,10 @@ class AgentProgramEnv(Env):
     name = "agent_program"
 
     def __init__(self, program: str, tasks: str = "", timeout_s: float = 600.0):
+        # Programs reach the model through the `openai` client (rl_tpu/agent/program.py):
+        # without it every episode would end in an env error, so the run stops here instead.
+        require("openai", extra="envs", needed_by="env agent_program (its programs call the "
+                                                  "model through the openai client)")
         self.program: Callable[[str, dict], Any] = load_object(program, "program")
         if not callable(self.program):
             raise ValueError(f"program={program!r} is a {type(self.program).__name__}, not a "

@@ -21,6 +21,8 @@ import re
 import time
 from typing import Any, Callable, Optional
 
+from rl_tpu.optional import MissingDependency, install_hint
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -259,13 +261,14 @@ def make(name: str, **kwargs: Any) -> Env:
 def _missing_package_named(name: str):
     try:
         yield
+    except MissingDependency:  # already names the package and its extra
+        raise
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] == "rl_tpu":  # our own module: a bug, not a setup
             raise
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             f"env {name!r} needs the Python package {e.name!r}, which is not installed: "
-            "pip install 'rl_tpu[envs]' (in a checkout: pip install -e '.[envs]') installs "
-            "every env's packages", name=e.name) from e
+            f"{install_hint('envs')} installs every env's packages", name=e.name) from e
 
 
 class DelayedEnv(Env):

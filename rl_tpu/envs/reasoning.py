@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
 from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError
+from rl_tpu.optional import require
 
 SYSTEM_PROMPT = """Solve the task. Think it through, then give only the final answer inside
 <answer>...</answer>, in exactly the format the task asks for, e.g. <answer>42</answer>.
@@ -42,13 +43,8 @@ DEFAULT_EVAL_SEED = 0
 
 
 def _import_reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        # ModuleNotFoundError: the launchers report it in one line (launch/__init__.py)
-        raise ModuleNotFoundError("the reasoning envs need reasoning-gym: "
-                                  "pip install reasoning-gym") from e
-    return reasoning_gym
+    # MissingDependency: the launchers report it in one line (launch/__init__.py)
+    return require("reasoning_gym", extra="envs", needed_by="the reasoning envs")
 
 
 @functools.lru_cache(maxsize=64)

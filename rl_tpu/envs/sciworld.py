@@ -64,6 +64,7 @@ from typing import Optional, Sequence
 from rl_tpu.envs.agentgym_parse import parse_sciworld_action
 from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
                               register)
+from rl_tpu.optional import require
 
 # Task ids AgentGym leaves out of its list (the long plant-growing, inclined-plane and
 # genetics families).
@@ -154,12 +155,8 @@ def _require_java():
 
 
 def _import_scienceworld():
-    try:
-        from scienceworld import ScienceWorldEnv
-    except ImportError as e:
-        raise ModuleNotFoundError("the sciworld env needs ScienceWorld: pip install scienceworld "
-                                  "(and a Java runtime)") from e
-    return ScienceWorldEnv
+    return require("scienceworld", extra="envs",
+                   needed_by="the sciworld env (and a Java runtime)").ScienceWorldEnv
 
 
 def _package_version() -> str:

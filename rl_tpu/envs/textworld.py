@@ -29,6 +29,7 @@ from typing import Optional
 
 from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
                               register)
+from rl_tpu.optional import require
 
 SYSTEM_PROMPT = """You play a text adventure. Each turn, reply with one short command in plain
 English, such as:
@@ -56,12 +57,8 @@ def default_cache_dir() -> Path:
 
 
 def _import_textworld():
-    try:
-        import textworld
-        import textworld.generator  # noqa: F401 - loads the generator submodule
-    except ImportError as e:
-        raise ModuleNotFoundError("the textworld env needs the textworld package: "
-                                  "pip install textworld") from e
+    textworld = require("textworld", extra="envs", needed_by="the textworld env")
+    require("textworld.generator", extra="envs", needed_by="the textworld env")
     return textworld
 
 

@@ -612,9 +612,11 @@ def eval_horizon(config: ml_collections.ConfigDict) -> int:
 
 
 def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, make_env,
-                    tasks, tokenizer: ChatTokenizer, seed: int) -> dict[str, float]:
+                    tasks, tokenizer: ChatTokenizer, seed: int, failures=None,
+                    step: int = 0) -> dict[str, float]:
     """The config's eval suite on `tasks` (greedy success, pass@k, turns, tokens): the one
-    place rl, sft and evaluate build the eval's arguments."""
+    place rl, sft and evaluate build the eval's arguments. `failures`: the run's
+    agent.env_failures.EnvFailureWatch, told of step `step`'s eval episodes."""
     from rl_tpu.agent import run_episodes
     from rl_tpu.agent.evaluation import evaluate
     from rl_tpu.agent.program import player_for
@@ -625,4 +627,5 @@ def evaluate_policy(config: ml_collections.ConfigDict, engine: RolloutEngine, ma
                     max_new_tokens=config.eval.max_new_tokens or env.max_new_tokens,
                     max_context_tokens=env.max_context_tokens, pass_k=config.eval.pass_k,
                     sampling=sampling_params(config, None), seed=seed,
-                    step_timeout_s=env.step_timeout_s, reward_reduce=env.reward_reduce)
+                    step_timeout_s=env.step_timeout_s, reward_reduce=env.reward_reduce,
+                    failures=failures, step=step)

@@ -174,6 +174,9 @@ def env_block() -> ml_collections.ConfigDict:
     b.max_new_tokens = 16  # per turn (the generation budget L)
     b.max_context_tokens = 512
     b.step_timeout_s = 60.0
+    # training steps in a row whose every episode ends in an env error before the run stops
+    # (a missing package, a dead env server); 0 = never (rl_tpu/agent/env_failures.py)
+    b.max_failed_steps = 3
     b.step_latency_s = 0.0  # waiting added to every env step (an env server's round trip)
     # Env servers (docs/env_servers.md): episodes play on AgentGym's servers or launch.serve_env
     # at these comma-separated URLs, round robin; "" = in this process.

@@ -83,6 +83,9 @@ def _check_ranges(config: ml_collections.ConfigDict) -> None:
     if not e.step_timeout_s > 0 or e.step_latency_s < 0:
         raise ValueError(f"env.step_timeout_s={e.step_timeout_s} must be > 0 and "
                          f"env.step_latency_s={e.step_latency_s} >= 0")
+    if not isinstance(e.max_failed_steps, int) or e.max_failed_steps < 0:
+        raise ValueError(f"env.max_failed_steps={e.max_failed_steps!r} must be an int >= 0 "
+                         "(steps in a row whose episodes all fail before the run stops; 0 never)")
     from rl_tpu.offpolicy.replay import ReplayConfig
     r = config.train.replay  # its own checks, here rather than after the warm start
     ReplayConfig(capacity=r.capacity, fraction=r.fraction, max_staleness=r.max_staleness)

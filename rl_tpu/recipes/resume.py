@@ -42,6 +42,7 @@ RESUME_MAY_CHANGE = (
     # Likewise where env servers live and how their calls are retried: an episode's task and
     # every reply are the same whichever server plays it.
     "env.remote_url",
+    "env.max_failed_steps",  # when a failing run stops: nothing it trained on changes
     "env.remote_timeout_s",
     "env.remote_retries",
     "env.remote_backoff_s",

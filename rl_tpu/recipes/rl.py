@@ -50,6 +50,7 @@ from rl_tpu.agent.program import player_for
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
+from rl_tpu.agent.env_failures import EnvFailureWatch
 from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import lora
 from rl_tpu.models.value import ValueModel
@@ -151,6 +152,9 @@ class Trainer:
         self.model_cfg, model, params, self.tokenizer = components.load_policy(
             config, path, self.mesh)
         self.make_env = components.make_env_factory(config)
+        # every episode failing, step after step, stops the run (and W/env_errors.log)
+        self.env_failures = EnvFailureWatch(workdir, config.env.max_failed_steps,
+                                            jax.process_index())
         components.check_call_format(self.make_env, self.tokenizer)
         source = components.task_source(config, self.make_env)
         env_cfg, algo = config.env, config.algo
@@ -323,7 +327,10 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, Any]]:
         """The trajectories step `step` trains on (fresh, then replayed) and rollout metrics."""
         trajectories, metrics = self.producer.next_batch(step)
-        metrics = dict(metrics, **self._rollout_metrics(trajectories, step),
+        stats = episode_stats(trajectories)  # over every host: each decides to stop alike
+        self.env_failures.observe(step, trajectories, stats["episodes"], stats["env_errors"])
+        self.env_failures.stop_if_failing(step, last=step == self.config.train.steps)
+        metrics = dict(metrics, **self._rollout_metrics(trajectories, step, stats),
                        **self._prefill_metrics())
         if self.replay.cfg.capacity:
             groups, replay_metrics = self.replay.mix(
@@ -386,7 +393,8 @@ class Trainer:
         with serving as engine:
             result = components.evaluate_policy(self.config, engine, self.make_env,
                                                 self.eval_list, self.tokenizer,
-                                                components.step_seed(self.config.seed, step, 1))
+                                                components.step_seed(self.config.seed, step, 1),
+                                                failures=self.env_failures, step=step)
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 
@@ -557,9 +565,11 @@ class Trainer:
         if self.reward_mix is not None:
             self.reward_mix.apply(trajectories)
 
-    def _rollout_metrics(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
-        """Of the trajectories trained on (after DAPO's selection), over every host."""
-        stats, out = episode_stats(trajectories), {}
+    def _rollout_metrics(self, trajectories: list[Trajectory], step: int,
+                         stats: dict[str, float] | None = None) -> dict[str, float]:
+        """Of the trajectories trained on (after DAPO's selection), over every host; `stats`
+        their `episode_stats` when the caller has them (a collective, made once)."""
+        stats, out = stats or episode_stats(trajectories), {}
         n = max(stats["episodes"], 1)
         # an env that reports rule decisions (envs/tipping.py): the rate of rule-breaking
         # among valid replies, and the share of replies that were valid, apart
