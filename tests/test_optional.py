@@ -21,7 +21,7 @@ CASES = {
                " tasks='rl_tpu.envs.agent_programs:arithmetic_tasks')",
                "env agent_program (its programs call the model through the openai client)"),
     "reasoning_gym": ("from rl_tpu.envs.base import make\nmake('countdown')",
-                      "the reasoning envs"),
+                      "each reasoning env"),
     "textworld": ("from rl_tpu.envs.base import make\nmake('textworld')", "the textworld env"),
     "math_verify": ("from rl_tpu.envs.math import verify_answer\nverify_answer('1', '1')",
                     "the math env's answer check"),

@@ -44,7 +44,7 @@ DEFAULT_EVAL_SEED = 0
 
 def _import_reasoning_gym():
     # MissingDependency: the launchers report it in one line (launch/__init__.py)
-    return require("reasoning_gym", extra="envs", needed_by="the reasoning envs")
+    return require("reasoning_gym", extra="envs", needed_by="each reasoning env")
 
 
 @functools.lru_cache(maxsize=64)

@@ -155,8 +155,7 @@ def _require_java():
 
 
 def _import_scienceworld():
-    return require("scienceworld", extra="envs",
-                   needed_by="the sciworld env (and a Java runtime)").ScienceWorldEnv
+    return require("scienceworld", extra="envs", needed_by="the sciworld env").ScienceWorldEnv
 
 
 def _package_version() -> str:
