@@ -1,7 +1,12 @@
 """Evaluate a policy: `python -m launch.eval --config configs/X.py (--workdir W | --model_path D)`.
 
 Greedy success, pass@k (`--config.eval.pass_k=4`), mean turns and tokens on the config's eval
-split, from the latest checkpoint in W or from an HF directory D.
+split, from the latest checkpoint in W or from an HF directory D, printed as a table (metric |
+value | meaning). With --workdir each eval is also written to a file of its own,
+W/evals/eval_step<k>.json (never overwritten; W/eval.json is a copy of the latest), and the
+path is printed. checkpoint_step: the checkpoint evaluated (-1 for --model_path);
+weight_version: the version of the weights that played, here the same step (0 for an HF
+directory).
 """
 
 from absl import flags
@@ -30,8 +35,7 @@ def check(config):
 def main(argv):
     del argv  # launch.run has checked it
     f = flags.FLAGS
-    result = evaluate.run(f.config, f.workdir or None, f.model_path or None)
-    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
+    evaluate.run(f.config, f.workdir or None, f.model_path or None, report=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from absl import app, flags
 
 from launch import parse_flags, use_compilation_cache
 from rl_tpu import serving
+from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import load_tokenizer
@@ -81,7 +82,9 @@ def main(argv):
     service = RewardService(scorer, f.model_path, tokenizer, limits,
                             served_name=f.served_model_name or None)
     if f.warmup:
-        warm = service.warmup()
+        # a line every few seconds through it: the first start compiles for up to a minute
+        with Heartbeat("warm-up: compiling every program a request can need"):
+            warm = service.warmup()
         print(f"warm-up: {warm['programs']} programs compiled or loaded in "
               f"{warm['seconds']:.1f} s", flush=True)
     try:

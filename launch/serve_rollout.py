@@ -35,6 +35,7 @@ from absl import app, flags
 
 from launch import parse_flags, use_compilation_cache
 from rl_tpu import parallel, serving
+from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models import hf, lora
 from rl_tpu.models.tokenizer import load_tokenizer
@@ -144,7 +145,9 @@ def main(argv):
     batcher = ContinuousBatcher(sampler, slots=rows, slot_tokens=slots,
                                 decode_chunk=f.decode_chunk)
     if f.warmup:
-        warm = batcher.warmup()
+        # a line every few seconds through it: the first start compiles for up to a minute
+        with Heartbeat("warm-up: compiling every program a request can need"):
+            warm = batcher.warmup()
         print(f"warm-up: {warm['programs']} programs compiled or loaded in "
               f"{warm['seconds']:.1f} s", flush=True)
     limits = ServerLimits(max_n=f.max_n, max_rows=f.max_rows, max_context_tokens=slots,

@@ -5,8 +5,15 @@
 
 With a workdir, the policy is the latest checkpoint's (restored into the same state layout the
 trainer saved); with `model_path`, that HF directory. Greedy success, pass@k
-(`--config.eval.pass_k=k`), mean turns and generated tokens over `eval.num_tasks` tasks, written
-to <workdir>/eval.json when a workdir is given.
+(`--config.eval.pass_k=k`), mean turns and generated tokens over `eval.num_tasks` tasks.
+
+With a workdir, each eval is written to a file of its own, never overwritten:
+W/evals/eval_step<k>.json for checkpoint step k (eval_step<k>_2.json for a second eval of the
+same step, and so on), eval_<dir name>.json for an HF directory; W/eval.json is a copy of the
+latest. `checkpoint_step` is the step of the checkpoint evaluated (-1: an HF directory);
+`weight_version` the version of the weights that played the greedy episodes, which here is
+that same step (0 for an HF directory): in a training run's eval it tells whether an
+asynchronous sampler had caught up with the learner.
 """
 
 from __future__ import annotations
@@ -21,8 +28,12 @@ import ml_collections
 
 from rl_tpu import parallel
 from rl_tpu.data.tasks import eval_tasks
+from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.recipes import components
 from rl_tpu.recipes.config import check
+
+EVALS_DIR = "evals"  # W/evals/: one file an eval
+LATEST_FILE = "eval.json"  # W/eval.json: a copy of the latest
 
 
 def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
@@ -52,7 +63,9 @@ def _has_checkpoint(workdir: str) -> bool:
 
 
 def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
-        model_path: Optional[str] = None) -> dict[str, float]:
+        model_path: Optional[str] = None, report: bool = False) -> dict[str, float]:
+    """The eval's metrics (module docstring), written under `workdir` when given; `report`
+    (launch.eval) prints them as a table (process 0), then where they were written."""
     check(config)
     if not workdir and not model_path:
         raise ValueError("give a workdir (its latest checkpoint) or a model_path (HF dir)")
@@ -73,10 +86,77 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     # an HF export for SGLang servers goes under the workdir, else a fresh temporary dir
     sync_root = workdir or tempfile.mkdtemp(prefix="rl_tpu_eval_")
-    engine = components.make_engine(config, model_cfg, params, tokenizer, sync_root)
-    result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer, config.seed)
+    engine = components.make_engine(config, model_cfg, params, tokenizer, sync_root,
+                                    version=str(step or 0))
+    with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
+                   enabled=jax.process_index() == 0):
+        result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
+                                            config.seed)
     result = dict(result, checkpoint_step=-1 if step is None else step)
-    if workdir and jax.process_index() == 0:
-        with open(os.path.join(workdir, "eval.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    if jax.process_index() != 0:
+        return result
+    if report:
+        what = model_path or f"{workdir}, checkpoint step {step}"
+        print(f"eval of {what} on {config.env.name} ({config.env.eval_split} split):\n"
+              f"{table(result)}", flush=True)
+    if workdir:
+        name = (f"eval_step{step}" if step is not None
+                else f"eval_{os.path.basename(os.path.normpath(model_path))}")
+        path = write_eval(workdir, name, result)
+        print(f"wrote {path} ({os.path.join(workdir, LATEST_FILE)}: a copy of the latest eval)",
+              flush=True)
     return result
+
+
+def write_eval(workdir: str, name: str, result: dict) -> str:
+    """W/evals/<name>.json, or <name>_2.json, _3... when an earlier eval has that name (an
+    eval is never overwritten), and W/eval.json as its copy; returns the new file's path."""
+    from rl_tpu.metrics import atomic_write_text
+
+    directory = os.path.join(workdir, EVALS_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path, n = os.path.join(directory, f"{name}.json"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(directory, f"{name}_{n}.json")
+    text = json.dumps(result, indent=1)
+    atomic_write_text(path, text)
+    atomic_write_text(os.path.join(workdir, LATEST_FILE), text)
+    return path
+
+
+# Metrics that count things: printed as integers, the others with 4 decimals
+COUNTS = ("num_tasks", "env_errors", "weight_version", "checkpoint_step")
+# What each metric of an eval means, for the table `launch.eval` prints (absent keys skipped;
+# a metric not listed here is printed without a meaning).
+MEANINGS = {
+    "success": "greedy success rate (one deterministic episode a task)",
+    "reward": "mean episode reward, greedy",
+    "turns": "mean actions an episode",
+    "tokens": "mean generated tokens an episode",
+    "num_tasks": "held-out tasks played (eval.num_tasks)",
+    "env_errors": "episodes the env failed on (not the policy's fault)",
+    "weight_version": "version of the weights that played (here: the checkpoint step)",
+    "checkpoint_step": "checkpoint evaluated (-1: an HF directory, --model_path)",
+}
+
+
+def table(result: dict) -> str:
+    """`result` as a labelled table: metric | value | what it means, one row a metric."""
+    def meaning(key: str) -> str:
+        kind, _, k = key.partition("@")
+        if k:
+            return {"pass": f"a task solved by any of {k} samples",
+                    "mean": f"mean success of {k} samples (pass@1 at the rollout temperature)",
+                    "distinct": f"distinct successful replies among {k} samples a task"
+                    }.get(kind, "")
+        return MEANINGS.get(key, "")
+
+    rows = [(k, f"{v:g}" if k in COUNTS else f"{v:.4f}", meaning(k))
+            for k, v in sorted(result.items())]
+    width = max(len("metric"), *(len(r[0]) for r in rows))
+    vwidth = max(len("value"), *(len(r[1]) for r in rows))
+    lines = [f"{'metric':<{width}} | {'value':>{vwidth}} | meaning",
+             f"{'-' * width}-+-{'-' * vwidth}-+-{'-' * 7}"]
+    lines += [f"{k:<{width}} | {v:>{vwidth}} | {m}".rstrip() for k, v, m in rows]
+    return "\n".join(lines)

@@ -33,6 +33,7 @@ import ml_collections
 from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
 from rl_tpu.data.tasks import TaskStream, eval_tasks
+from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.models import hf
 from rl_tpu.recipes import components, run_summary, sft
 from rl_tpu.recipes.config import check
@@ -191,8 +192,10 @@ class PolicyChain:
     def evaluate(self, params, version: str) -> dict[str, float]:
         started = time.time()
         engine = self.engine(params, version)
-        result = components.evaluate_policy(self.config, engine, self.make_env, self.eval_list,
-                                            self.tokenizer, self.config.seed)
+        with Heartbeat(f"eval of {version}: {len(self.eval_list)} tasks",
+                       every_s=self.config.log.every_s, enabled=self.is_chief):
+            result = components.evaluate_policy(self.config, engine, self.make_env,
+                                                self.eval_list, self.tokenizer, self.config.seed)
         return {f"eval/{k}": v for k, v in result.items()} | {
             "time/eval_s": time.time() - started}
 

@@ -50,6 +50,7 @@ from rl_tpu.agent.program import player_for
 from rl_tpu.checkpoint import Checkpointer
 from rl_tpu.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
+from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.agent.env_failures import EnvFailureWatch
 from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import lora
@@ -390,7 +391,9 @@ class Trainer:
             serving = contextlib.nullcontext(self.eval_engine)
         else:  # shared with the producer: serving `step`, not a version behind it
             serving = self.producer.engine_at(params, step)
-        with serving as engine:
+        beat = Heartbeat(f"eval at step {step}: {len(self.eval_list)} tasks",
+                         every_s=self.config.log.every_s, enabled=self.is_chief)
+        with serving as engine, beat:
             result = components.evaluate_policy(self.config, engine, self.make_env,
                                                 self.eval_list, self.tokenizer,
                                                 components.step_seed(self.config.seed, step, 1),

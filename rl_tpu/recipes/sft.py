@@ -420,6 +420,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     from rl_tpu import metrics as metrics_lib
     from rl_tpu.checkpoint import Checkpointer
     from rl_tpu.data.tasks import eval_tasks
+    from rl_tpu.heartbeat import Heartbeat
     from rl_tpu.recipes.config import check
 
     check(config)
@@ -470,8 +471,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         source = components.task_source(config, make_env)
         tasks = [t for _, t in eval_tasks(source, config.env.eval_split,
                                           config.eval.num_tasks)]
-        result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
-                                            config.seed)
+        with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
+                       enabled=jax.process_index() == 0):
+            result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
+                                                config.seed)
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
         components.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                              tokenizer)

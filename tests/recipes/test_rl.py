@@ -122,6 +122,8 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         assert field in summary[0], summary[0]
     assert (f"LoRA rank {c.model.lora.rank} (" if c.model.lora.rank
             else "full fine-tuning") in summary[0]
+    if c.sft.steps:  # the warm start's progress: its last step always has a line in a log
+        assert f"warm start: SFT step {c.sft.steps}/{c.sft.steps}: loss " in out.stdout
     records = read_metrics(str(tmp_path))
     steps = [r["step"] for r in records if "rollout/reward" in r]
     assert steps == [1, 2]
@@ -144,7 +146,8 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
         from rl_tpu.recipes import evaluate
         from_ckpt = evaluate.run(c, workdir=str(tmp_path))
         from_hf = evaluate.run(c, model_path=str(tmp_path / "final_hf"))
-        assert from_ckpt["checkpoint_step"] == 2
+        assert from_ckpt["checkpoint_step"] == from_ckpt["weight_version"] == 2
+        assert os.path.isfile(tmp_path / "evals" / "eval_step2.json")
         assert from_ckpt["success"] == from_hf["success"] == final_eval["eval/success"]
         assert from_ckpt["tokens"] == from_hf["tokens"] == final_eval["eval/tokens"]
         _rerun_of_a_finished_run(c, tmp_path, final_eval)
