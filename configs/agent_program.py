@@ -12,6 +12,10 @@ program's calls an episode and `env.max_new_tokens` each reply. Point `program` 
 at your own agent and its tasks (or `env.dataset_dir` at a JSONL dataset), and `model.path`
 at a real chat model; the tiny random model here only shows the pipeline running. `smoke`
 runs 2 steps in seconds.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/agent_program.py:smoke \\
+        --workdir /tmp/agent_program_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke

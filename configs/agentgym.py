@@ -14,6 +14,16 @@ is the last one. Turn limits are AgentGym-RL's (train / eval): BabyAI 20 / 20, T
 stages, one every 100 steps; `fixed` keeps the training limit throughout. SearchQA searches
 rl_tpu's shipped corpus (AgentGym's server uses an e5 index over wiki-18) with the same
 protocol.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/agentgym.py:babyai,smoke \\
+        --workdir /tmp/agentgym_babyai_smoke
+    python -m launch.train --config configs/agentgym.py:textcraft,fixed,smoke \\
+        --workdir /tmp/agentgym_textcraft_smoke
+    python -m launch.train --config configs/agentgym.py:searchqa,smoke \\
+        --workdir /tmp/agentgym_searchqa_smoke
+    python -m launch.train --config configs/agentgym.py:sciworld,smoke \\
+        --workdir /tmp/agentgym_sciworld_smoke  # Java
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
@@ -27,6 +37,17 @@ SETTINGS = {
     "searchqa": (5, 30, (5, 8, 10), 512, 60.0),
 }
 ENV_NAMES = {"searchqa": "search"}  # AgentGym's name -> rl_tpu's, where they differ
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "babyai": "AgentGym's BabyAI (macro actions, all 40 levels), 20 / 20 turns",
+    "textcraft": "TextCraft crafting goals, 30 / 30 turns",
+    "sciworld": "ScienceWorld (needs a Java runtime), 20 / 30 turns",
+    "searchqa": "search QA over rl_tpu's shipped corpus, 5 / 30 turns",
+    "scaling": "the turn limit grows in ScalingInter-RL's stages, one every 100 steps",
+    "fixed": "the training turn limit throughout",
+}
 
 
 def get_config(arg: str = "babyai"):

@@ -18,6 +18,11 @@ Eval: greedy success on 100 held-out tasks at a fixed 4-turn horizon, at step 0 
 Variants: '' = `fixed` (4 turns throughout), `scaling` (ScalingInter-RL: 2, 3, then 4 turns,
 a stage every 14 of the 40 steps), `smoke` (2 steps, a tiny budget), and `,seed1`-style suffixes for the
 seed (e.g. `scaling,seed1`). The teacher's success and the warm start's are logged at step 0.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/babyai_cpu.py:smoke --workdir /tmp/babyai_cpu_smoke
+    python -m launch.train --config configs/babyai_cpu.py:scaling,smoke \\
+        --workdir /tmp/babyai_scaling_smoke
 """
 
 from rl_tpu.envs.babyai_teacher import EASY_LEVELS
@@ -27,6 +32,13 @@ from rl_tpu.recipes.variants import parse_variant
 
 HORIZON = 4
 STAGES = (2, 3, 4)
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "fixed": "4 turns throughout",
+    "scaling": "ScalingInter-RL: 2, 3, then 4 turns, a stage every 14 of the 40 steps",
+}
 
 
 def get_config(arg: str = ""):

@@ -9,6 +9,10 @@ is "babyai" in rl_tpu's primitive-action mode (`actions="primitive"`: seven prim
 the view in sentences, minigrid's reward) on the 8 levels its bot solves in under 20 steps;
 configs/agentgym.py:babyai trains the AgentGym default (macro actions, all 40 levels).
 `get_config("smoke")` runs two steps of two-turn episodes on a tiny random model.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/babyai_grpo.py:smoke \\
+        --workdir /tmp/babyai_grpo_smoke
 """
 
 from rl_tpu.envs.babyai.levels import PRIMITIVE_LEVELS

@@ -29,6 +29,12 @@ Settings:
 Variants are comma-separated (`clip,s8`, `bapo,s4,seed1`); `smoke` shrinks any of them. Two
 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2) let the sampler and the
 learner overlap; one device runs the same numbers, only slower.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/bapo_entropy.py:bapo,smoke \\
+        --workdir /tmp/bapo_e_smoke
+    python -m launch.train --config configs/bapo_entropy.py:clip,s0,smoke \\
+        --workdir /tmp/bapo_e_clip_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -36,6 +42,17 @@ from rl_tpu.recipes.variants import parse_variant
 
 LOSSES = ("bapo", "clip", "clip_higher")
 SETTINGS = ("s0", "s4", "s8")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "bapo": "BAPO's adaptive bounds (rho0 0.4, c_low in [0.6, 0.9], c_high in [1.2, 3.0])",
+    "clip": "PPO clip [0.8, 1.2]",
+    "clip_higher": "DAPO clip-higher [0.8, 1.28]",
+    "s0": "on-policy, one update a step (the control)",
+    "s4": "an asynchronous producer in lock-step: staleness exactly 4",
+    "s8": "an asynchronous producer in lock-step: staleness exactly 8",
+}
 
 
 def get_config(arg: str = ""):

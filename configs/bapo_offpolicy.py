@@ -25,6 +25,14 @@ Without the XLA flag (one CPU device) every setting runs too: the asynchronous o
 and learner then share the device and take turns (s2 and s4, in lock-step, give the same
 numbers as on two devices), only without the overlap.
 The comparison, its figure and what it shows are in docs/off_policy.md.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/bapo_offpolicy.py:bapo,smoke \\
+        --workdir /tmp/bapo_smoke
+    python -m launch.train --config configs/bapo_offpolicy.py:clip,replay,smoke \\
+        --workdir /tmp/bapo_replay_smoke
+    python -m launch.train --config configs/bapo_offpolicy.py:bapo,partial,smoke \\
+        --workdir /tmp/bapo_partial_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
@@ -32,6 +40,19 @@ from rl_tpu.recipes.variants import parse_variant
 
 LOSSES = ("bapo", "clip", "clip_higher")
 SETTINGS = ("s0", "s2", "s4", "replay", "partial")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "bapo": "BAPO's adaptive bounds (rho0 0.4, c_low in [0.6, 0.9], c_high in [1.2, 3.0])",
+    "clip": "PPO clip [0.8, 1.2]",
+    "clip_higher": "DAPO clip-higher [0.8, 1.28]",
+    "s0": "on-policy (the control)",
+    "s2": "an asynchronous producer in lock-step: staleness exactly 2",
+    "s4": "an asynchronous producer in lock-step: staleness exactly 4",
+    "replay": "on-policy rollouts plus as many replayed groups up to 4 versions old",
+    "partial": "partial rollouts resumed under newer weights (at most 2 behind)",
+}
 
 
 def get_config(arg: str = ""):

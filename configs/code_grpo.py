@@ -25,10 +25,30 @@ Variants:
              pipeline (every problem's program through the sandbox) and its wall time
 `smoke` shrinks any of them to seconds. `sandbox` names the sandbox: bubblewrap (default) or
 unsafe_no_isolation (plain subprocesses, for a machine without user namespaces).
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/code_grpo.py:smoke --workdir /tmp/code_smoke
+    python -m launch.train --config configs/code_grpo.py:repair,smoke \\
+        --workdir /tmp/code_repair_smoke
+    python -m launch.train --config configs/code_grpo.py:tir,smoke --workdir /tmp/code_tir_smoke
+    python -m launch.eval --config configs/code_grpo.py:humaneval,smoke \\
+        --model_path /tmp/code_smoke/final_hf
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "rl": "the warm start, then 60 GRPO steps of 16 tasks x 8 samples",
+    "sft_only": "the control: no RL, longer SFT on the teacher",
+    "repair": "the code_repair env: a second try after the first failing test",
+    "tir": "the tir env: a python block runs in the sandbox, then the answer",
+    "humaneval": "HumanEval's 164 problems as the eval (launch.eval only)",
+    "bubblewrap": "programs run in the bubblewrap sandbox",
+    "unsafe_no_isolation": "plain subprocesses with rlimits only (unsafe)",
+}
 
 
 def get_config(arg: str = ""):

@@ -5,6 +5,10 @@
 
 Single-turn: one reply per task, scored by reasoning-gym's own checker (1.0 right, 0.05 for a
 well-formed wrong answer). `get_config("smoke")` runs two steps on a tiny random model.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/countdown_grpo.py:smoke \\
+        --workdir /tmp/countdown_smoke
 """
 
 from rl_tpu.recipes.config import base_config, shrink_for_smoke, single_turn_reasoning

@@ -16,12 +16,33 @@ reward model (reward.model_path, default configs/reward_model_largest.py's) inst
 env's exact reward, the online iterative RLHF recipe (docs/rewards.md); `smoke` shrinks any of
 them. Greedy success on 500 held-out tasks after each round is
 W/metrics.jsonl's eval/success at steps 0..3; the figures are in docs/loops.md.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/dpo_largest.py:smoke --workdir /tmp/dpo_smoke
+    python -m launch.train --config configs/dpo_largest.py:inpo,smoke --workdir /tmp/inpo_smoke
+    python -m launch.train --config configs/reward_model_largest.py:smoke \\
+        --workdir /tmp/rm_smoke
+    python -m launch.train --config configs/dpo_largest.py:rm,smoke \\
+        --config.reward.model_path=/tmp/rm_smoke/reward_model_hf --workdir /tmp/dpo_rm_smoke
+    python -m launch.train --config configs/dpo_largest.py:offline,smoke \\
+        --config.dpo.data_path=pairs.jsonl --workdir /tmp/dpo_offline_smoke  # your pairs
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("dpo", "ipo", "inpo", "offline")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "dpo": "online iterative DPO (beta 0.1)",
+    "ipo": "IPO (beta 0.1)",
+    "inpo": "INPO (eta 10, tau 0.05 toward P_0)",
+    "offline": "60 DPO steps on dpo.data_path's pairs, reference P_0",
+    "rule": "replies ranked by the env's exact reward",
+    "rm": "replies ranked by a reward model (reward.model_path)",
+}
 
 
 def get_config(arg: str = ""):

@@ -10,10 +10,23 @@ them for 100 steps at lr 1e-3 (rl_tpu/recipes/expert_iteration.py). Greedy succe
 held-out tasks after each round is W/metrics.jsonl's eval/success at steps 0..3.
 `rft` is one round (plain rejection-sampling fine-tuning); `smoke` runs the pipeline in
 seconds. The figures are in docs/loops.md.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/expert_iteration_largest.py:smoke \\
+        --workdir /tmp/ei_smoke
+    python -m launch.train --config configs/expert_iteration_largest.py:rft,smoke \\
+        --workdir /tmp/rft_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "expert_iteration": "3 rounds of rejection-sampling fine-tuning",
+    "rft": "one round (plain rejection-sampling fine-tuning)",
+}
 
 
 def get_config(arg: str = ""):

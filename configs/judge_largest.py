@@ -14,6 +14,9 @@ policy that leans on "A". Then 40 GRPO steps of 32 tasks x 8 samples. The eval r
 `eval/success` (the judge's greedy accuracy on 200 held-out pairs) and
 `eval/format_valid_rate` (replies that were a verdict) every 5 steps; `eval/violation_rate`
 is 1 - accuracy among the verdicts. `seedN` picks the run's seed; `smoke` shrinks it.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/judge_largest.py:smoke --workdir /tmp/judge_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start

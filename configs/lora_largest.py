@@ -18,6 +18,12 @@ several times full's).
 `seed<N>` picks the seed (RL's sampling and the adapters' init; the base is the same).
 `smoke` runs any of them in seconds on the tiny random model (no base needed); `smoke` alone
 runs `r8` (LoRA is what this file is about), `full,smoke` full fine-tuning.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/lora_largest.py:smoke \\
+        --workdir /tmp/lora_smoke  # r8
+    python -m launch.train --config configs/lora_largest.py:full,smoke \\
+        --workdir /tmp/lora_full_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
@@ -26,6 +32,19 @@ from rl_tpu.recipes.variants import parse_variant
 METHODS = ("full", "r1", "r8", "r32")
 LEARNING_RATES = {"full": (2.5e-4, 5e-4, 1e-3, 2e-3), "lora": (3e-4, 1e-3, 3e-3, 1e-2)}
 ALPHA = 32.0
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "full": "full fine-tuning (Adam over every weight)",
+    "r1": "LoRA adapters of rank 1 on all seven projections",
+    "r8": "LoRA adapters of rank 8 on all seven projections",
+    "r32": "LoRA adapters of rank 32 on all seven projections",
+    "lr1": "full 2.5e-4, LoRA 3e-4",
+    "lr2": "full 5e-4, LoRA 1e-3",
+    "lr3": "full 1e-3, LoRA 3e-3",
+    "lr4": "full 2e-3, LoRA 1e-2",
+}
 
 
 def get_config(arg: str = ""):

@@ -11,6 +11,13 @@ The trainer exports each update as an HF directory and asks every server to load
 math-verify. `get_config("smoke")`: a tiny random model served by `launch.serve_rollout`
 (rl_tpu's own SGLang-compatible server) or real SGLang, single-turn arithmetic from
 reasoning-gym, two steps; the tests pass the server's url with --rollout_urls.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.make_tiny_model --out /tmp/math_smoke_model
+    python -m launch.serve_rollout --model_path /tmp/math_smoke_model --port 30000 &
+    python -m launch.train --config configs/math_sglang.py:smoke \\
+        --config.model.path=/tmp/math_smoke_model --rollout_urls=http://127.0.0.1:30000 \\
+        --workdir /tmp/math_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, single_turn_reasoning

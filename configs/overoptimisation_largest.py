@@ -14,12 +14,26 @@ GRPO from the SFT warm start, 120 steps of 32 tasks x 8 samples, paid by the pro
 (algo.log_kl) and, at kl0.05 and kl0.5, penalised (algo.kl_coef, k3). rollout/reward_rule is
 the env's verdict on the same rollouts: the gold curve. The figures are in docs/rewards.md.
 `smoke` shrinks any of them (it needs --config.reward.model_path too).
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/reward_model_largest.py:proxy,smoke \\
+        --workdir /tmp/rm_proxy_smoke
+    python -m launch.train --config configs/overoptimisation_largest.py:kl0.05,smoke \\
+        --config.reward.model_path=/tmp/rm_proxy_smoke/reward_model_hf --workdir /tmp/oo_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 KL_COEF = {"kl0": 0.0, "kl0.05": 0.05, "kl0.5": 0.5}
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "kl0": "no KL penalty (the KL is still logged)",
+    "kl0.05": "KL penalty 0.05 (k3)",
+    "kl0.5": "KL penalty 0.5 (k3)",
+}
 
 
 def get_config(arg: str = ""):

@@ -12,10 +12,22 @@
 It prints the teacher's success, the SFT start's, and the final one; W/metrics.jsonl holds
 every step, W/curves.png the curves. `get_config("smoke")` runs the same pipeline in seconds;
 `get_config("sft_only")` is the control: the same budget spent on more SFT instead of RL.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/quickstart.py:smoke --workdir /tmp/quickstart_smoke
+    python -m launch.train --config configs/quickstart.py:sft_only,smoke \\
+        --workdir /tmp/quickstart_sft_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "rl": "SFT warm start, then GRPO with the exact reward",
+    "sft_only": "the control: the same budget spent on more SFT instead of RL",
+}
 
 
 def get_config(arg: str = ""):

@@ -16,10 +16,24 @@ configs/rlhf_largest.py trains a policy against.
   proxy  a weak model from 24 tasks' pairs, 100 steps: the proxy that
          configs/overoptimisation_largest.py over-optimises
 `smoke` runs the pipeline in seconds. The figures are in docs/rewards.md.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/reward_model_largest.py:smoke \\
+        --workdir /tmp/rm_smoke
+    python -m launch.train --config configs/reward_model_largest.py:ssrm,smoke \\
+        --workdir /tmp/rm_ssrm_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "bt": "Bradley-Terry on 1024 tasks' pairs, 400 steps",
+    "ssrm": "semi-supervised: 128 tasks' pairs, then 3 pseudo-label rounds",
+    "proxy": "a weak model from 24 tasks' pairs, 100 steps",
+}
 
 
 def get_config(arg: str = ""):

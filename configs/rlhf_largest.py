@@ -14,10 +14,25 @@ The quickstart's setting (rl_tpu/recipes/config.py: largest_task): GRPO from the
   gold   the env's exact reward (the control: what RL reaches with the true reward)
 Same seed, same steps, same warm start. The table of both is in docs/rewards.md. `smoke`
 shrinks either (rm needs --config.reward.model_path, e.g. the reward_model_largest smoke's).
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/reward_model_largest.py:smoke \\
+        --workdir /tmp/rm_smoke
+    python -m launch.train --config configs/rlhf_largest.py:rm,smoke \\
+        --config.reward.model_path=/tmp/rm_smoke/reward_model_hf --workdir /tmp/rlhf_rm_smoke
+    python -m launch.train --config configs/rlhf_largest.py:gold,smoke \\
+        --workdir /tmp/rlhf_gold_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "rm": "the reward model's score alone (reward.model_path)",
+    "gold": "the env's exact reward (the control)",
+}
 
 
 def get_config(arg: str = ""):

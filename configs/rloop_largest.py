@@ -14,12 +14,25 @@ largest_task) and sample the same RL rollouts: 60 GRPO steps of 32 tasks x 8 sam
 Greedy success on 500 held-out tasks: W/metrics.jsonl's eval/success (RLoop: one line a
 round; each round's RL run has its own curve in W/round_R/rl). `smoke` shrinks any variant.
 The figures are in docs/loops.md.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/rloop_largest.py:smoke --workdir /tmp/rloop_smoke
+    python -m launch.train --config configs/rloop_largest.py:plain_rl,smoke \\
+        --workdir /tmp/plain_rl_smoke
 """
 
 from rl_tpu.recipes.config import base_config, largest_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("rloop", "alternate", "plain_rl")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "rloop": "3 rounds: RL, then fine-tune the round's starting policy",
+    "alternate": "RL and SFT alternating (the fine-tune continues from RL's end)",
+    "plain_rl": "the control: one 60-step RL run",
+}
 
 
 def get_config(arg: str = ""):

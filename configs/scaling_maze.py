@@ -31,6 +31,12 @@ later turns of a search, which is what the paper's plateau needs. Its grid, from
     python benchmarks/testbed_grid.py --config configs/scaling_maze.py --root /tmp/hmaze \
         --base_variant hidden --runs hidden,short hidden,long hidden,staged --seeds 0,1 \
         --x env_steps --panels eval/success,rollout/turns,train/horizon
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/scaling_maze.py:staged,smoke \\
+        --workdir /tmp/maze_smoke
+    python -m launch.train --config configs/scaling_maze.py:hidden,staged,smoke \\
+        --workdir /tmp/hmaze_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -39,6 +45,16 @@ from rl_tpu.recipes.variants import parse_variant
 LONG = 16
 SHORT = 6
 STAGES = (6, 11, 16)
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "short": "6 turns throughout",
+    "long": "16 turns throughout",
+    "staged": "ScalingInter-RL: 6, then 11 from step 14, then 16 from step 27",
+    "full": "the goal is in view from the start",
+    "hidden": "the goal is named only next to it: every episode is a search",
+}
 
 
 def get_config(arg: str = ""):

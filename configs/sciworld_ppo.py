@@ -9,6 +9,10 @@ is "sciworld" with rl_tpu's options: 0..1 score increments as rewards (`reward="
 system prompt, round-robin tasks over all 30 families, 100 replies instead of the simulator's
 100-move limit; configs/agentgym.py:sciworld trains its AgentGym default.
 `get_config("smoke")` runs two steps on a tiny random model.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/sciworld_ppo.py:smoke \\
+        --workdir /tmp/sciworld_smoke  # Java
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke

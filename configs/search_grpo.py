@@ -7,6 +7,9 @@ episode); configs/agentgym.py:searchqa trains the same env in AgentGym's default
 
 The agent issues `search[...]` queries and ends with `answer[...]`; horizon stages (5, 8, 10)
 as AgentGym-RL trains Deep Search. `get_config("smoke")` runs two steps on a tiny model.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/search_grpo.py:smoke --workdir /tmp/search_smoke
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke

@@ -26,6 +26,14 @@ held-out problems and no variant moves it (docs/loops.md). The grid, from one ba
         --base_variant small --runs small,peak small,learnability small,band \
         small,solver_only --seeds 0,1 --x solver_tokens \
         --panels eval/success,selfplay/solver_success,selfplay/proposal_abs_value
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/selfplay_arithmetic.py:smoke \\
+        --workdir /tmp/selfplay_smoke
+    python -m launch.train --config configs/selfplay_arithmetic.py:small,band,smoke \\
+        --workdir /tmp/sp_band_smoke
+    python -m launch.train --config configs/selfplay_arithmetic.py:solver_only,smoke \\
+        --workdir /tmp/sp_solver_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -33,6 +41,17 @@ from rl_tpu.recipes.variants import parse_variant
 
 
 REWARDS = ("peak", "learnability", "band", "solver_only")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "peak": "proposer paid most at 50% solver success",
+    "learnability": "proposer paid 4 p (1 - p)",
+    "band": "proposer paid 1 for solver success in [0.2, 0.8]",
+    "solver_only": "the control: plain GRPO on random problems, no proposer",
+    "full": "up to 4 integers in [0, 20]",
+    "small": "the testbed size: two integers in [0, 9]",
+}
 
 
 def get_config(arg: str = ""):

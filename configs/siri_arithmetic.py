@@ -33,6 +33,14 @@ policy can still fit by adding several terms a step). Its 2-seed grid from one w
     python benchmarks/testbed_grid.py --config configs/siri_arithmetic.py --root /tmp/ssteps \
         --base_variant steps --runs steps,siri steps,fixed --seeds 0,1 --x tokens \
         --panels eval/success,eval/tokens,rollout/response_length
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/siri_arithmetic.py:siri,smoke \\
+        --workdir /tmp/siri_smoke
+    python -m launch.train --config configs/siri_arithmetic.py:fixed,smoke \\
+        --workdir /tmp/siri_fixed_smoke
+    python -m launch.train --config configs/siri_arithmetic.py:steps,siri,smoke \\
+        --workdir /tmp/siri_steps_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -54,6 +62,16 @@ PROMPT = "Give the final answer inside <answer>...</answer>."
 
 # The scratchpad testbed's sums: 3-6 one-digit terms, worked as running totals
 STEPS_ARITHMETIC = dict(ARITHMETIC, min_terms=3, max_terms=6)
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "pair": "one-digit sums of two terms",
+    "steps": "the scratchpad testbed: sums of 3-6 terms",
+    "siri": "budget stairs of 10 steps: compression, then expansion",
+    "fixed": "the same budget every step (the twin)",
+    "cosine": "as siri, the cosine form of the cycle",
+}
 
 
 def get_config(arg: str = ""):

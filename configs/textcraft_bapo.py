@@ -13,6 +13,10 @@ pi_theta / pi_rollout sees the staleness. `--config.rollout.max_staleness=0` tra
 on-policy instead. BAPO's bounds: rho0 0.4, c_low in [0.6, 0.9], c_high in [1.2, 3.0] (the
 paper's defaults), 4 minibatches so each mini-update adapts its own bounds.
 `get_config("smoke")` runs two steps on a tiny random model, on-policy.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/textcraft_bapo.py:smoke \\
+        --workdir /tmp/textcraft_smoke
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke

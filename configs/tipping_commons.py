@@ -35,6 +35,12 @@ grid's root:
     python benchmarks/testbed_grid.py --config configs/tipping_commons.py --root /tmp/com \
         --runs tempted,plain tempted,penalty tempted,kl --seeds 0,1 \
         --panels eval/violation_rate,rollout/violation_rate,eval/format_valid_rate
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/tipping_commons.py:plain,smoke \\
+        --workdir /tmp/com_smoke
+    python -m launch.train --config configs/tipping_commons.py:tempted,kl,smoke \\
+        --workdir /tmp/com_kl_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
@@ -43,6 +49,16 @@ from rl_tpu.recipes.variants import parse_variant
 VARIANTS = ("plain", "penalty", "kl")
 FIRST_COOPERATION = {"steady": 0.6, "tempted": 0.4}
 ROUNDS = 3
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "plain": "the env's payoffs as they are",
+    "penalty": "violation_penalty 1.0: keeping pays at most 0",
+    "kl": "plain payoffs with a KL anchor to the aligned start (0.5, k3)",
+    "steady": "the others contribute with probability 0.6 at first",
+    "tempted": "0.4 at first: keeping out pays over the episode",
+}
 
 
 def get_config(arg: str = ""):

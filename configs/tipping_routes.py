@@ -21,12 +21,26 @@ shrinks any of them. The figure and what it shows are in docs/loops.md; the 2-se
         --runs plain penalty kl --seeds 0,1 --panels eval/violation_rate,rollout/violation_rate
     python benchmarks/tipping_report.py --runs 'plain=/tmp/tip/plain_seed*' \\
         --runs 'penalty=/tmp/tip/penalty_seed*' --runs 'KL anchor=/tmp/tip/kl_seed*'
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/tipping_routes.py:plain,smoke \\
+        --workdir /tmp/tip_smoke
+    python -m launch.train --config configs/tipping_routes.py:kl,smoke \\
+        --workdir /tmp/tip_kl_smoke
 """
 
 from rl_tpu.recipes.config import base_config, set_env, shrink_for_smoke, tiny_model_warm_start
 from rl_tpu.recipes.variants import parse_variant
 
 VARIANTS = ("plain", "penalty", "kl")
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "plain": "the env's reward as is: breaking the rule pays in 2 rounds of 3",
+    "penalty": "violation_penalty 1.0: a violation pays at most 0",
+    "kl": "the plain reward with a KL anchor to the aligned start (0.5, k3)",
+}
 
 
 def get_config(arg: str = ""):

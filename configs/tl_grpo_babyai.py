@@ -15,10 +15,22 @@ BabyAI is deterministic given the task and the actions). The branches' rewards, 
 of their own turns, are normalised in their group; the turns before the fork carry no loss
 (docs/architecture.md, "Turn-level GRPO and branching rollouts"). `fixed` forks every task at
 turn 3. `smoke`: a tiny random model, 2 steps of 2 tasks x 2 branches, forked at turn 1.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/tl_grpo_babyai.py:smoke --workdir /tmp/tl_smoke
+    python -m launch.train --config configs/tl_grpo_babyai.py:fixed,smoke \\
+        --workdir /tmp/tl_fixed_smoke
 """
 
 from rl_tpu.recipes.config import base_config, multi_turn_agent, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "uniform": "each task forks at a turn drawn from 0..5",
+    "fixed": "every task forks at turn 3",
+}
 
 
 def get_config(arg: str = ""):

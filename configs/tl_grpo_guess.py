@@ -19,6 +19,12 @@ tokens sampled too (`benchmarks/compare_runs.py --x tokens`). `,seedN` picks the
 `smoke` shrinks either.
 Eval: greedy success (found within 8 turns) and the best turn's closeness (`eval/reward`) on
 200 held-out numbers, every 5 steps.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/tl_grpo_guess.py:tl_grpo,smoke \\
+        --workdir /tmp/tl_guess_smoke
+    python -m launch.train --config configs/tl_grpo_guess.py:grpo,smoke \\
+        --workdir /tmp/grpo_guess_smoke
 """
 
 from rl_tpu.recipes.config import (base_config, multi_turn_agent, shrink_for_smoke,
@@ -26,6 +32,13 @@ from rl_tpu.recipes.config import (base_config, multi_turn_agent, shrink_for_smo
 from rl_tpu.recipes.variants import parse_variant
 
 TURNS = 8
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "tl_grpo": "one trunk a task, forked into 8 branches normalised together",
+    "grpo": "8 whole episodes a task (the control)",
+}
 
 
 def get_config(arg: str = ""):

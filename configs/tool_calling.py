@@ -15,10 +15,23 @@ The setting is `config.calculator_task`:
 2. GRPO with the exact reward: a call and a copied result pay, a guess does not.
 `get_config("sft_only")` is the control: the same budget spent on more SFT instead of RL.
 `smoke` runs the same pipeline in seconds.
+
+Smoke runs (seconds on a CPU; `--list_variants` after the config prints every variant):
+    python -m launch.train --config configs/tool_calling.py:smoke \\
+        --workdir /tmp/tool_calling_smoke
+    python -m launch.train --config configs/tool_calling.py:sft_only,smoke \\
+        --workdir /tmp/tool_sft_smoke
 """
 
 from rl_tpu.recipes.config import base_config, calculator_task, shrink_for_smoke
 from rl_tpu.recipes.variants import parse_variant
+
+
+# One line for each variant name (`--list_variants`; rl_tpu/recipes/variants.py).
+VARIANT_HELP = {
+    "rl": "SFT warm start, then GRPO with the exact reward",
+    "sft_only": "the control: the same budget spent on more SFT instead of RL",
+}
 
 
 def get_config(arg: str = ""):

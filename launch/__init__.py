@@ -9,13 +9,13 @@ there or is broken, an env server that is down or serves another env), and a mis
 package, a damaged model file or a resume under a changed config once the run has started,
 ends the process with one line on stderr and exit status 2; RL_TPU_DEBUG=1 shows the full
 traceback instead. A start that fails so leaves no workdir behind if it created one and wrote
-nothing in it. `--help` prints the flags and exits 0.
+nothing in it. `--help` prints the flags and exits 0; `--config configs/X.py --list_variants`
+prints the file's variants, one line each, and its smoke runs, and exits 0.
 
 They also turn on JAX's persistent compilation cache (`use_compilation_cache`), so a rerun, a
 resume and every run of a sweep compile each program once per machine.
 """
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -66,7 +66,10 @@ def run(main, prepare=None, check=None) -> None:
     `prepare(config)` applies the launcher's own flags to the config before it is checked,
     `check(config)` then checks what lies outside the config (default none; train and sft pass
     `check_inputs`)."""
+    define_list_variants_flag()
+
     def parse(argv):
+        list_variants_if_asked(argv)
         args = parse_flags(argv)
         config = finish_config(prepare=prepare)
         if check:
@@ -90,6 +93,30 @@ def run(main, prepare=None, check=None) -> None:
 
     app.run(lambda argv: one_line_errors(run_errors(), start_and_main, argv),
             flags_parser=lambda argv: one_line_errors(START_ERRORS, parse, argv))
+
+
+def define_list_variants_flag() -> None:
+    """`--list_variants`, for a launcher with a `--config` (see list_variants_if_asked)."""
+    flags.DEFINE_bool("list_variants", False, "Print the --config file's variants, one line "
+                      "each, and its smoke runs, then exit (no other flag is needed).")
+
+
+def list_variants_if_asked(argv) -> None:
+    """With `--list_variants` on the command line: prints what the --config file's variants
+    are (rl_tpu.recipes.variants.describe) and exits 0, before the other flags are parsed, so
+    that a required one such as --workdir need not be given."""
+    if not any(a in ("--list_variants", "--list_variants=true") for a in argv[1:]):
+        return
+    from rl_tpu.recipes.variants import describe
+
+    path = _config_arg(argv).split(":", 1)[0]
+    if not path:
+        raise ValueError("--list_variants needs --config=configs/X.py (the config file whose "
+                         "variants to list)")
+    if not os.path.isfile(path):
+        raise OSError(f"--config={path}: no such config file")
+    print(describe(path))
+    sys.exit(0)
 
 
 def parse_flags(argv, flag_values: flags.FlagValues = flags.FLAGS):
@@ -242,23 +269,23 @@ def error_message(e: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _config_arg() -> str:
+def _config_arg(argv=None) -> str:
     """The --config value on the command line (`configs/X.py[:variant]`)."""
-    for at, arg in enumerate(sys.argv):
+    argv = sys.argv if argv is None else argv
+    for at, arg in enumerate(argv):
         if arg.startswith("--config="):
             return arg.split("=", 1)[1]
-        if arg == "--config" and at + 1 < len(sys.argv):
-            return sys.argv[at + 1]
+        if arg == "--config" and at + 1 < len(argv):
+            return argv[at + 1]
     return ""
 
 
 def _env_kwargs_of_config_file() -> str:
     """Which env the config file sets and the kwargs it takes (its config is not at hand when
     an override fails, so the file is read again)."""
+    from rl_tpu.recipes.variants import load_config_file
+
     path, *variant = _config_arg().split(":", 1)
-    spec = importlib.util.spec_from_file_location("config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(*variant)
+    config = load_config_file(path).get_config(*variant)
     return (f"The config file's env {config.env.name!r} takes: "
             f"{', '.join(config.env.kwargs) or '(no kwargs)'}")

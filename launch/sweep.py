@@ -118,5 +118,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    launch.define_list_variants_flag()
+
+    def parse(argv):
+        launch.list_variants_if_asked(argv)
+        return FLAGS(argv)
+
     app.run(main, flags_parser=lambda argv: launch.one_line_errors(
-        launch.START_ERRORS, FLAGS, argv))
+        launch.START_ERRORS, parse, argv))

@@ -1,11 +1,15 @@
 """The configs' one variant parser, and the configs that use it refusing what they did not."""
 
+import glob
 import importlib
 import os
+import re
+import subprocess
 import sys
 
 import pytest
 
+from rl_tpu.recipes import variants
 from rl_tpu.recipes.variants import parse_variant
 
 LOSSES, SETTINGS = ("bapo", "clip", "clip_higher"), ("s0", "s2", "s4")
@@ -79,3 +83,56 @@ def test_a_config_without_groups_takes_only_smoke():
     assert parse_variant("smoke", {}) == ({}, True)
     with pytest.raises(ValueError, match=r"'fast' is not a choice; this config takes '' .* 'smoke'"):
         parse_variant("fast", {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Every config names its variants and shows its smoke runs (`--list_variants`)
+# ---------------------------------------------------------------------------------------------
+
+CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+
+
+def launcher_flags(module: str) -> set:
+    """The flags a launcher defines (its source's DEFINE_*("name", ...) calls) plus absl's."""
+    with open(os.path.join(REPO, *module.split(".")) + ".py") as f:
+        source = f.read()
+    defined = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))
+    if "launch.run(" in source:
+        defined.add("list_variants")
+    return defined
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_config_names_its_variants_and_shows_smoke_runs_that_parse(path):
+    module = variants.load_config_file(path)
+    groups, _, _ = variants.variants_of(module)
+    names = {name for choices in groups.values() for name in choices}
+    assert set(getattr(module, "VARIANT_HELP", {})) == names, "VARIANT_HELP: one line a name"
+    commands = variants.smoke_commands(module)
+    assert commands, f"{path}: no smoke command in its 'Smoke runs' docstring paragraph"
+    for words in commands:
+        launcher, args = words[0], words[1:]
+        defined = launcher_flags(launcher)
+        config_arg = next(a.split("=", 1)[1] if "=" in a else args[i + 1]
+                          for i, a in enumerate(args) if a.split("=")[0] == "--config")
+        config_file, _, variant = config_arg.partition(":")
+        config = variants.load_config_file(os.path.join(REPO, config_file)).get_config(variant)
+        for arg in args:
+            key = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+            if key and key.startswith("config."):  # an override: a key the config has
+                node = config
+                for part in key.split(".")[1:]:
+                    node = node[part]
+            elif key:
+                assert key in defined, f"{' '.join(words)}: {launcher} has no --{key}"
+
+
+def test_list_variants_prints_a_configs_variants_and_smoke_runs():
+    run = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--config", "configs/rlhf_largest.py",
+         "--list_variants"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "rm       (default) the reward model's score alone" in run.stdout
+    assert "gold     the env's exact reward (the control)" in run.stdout
+    assert "seed<N>" in run.stdout and "smoke " in run.stdout
+    assert "--config configs/rlhf_largest.py:gold,smoke" in run.stdout
