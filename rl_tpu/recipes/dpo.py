@@ -58,7 +58,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """loop.rounds rounds of pairs -> reference -> preference steps; returns the last eval."""
     chain = PolicyChain(config, workdir)
     # online pairs ranked by a learned reward instead of (or beside) the env's: reward.*
-    mix = RewardMix.from_config(config, jax.local_devices())
+    mix = RewardMix.from_config(config, jax.local_devices(), policy_tokenizer=chain.tokenizer)
     try:
         params = chain.load(chain.rounds_done)
         initial = chain.load(0) if config.dpo.loss == "inpo" else None

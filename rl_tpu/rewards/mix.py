@@ -31,7 +31,9 @@ import numpy as np
 
 from rl_tpu.agent.evaluation import global_sums
 from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.rewards.scorer import RewardScorer
+from rl_tpu.rewards.tokenizer_match import check_match, fingerprint
 from rl_tpu.train.rollout_batch import NO_LOSS
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,9 @@ class RewardMix:
         """The config's mix (None without reward.model_path, reward.urls or reward.judge): its
         reward model on `devices` (this host's sampler devices: it scores on the producer
         thread, as the sampler plays) or on the reward servers of reward.urls
-        (rl_tpu/rewards/remote.py); its judge a frozen model on `devices` or the policy
-        (`policy_engine`, `policy_tokenizer`)."""
+        (rl_tpu/rewards/remote.py), refused if its tokenizer is not `policy_tokenizer`; its
+        judge a frozen model on `devices` or the policy (`policy_engine`,
+        `policy_tokenizer`)."""
         from rl_tpu.rewards import judge_reward
         r = config.reward
         scorer = None
@@ -79,6 +82,8 @@ class RewardMix:
         elif r.model_path:
             scorer = RewardScorer.from_dir(r.model_path, devices, dtype=config.model.dtype,
                                            tokens_per_batch=r.tokens_per_batch)
+        if scorer is not None and policy_tokenizer is not None:
+            check_reward_tokenizer(config, scorer, policy_tokenizer)
         judge = judge_reward.from_config(config, devices, policy_engine, policy_tokenizer)
         if scorer is None and judge is None:
             return None
@@ -124,6 +129,28 @@ class RewardMix:
                     reward += self.judge_weight * value
             traj.info["reward_sources"] = sources
             traj.reward = reward
+
+
+def check_reward_tokenizer(config: ml_collections.ConfigDict, scorer,
+                           policy_tokenizer: ChatTokenizer) -> None:
+    """ValueError when the reward model's tokenizer is not the policy's
+    (rl_tpu/rewards/tokenizer_match.py); a warning when it cannot be told (a reward server
+    without a tokenizer, a reward model directory without one)."""
+    r = config.reward
+    where = f"reward.urls={r.urls!r}" if r.urls else f"reward.model_path={r.model_path!r}"
+    if r.urls:
+        reward = scorer.info().get("tokenizer")
+    else:
+        try:
+            reward = fingerprint(load_tokenizer(r.model_path))
+        except FileNotFoundError:
+            reward = None
+    if reward is None:
+        log.warning("%s: the reward model has no tokenizer to compare with the policy's; its "
+                    "scores are only meaningful if it was trained on the policy's token ids",
+                    where)
+        return
+    check_match(policy_tokenizer, reward, where)
 
 
 def has_reply(traj: Trajectory) -> bool:

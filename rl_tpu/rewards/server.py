@@ -58,6 +58,7 @@ from starlette.concurrency import run_in_threadpool
 from rl_tpu.http_limits import HttpLimits
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rewards.scorer import MIN_LENGTH, RewardScorer, padded_length
+from rl_tpu.rewards.tokenizer_match import fingerprint
 from rl_tpu.serving import (BadRequest, Server, client_disconnected, docs_routes,
                             error_response, guard, install_error_handlers, read_json)
 
@@ -269,6 +270,8 @@ class RewardService:
         self.num_labels = scorer.head.num_labels
         self.labels = list(scorer.head.labels) or [f"LABEL_{i}" for i in range(self.num_labels)]
         self.vocab = scorer.cfg.vocab_size
+        # what a client compares with its policy's tokenizer (rewards/tokenizer_match.py)
+        self.tokenizer_fingerprint = fingerprint(tokenizer) if tokenizer is not None else None
         self.positions = scorer.cfg.max_position_embeddings
         # a batch's sequences beyond one request's are not taken: a drained queue of many
         # large requests would otherwise be one call of unbounded size
@@ -381,7 +384,8 @@ class RewardService:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "served_model_name": self.served_name, "num_labels": self.num_labels,
                 "labels": self.labels, "is_generation": False, "vocab_size": self.vocab,
-                "limits": self.limits.as_json(self.positions)}
+                "limits": self.limits.as_json(self.positions),
+                "tokenizer": self.tokenizer_fingerprint}
 
     def load(self) -> dict:
         return {"queued_requests": self.batcher.queued(), "batches": self.batcher.batches,

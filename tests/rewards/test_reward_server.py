@@ -398,6 +398,30 @@ def test_the_remote_scorer_is_never_sent_an_episode_without_a_reply(server):
     assert failed.info[NO_LOSS] and failed.reward == 0.0
 
 
+def test_a_reward_model_of_another_tokenizer_is_refused_at_start(server, tmp_path):
+    """Two real tokenizers (the tiny BPE at two vocab sizes: other merges, other ids): a
+    reward model, local or served, whose tokenizer is not the policy's is refused by the
+    config key that names it; the policy's own passes; one that only adds tokens passes."""
+    from rl_tpu.models.tokenizer import ChatTokenizer
+    same, other = ChatTokenizer(build_tokenizer(V)), ChatTokenizer(build_tokenizer(512))
+    for key, value in (("model_path", server["path"]), ("urls", server["url"])):
+        config = base_config()
+        config.reward[key] = value
+        config.reward.model_weight = 1.0
+        with pytest.raises(ValueError, match=rf"reward.{key}=.*the reward model's tokenizer is "
+                                             r"not the policy's \(a probe text encodes to"):
+            RewardMix.from_config(config, jax.local_devices()[:1], policy_tokenizer=other)
+        mix = RewardMix.from_config(config, jax.local_devices()[:1], policy_tokenizer=same)
+        assert mix is not None and mix.scorer is not None
+    from rl_tpu.rewards.tokenizer_match import fingerprint, mismatch
+    policy = fingerprint(same)
+    padded = dict(policy, vocab_size=V + 1, special_ids=dict(policy["special_ids"], x=V))
+    assert mismatch(policy, padded) is None
+    renumbered = dict(policy, special_ids={t: i + 1 for t, i in policy["special_ids"].items()})
+    assert "special token" in mismatch(policy, renumbered)
+    assert "fewer than" in mismatch(policy, dict(policy, vocab_size=V - 1))
+
+
 def test_a_few_rows_pad_to_their_own_power_of_two_not_a_full_batch(server):
     scorer = RewardScorer.from_dir(server["path"], jax.local_devices()[:2], tokens_per_batch=256)
     # rows_for(16) = min(64, 256 // 16) = 16; rows_for(128) = 2; at least a row a device
