@@ -50,15 +50,17 @@ def run_errors() -> tuple:
     path and the last good checkpoint), and a workdir another trainer holds
     (workdir_lock.WorkdirLockedError: it names the holder), and a run whose episodes all
     end in env errors, step after step (agent.env_failures.EnvFailuresError: it names the
-    first error and where the tracebacks are)."""
+    first error and where the tracebacks are), and a code env on a machine where bubblewrap
+    cannot run (sandbox.SandboxUnavailable: it names the override that runs unisolated)."""
     from rl_tpu.agent.env_failures import EnvFailuresError
     from rl_tpu.checkpoint_errors import RunWriteError
     from rl_tpu.models.hf import CheckpointError
     from rl_tpu.recipes.resume import ResumeConfigError
+    from rl_tpu.sandbox.limits import SandboxUnavailable
     from rl_tpu.workdir_lock import WorkdirLockedError
 
     return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError, WorkdirLockedError,
-                         EnvFailuresError)
+                         EnvFailuresError, SandboxUnavailable)
 
 
 def run(main, prepare=None, check=None) -> None:

@@ -105,21 +105,30 @@ def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: in
     """The process's sandbox for these settings (`rl_tpu.sandbox.shared_sandbox`); refuses a
     mode that does not work here (SandboxUnavailable, saying why) unless it is
     unsafe_no_isolation."""
-    from rl_tpu.sandbox import Limits, SandboxUnavailable
+    from rl_tpu.sandbox import Limits, SandboxUnavailable, sandbox_unavailable_reason
     from rl_tpu.sandbox import shared_sandbox as process_sandbox
 
     if mode not in SANDBOX_MODES:
         raise ValueError(f"sandbox={mode!r}; choose one of {SANDBOX_MODES}")
+    reason = sandbox_unavailable_reason() if mode == "bubblewrap" else None
+    if reason:  # checked here to name the env kwarg (the sandbox's own hint is its Python API)
+        raise SandboxUnavailable(sandbox_missing_message(reason))
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=wall_seconds,
                     memory_bytes=int(memory_mb) * 2**20,
                     output_bytes=64 * 1024, tmpfs_bytes=64 * 2**20)
-    try:
-        return process_sandbox(mode, limits, int(pool_size))
-    except SandboxUnavailable as e:
-        raise SandboxUnavailable(
-            f"{e} (the code envs run model-written programs only in a sandbox; "
-            "sandbox='unsafe_no_isolation' runs them as plain subprocesses with "
-            "resource limits, on a machine you can lose)") from e
+    return process_sandbox(mode, limits, int(pool_size))
+
+
+def sandbox_missing_message(reason: str) -> str:
+    """One line (a launcher prints it as the run's last): why there is no sandbox, how to get
+    one, and the override that runs without one and what that risks."""
+    return (f"the bubblewrap sandbox the code envs run model-written programs in cannot run "
+            f"here: {reason}. Install bubblewrap (apt-get install bubblewrap) on a kernel that "
+            f"allows unprivileged user namespaces, or give the env sandbox=unsafe_no_isolation "
+            f"(on the command line: --config.env.kwargs.sandbox=unsafe_no_isolation), which "
+            f"is unsafe: the programs then run as plain subprocesses under resource limits "
+            f"only, able to read and write this machine's files and reach its network; use it "
+            f"only on a machine you can lose")
 
 
 def run_tests(sandbox, program: str, tests: list[dict], setup: str = "",
