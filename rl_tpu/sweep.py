@@ -386,11 +386,27 @@ def summary_keys(records: Iterable[Sequence[Mapping]], patterns: Sequence[str]) 
     return keys
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of `rows` (cells as text) in which a column whose cell is the same in
+    every row (two rows or more; the run's name and status always stay) is said once above
+    the table, `Same in every run: key value, ...`, rather than repeated down a column (a
+    smoke sweep's eval/num_tasks, eval/turns...). W/summary.csv keeps every column."""
+    kept = [i for i, key in enumerate(header)
+            if key in ("run", "status") or len(rows) < 2 or len({r[i] for r in rows}) > 1]
+    same = [f"{header[i]} {rows[0][i] or '(none)'}" for i in range(len(header))
+            if i not in kept]
+    lines = [f"Same in every run: {', '.join(same)}", ""] if same else []
+    lines += ["| " + " | ".join(header[i] for i in kept) + " |", "|" + "---|" * len(kept)]
+    lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def summarise(workdir: str, runs: Sequence[Run], status: Mapping[str, str],
               patterns: Sequence[str] = DEFAULT_SUMMARY_KEYS,
               plot_keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> str:
     """W/summary.md, W/summary.csv (a row per run: its swept values, status and final
-    metrics) and W/sweep_curves.png; returns the markdown table."""
+    metrics) and W/sweep_curves.png; returns the markdown table (`markdown_table`: columns
+    equal in every row said once above it)."""
     records = {run.name: _records(run) for run in runs}
     keys = summary_keys(records.values(), patterns)
     swept = list(dict.fromkeys(k for run in runs for k, _ in run.overrides))
@@ -409,9 +425,7 @@ def summarise(workdir: str, runs: Sequence[Run], status: Mapping[str, str],
         text = f"{value:.4g}" if isinstance(value, float) else str(value)
         return text.replace("|", "\\|")
 
-    table = "\n".join(["| " + " | ".join(header) + " |",
-                       "|" + "---|" * len(header),
-                       *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows)])
+    table = markdown_table(header, [[cell(v) for v in row] for row in rows])
     metrics_lib.atomic_write_text(os.path.join(workdir, SUMMARY_MD), table + "\n")
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")

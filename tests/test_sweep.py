@@ -233,6 +233,26 @@ def test_summary_table_csv_and_curves(tmp_path):
     assert chosen.splitlines()[0] == "| run | seed | status | rollout/reward |"
 
 
+def test_a_column_equal_in_every_row_is_said_once_above_the_table(tmp_path):
+    runs = [fake_run(tmp_path, "seed=0", reward=0.5), fake_run(tmp_path, "seed=1", reward=0.75)]
+    status = sweep.run_all(runs, say=lambda _: None)
+    table = sweep.summarise(str(tmp_path), runs, status)
+    # eval/success is 0.25 in both: said once; run and status stay, however alike
+    assert table.splitlines() == [
+        "Same in every run: eval/success 0.25",
+        "",
+        "| run | seed | status | rollout/reward |",
+        "|---|---|---|---|",
+        "| seed=0 | 0 | done | 0.5 |",
+        "| seed=1 | 1 | done | 0.75 |"]
+    assert (tmp_path / sweep.SUMMARY_MD).read_text() == table + "\n"
+    rows = list(csv.reader(open(tmp_path / sweep.SUMMARY_CSV)))  # every column, as before
+    assert rows[0] == ["run", "seed", "status", "eval/success", "rollout/reward"]
+    # one run: nothing to compare, every column stays
+    one = sweep.summarise(str(tmp_path), runs[:1], status)
+    assert one.splitlines()[0] == "| run | seed | status | eval/success | rollout/reward |"
+
+
 # ----------------------------------------------------------------------------- the launcher
 
 # Command lines run together, once for the module (each pays JAX's and the config's import):
@@ -320,8 +340,13 @@ def test_a_2x2_smoke_sweep_runs_summarises_and_a_rerun_skips_or_resumes(tmp_path
         assert marker["returncode"] == 0 and "eval/success" in marker["final_metrics"]
         assert os.path.isfile(tmp_path / name / "metrics.jsonl")
     table = (tmp_path / sweep.SUMMARY_MD).read_text().splitlines()
-    assert table[0].startswith("| run | optim.lr | seed | status | eval/")
-    assert "rollout/reward" in table[0] and "train/entropy" in table[0]
+    # metrics equal in every run (a smoke's eval/num_tasks...) are said once above the table
+    same = table[0] if table[0].startswith("Same in every run: ") else ""
+    table = table[2:] if same else table
+    assert table[0].startswith("| run | optim.lr | seed | status | ")
+    assert "eval/num_tasks 16" in same and "eval/num_tasks" not in table[0]
+    for key in ("eval/success", "rollout/reward", "train/entropy"):
+        assert (f" {key} |" in table[0]) != (f"{key} " in same), (key, same, table[0])
     assert [row.split(" | ")[:4] for row in table[2:]] == [
         [f"| {n}", n.split(",")[0].split("=")[1], n[-1], "done"] for n in names]
     rows = list(csv.DictReader(open(tmp_path / sweep.SUMMARY_CSV)))
