@@ -116,7 +116,10 @@ def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: in
     limits = Limits(wall_seconds=wall_seconds, cpu_seconds=wall_seconds,
                     memory_bytes=int(memory_mb) * 2**20,
                     output_bytes=64 * 1024, tmpfs_bytes=64 * 2**20)
-    return process_sandbox(mode, limits, int(pool_size))
+    try:
+        return process_sandbox(mode, limits, int(pool_size))
+    except SandboxUnavailable as e:  # found unworkable after the check (a failed start)
+        raise SandboxUnavailable(sandbox_missing_message(str(e))) from e
 
 
 def sandbox_missing_message(reason: str) -> str:
