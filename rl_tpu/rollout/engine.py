@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import numbers
 import threading
 from typing import Any, Optional, Sequence
 
@@ -18,6 +19,21 @@ from typing import Any, Optional, Sequence
 # power-of-two wide array that is part of the compiled programs' shapes, and a server's pool
 # keeps the widest it has seen, so without a cap one request could make every later one slow.
 MAX_STOP_TOKEN_IDS = 256
+
+
+def check_stop_token_ids(ids: Sequence[int], vocab_size: int,
+                         where: str = "sampling stop_token_ids") -> None:
+    """ValueError unless `ids` are at most MAX_STOP_TOKEN_IDS distinct ids of the vocab: an id
+    the model cannot sample never stops a row, and the count sets the width of the compiled
+    programs (`JaxSampler.stop_width`)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or \
+                not 0 <= t < vocab_size:
+            raise ValueError(f"{where}[{i}]={t!r}: must be a token id in [0, {vocab_size}) "
+                             "(the model's vocab)")
+    if len(set(ids)) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{where}: {len(set(ids))} distinct ids are over the limit of "
+                         f"{MAX_STOP_TOKEN_IDS} a request; name the few that end a reply")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ from rl_tpu.rollout.adapter_slots import AdapterSlots
 from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
-from rl_tpu.rollout.engine import (MAX_STOP_TOKEN_IDS, GenerateRequest, GenerateResult,
-                                   RolloutEngine)
+from rl_tpu.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine,
+                                   check_stop_token_ids)
 from rl_tpu.rollout.own_copy import OwnCopy
 from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, next_power_of_two
 
@@ -37,21 +37,6 @@ INT32_MAX = 2**31 - 1  # the largest length, top_k or stop id a row's int32 arra
 
 # seeds [B] uint32 -> PRNG keys [B]; jitted, as vmap run eagerly traces anew on every call
 keys_from_seeds = jax.jit(jax.vmap(jax.random.key))
-
-
-def check_stop_token_ids(ids: Sequence[int], vocab_size: int,
-                         where: str = "sampling stop_token_ids") -> None:
-    """ValueError unless `ids` are at most MAX_STOP_TOKEN_IDS distinct ids of the vocab: an id
-    the model cannot sample never stops a row, and the count sets the width of the compiled
-    programs (`stop_width`)."""
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or \
-                not 0 <= t < vocab_size:
-            raise ValueError(f"{where}[{i}]={t!r}: must be a token id in [0, {vocab_size}) "
-                             "(the model's vocab)")
-    if len(set(ids)) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"{where}: {len(set(ids))} distinct ids are over the limit of "
-                         f"{MAX_STOP_TOKEN_IDS} a request; name the few that end a reply")
 
 
 class JaxSampler(RolloutEngine):
