@@ -12,6 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
+from rl_tpu import workdir_lock
 from rl_tpu.env_serving.server import make_server
 from rl_tpu.models import hf, tiny
 from rl_tpu.recipes import algorithms, components, evaluate, resume, rl
@@ -126,7 +127,9 @@ def test_a_resume_under_a_changed_config_is_one_line_and_exit_2(mistakes):
     assert returncode == 2, stderr
     assert len(lines) == 1 and lines[0].startswith("error: cannot resume the run in "), stderr
     assert "optim.lr: saved 0.0005, now 0.001" in lines[0] and "new --workdir" in lines[0]
-    assert os.listdir(workdir) == [rl.FINISHED_FILE]
+    # the finished run's files untouched; the lock file (empty, released) is the refused
+    # rerun's only trace
+    assert sorted(os.listdir(workdir)) == sorted([rl.FINISHED_FILE, workdir_lock.LOCK_FILE])
 
 
 @pytest.mark.slow  # the launchers as subprocesses
