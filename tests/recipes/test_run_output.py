@@ -26,7 +26,7 @@ TRAIN = [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.p
          f"--config.train.steps={STEPS}", f"--config.eval.every={STEPS}",
          "--config.log.plot=False", "--config.checkpoint.export_hf=False"]
 
-# Step FAIL_AT's save starts under a 64 KiB file-size limit; a write past it fails (SIGXFSZ
+# The RL run's step FAIL_AT save starts under a 64 KiB file-size limit; a write past it fails (SIGXFSZ
 # ignored) with EFBIG. The model's arrays are bigger, the run's small files (metrics,
 # TensorBoard events) are not.
 HOOK = textwrap.dedent(f"""
@@ -36,7 +36,8 @@ HOOK = textwrap.dedent(f"""
     _save = checkpoint.Checkpointer.save
 
     def save(self, step, *args, **kwargs):
-        if step == {FAIL_AT}:
+        # the RL run's checkpoints, not the SFT warm start's (W/warm_start/checkpoints)
+        if step == {FAIL_AT} and "warm_start" not in self.directory:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
         return _save(self, step, *args, **kwargs)
