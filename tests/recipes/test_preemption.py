@@ -205,7 +205,7 @@ def test_two_processes_stop_at_the_same_step_when_one_is_signalled(tmp_path):
 
 def _warm_start_command(workdir):
     return [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.py:smoke",
-            "--workdir", str(workdir), "--config.train.steps=1", "--config.sft.steps=400",
+            "--workdir", str(workdir), "--config.train.steps=1", "--config.sft.steps=120",
             "--config.checkpoint.every=1000"]
 
 
@@ -232,7 +232,7 @@ def test_a_signal_in_the_warm_start_checkpoints_its_step_and_the_rerun_resumes_t
     job = wait_job(procs, logs, timeout_s=300)
     assert job.returncodes == [128 + signal.SIGTERM], job.tail()
     k = _stopped_at(job.logs[0])
-    assert 10 <= k < 400
+    assert 10 <= k < 120
     assert f"checkpointed in {workdir / 'warm_start' / 'checkpoints'};" in job.logs[0]
     assert (workdir / "warm_start" / "checkpoints" / str(k)).is_dir()
     assert not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())

@@ -30,6 +30,7 @@ import urllib.request
 import pytest
 
 from rl_tpu.metrics import read_metrics
+from rl_tpu.rollout import adapter_versions
 from real_model import smollm2_dir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -107,13 +108,14 @@ def test_lora_r16_syncs_the_adapters_alone(tmp_path, model_dir, server):
     run = tmp_path / "run"
     check_steps(train(run, model_dir, server.url, f"--config.model.lora.rank={LORA_RANK}",
                       "--config.model.lora.alpha=32.0", "--config.optim.lr=1e-4"))
-    # PEFT adapter dirs alone were written (no full export), the newest one is loaded under its
-    # version's name, and the base is still the one the server launched with
+    # PEFT adapter dirs alone were written (no full export), the newest one is loaded under
+    # the run's name for its version, and the base is still the one the server launched with
     synced = os.listdir(run / "sync")
     assert synced == ["adapter_2"], synced  # max_staleness + 1 = 1 kept
     adapters = {m["id"]: m["root"] for m in _get(server.url, "/v1/models")["data"]
                 if m.get("parent")}
-    assert adapters.get("2") == str(run / "sync" / "adapter_2"), adapters
+    name = adapter_versions.adapter_name(adapter_versions.run_id_of(str(run / "sync")), "2")
+    assert adapters.get(name) == str(run / "sync" / "adapter_2"), adapters
     assert _get(server.url, "/model_info")["model_path"] == model_dir
 
 

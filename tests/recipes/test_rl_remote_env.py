@@ -118,6 +118,9 @@ def test_smoke_trains_against_two_env_servers(tmp_path):
 def test_server_killed_mid_rollout_gives_env_errors_not_a_crash(tmp_path):
     c = smoke_config()
     c.env.remote_timeout_s, c.env.remote_retries, c.env.remote_backoff_s = 5.0, 1, 0.05
+    # Every episode fails once the server is dead: this checks the trainer lives through that
+    # to its last step; stopping a run on all-failed steps is tests/agent/test_env_failures.py's
+    c.env.max_failed_steps = 0
     server = serve_env(c.env.name)
     c.env.remote_url = server.url
 
