@@ -79,7 +79,7 @@ class EnvFailureWatch:
         self.path = os.path.join(workdir, name)
         self.kinds: set[str] = set()
         self.failed_in_a_row = 0  # training steps whose episodes all failed, up to the last
-        self.any_played = False  # a training step of this process with an episode that played
+        self.any_played = False  # a training step with an episode that played (on any host)
         self.first_error: Optional[str] = None  # of the first of those failed steps
 
     def observe(self, step: int, trajectories: Sequence[Trajectory], episodes: int,
