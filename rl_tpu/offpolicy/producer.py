@@ -57,9 +57,9 @@ import numpy as np
 
 from rl_tpu import parallel
 from rl_tpu.agent import close_paused, paused_task
-from rl_tpu.agent.trajectory import NO_VERSION, Trajectory, group_version, groups_of
+from rl_tpu.core.shared_weights import wait_for_shared_weights
+from rl_tpu.core.trajectory import NO_VERSION, Trajectory, group_version, groups_of
 from rl_tpu.data.tasks import TaskStream
-from rl_tpu.recipes import components
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class SyncProducer:
 
     def publish(self, params, version: int) -> None:
         self._engine.update_weights(self._to_engine(params), str(version))
-        components.wait_for_shared_weights(self._engine, version)
+        wait_for_shared_weights(self._engine, version)
 
     @contextlib.contextmanager
     def engine_at(self, params, version: int):
@@ -287,7 +287,7 @@ class AsyncProducer:
         # barrier, here on the main thread, outside the lock the producer thread needs), and
         # other hosts' requests may name it (LoRA adapters: before, they could name a version
         # process 0 had not loaded yet).
-        components.wait_for_shared_weights(self._engine, loaded)
+        wait_for_shared_weights(self._engine, loaded)
         with self._cond:
             self._to_publish = (copy, version)
             self._cond.notify_all()
@@ -458,7 +458,7 @@ class AsyncProducer:
         if not self.deterministic:
             self._wait_for(lambda: self._published >= version and self._to_publish is None,
                            version)
-            components.wait_for_shared_weights(self._engine, version)
+            wait_for_shared_weights(self._engine, version)
             yield self._engine
             return
         copy = self._engine_copy(params)  # here, on the main thread: a collective

@@ -20,12 +20,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rl_tpu import parallel, schedules
-from rl_tpu.envs.base import DelayedEnv, Env, TaskSource, make as make_env_by_name
+from rl_tpu.core.engine import RolloutEngine, SamplingParams
+from rl_tpu.core.env import DelayedEnv, Env, TaskSource, make as make_env_by_name
+from rl_tpu.core.shared_weights import wait_for_shared_weights
 from rl_tpu.models import hf, lora, tiny
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.recipes.config_checks import warmup_shapes
 from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 from rl_tpu.train.state import OptimConfig, TrainState, create_state, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -563,28 +564,6 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
                          keep_prefix_cache_on_update=r.prefix_cache_keep_on_update, **kwargs)
     sampler.warmup(shapes)
     return sampler
-
-
-
-def wait_for_shared_weights(engine: RolloutEngine, version) -> None:
-    """After a weight update of servers every host shares (SGLang's `shared_across_hosts`),
-    which process 0 alone performs while the others return at once: a barrier, so that no
-    host samples before the servers hold `version`. Main thread only; nothing for an engine
-    of this host's own (the embedded sampler).
-
-    With LoRA adapters (several versions loaded at once, adapter_versions.py), other hosts'
-    requests may name `version` from then on, and process 0 learns the oldest version each
-    other host may still name until the next such barrier, so that it unloads none of them."""
-    if not getattr(engine, "shared_across_hosts", False):
-        return
-    parallel.sync_hosts(f"weights_{version}_loaded")
-    engine.shared_weights_loaded(version)
-    if jax.process_count() > 1 and engine.model_config is not None \
-            and engine.model_config.lora is not None:
-        oldest = engine.oldest_adapter_named()
-        named = parallel.across_hosts_bytes(json.dumps(oldest).encode())
-        if jax.process_index() == 0:
-            engine.hold_adapters_for_other_hosts([json.loads(b) for b in named[1:]])
 
 
 def horizon_at(config: ml_collections.ConfigDict, step: int) -> int:

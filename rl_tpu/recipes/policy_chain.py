@@ -32,6 +32,7 @@ import ml_collections
 
 from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
+from rl_tpu.core.shared_weights import wait_for_shared_weights
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.models import hf
@@ -186,7 +187,7 @@ class PolicyChain:
                                                   self.tokenizer, self.workdir, version=version)
         else:
             self._engine.update_weights(parallel.host_copies(params), version)
-            components.wait_for_shared_weights(self._engine, version)
+            wait_for_shared_weights(self._engine, version)
         return self._engine
 
     def evaluate(self, params, version: str) -> dict[str, float]:

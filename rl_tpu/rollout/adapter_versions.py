@@ -12,7 +12,7 @@ prefix (`earlier_life`): what an earlier life of this run left; other runs' are 
 Hosts. On several hosts sharing servers, process 0 alone loads and unloads. Another host may
 name a version only once process 0 has loaded it: its `update` only `announce`s the version,
 and `confirm` (on the main thread, after a barrier every host passes once process 0's load has
-returned: components.wait_for_shared_weights) makes it the newest there. Process 0 in turn
+returned: rl_tpu/core/shared_weights.py) makes it the newest there. Process 0 in turn
 unloads only versions no host may still name: at each such barrier every host reports the
 oldest version it may name until the next one (`oldest_named`: the oldest its requests in
 flight carry, else its newest; it only ever names newer ones), and process 0 keeps every

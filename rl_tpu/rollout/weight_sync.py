@@ -444,7 +444,7 @@ class DiskWeightSync:
                 self.check_lora_server(url)
         if not writer and _host_copy(params):
             # Process 0 loads it; this host's requests name it once the barrier after the load
-            # says it is there (`confirm_loaded`, from components.wait_for_shared_weights).
+            # says it is there (`confirm_loaded`, from core/shared_weights.py).
             self.adapters.announce(version)
             return
         path = self.adapter_path(version)
@@ -527,7 +527,7 @@ class DiskWeightSync:
 
     def confirm_loaded(self, version: str) -> None:
         """After the barrier every host passes once process 0's load of `version` returned
-        (components.wait_for_shared_weights): other hosts' requests may name it now."""
+        (core.shared_weights.wait_for_shared_weights): other hosts' requests may name it now."""
         self.retire(self.adapters.confirm(str(version)))
 
     def hold_for_other_hosts(self, oldest: list) -> None:

@@ -1,9 +1,9 @@
-"""The env registry (rl_tpu/envs/base.py): a name is taken once; the same definition run again
+"""The env registry (rl_tpu/core/env.py): a name is taken once; the same definition run again
 (a notebook cell re-run) replaces itself; a missing name lists the known ones."""
 
 import pytest
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as base
 
 
 def _define(body: int):
