@@ -28,10 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rl_tpu import agent  # noqa: E402
-from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.core.engine import SamplingParams  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
 from rl_tpu.models.tiny_tokenizer import build_tokenizer  # noqa: E402
 from rl_tpu.models.tokenizer import ChatTokenizer  # noqa: E402
-from rl_tpu.rollout.engine import SamplingParams  # noqa: E402
 from rl_tpu.rollout.scripted import ScriptedEngine  # noqa: E402
 
 # BabyAI's env executes the last "Action: ..." line; other envs parse their own formats.
@@ -45,7 +45,7 @@ GENERIC_ACTIONS = ["look", "inventory", "move forward", "turn left"]
 def _registered_env(name: str, num_tasks: int):
     """(make_env, tasks) for a registered env, or None with the reason printed."""
     try:
-        probe = base.make(name)
+        probe = env_lib.make(name)
     except Exception as e:  # noqa: BLE001 - an env still being written, or a missing package
         print(f"# skipping env {name!r}: it could not be built ({type(e).__name__}: {e}). "
               f"Install its optional dependency or pick another with --env.", file=sys.stderr)
@@ -54,10 +54,10 @@ def _registered_env(name: str, num_tasks: int):
         source = probe.tasks()
         tasks = [source.get("train", i) for i in range(num_tasks)]
     except TypeError:  # no built-in tasks: ids are all it gets
-        tasks = [base.Task(str(i)) for i in range(num_tasks)]
+        tasks = [env_lib.Task(str(i)) for i in range(num_tasks)]
     finally:
         probe.close()
-    return (lambda: base.make(name)), tasks
+    return (lambda: env_lib.make(name)), tasks
 
 
 def _bench(label, engine, make_env, tasks, tokenizer, args):
@@ -79,9 +79,8 @@ def _env_name(wanted: str) -> str:
     """`wanted` if registered, else its AgentGym-mode twin (or the reverse): the env modules
     are being reorganised, so the name is looked up at run time."""
     from rl_tpu.envs import ENV_MODULES
-    known = set(ENV_MODULES) | set(getattr(base, "_REGISTRY", {}))
     for name in (wanted, f"{wanted}_agentgym", wanted.replace("_agentgym", "")):
-        if name in known:
+        if name in ENV_MODULES:
             return name
     return wanted
 

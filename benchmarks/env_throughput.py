@@ -4,7 +4,7 @@ Random *valid* actions (well-formed commands; some still fail in the game, e.g. 
 without the ingredients, which is the normal mix an agent produces). Episodes reset when done
 or after `--horizon` steps; resets are included in the time. Three rows per env:
 
-- in-process: `rl_tpu.envs.base.make(env)` stepped directly;
+- in-process: `rl_tpu.core.env.make(env)` stepped directly;
 - server, 1 client: one `RemoteEnv` against `python -m launch.serve_env` in a subprocess
   (loopback HTTP, one keep-alive connection): the per-request overhead;
 - server, N clients: N threads, each with its own `RemoteEnv`, against the same server.
@@ -28,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
 from rl_tpu.env_serving.remote import RemoteEnv  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def random_actions(env_name: str, observation: str, rng: random.Random):
             yield "Action: " + rng.choice(crafts)
 
 
-def run_steps(env: base.Env, env_name: str, steps: int, horizon: int, seed: int) -> int:
+def run_steps(env: env_lib.Env, env_name: str, steps: int, horizon: int, seed: int) -> int:
     """Steps `env` `steps` times over eval tasks; returns the number of episodes started."""
     rng = random.Random(seed)
     tasks = env.tasks()
@@ -121,7 +121,7 @@ def main():
     rows = []
     for env_name in args.envs.split(","):
         rows.append((env_name, "in-process", 1,
-                     *measure(lambda: base.make(env_name), env_name, args.steps, args.horizon)))
+                     *measure(lambda: env_lib.make(env_name), env_name, args.steps, args.horizon)))
         proc, url = start_server(env_name, max_instances=args.clients + 4)
         try:
             remote = lambda: RemoteEnv(url, env_name, timeout=30)  # noqa: E731

@@ -51,9 +51,9 @@ def run_mode(mode: str) -> dict:
     import numpy as np
 
     from benchmarks.common import model_config
+    from rl_tpu.core.engine import GenerateRequest, SamplingParams
     from rl_tpu.models import lora, tiny
     from rl_tpu.models.transformer import Transformer
-    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
     from rl_tpu.rollout.sampler import JaxSampler
 
     cfg = model_config(FLAGS.shape, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)

@@ -35,10 +35,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import SHAPES  # noqa: E402
 from rl_tpu import parallel  # noqa: E402
+from rl_tpu.core.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.models import tiny  # noqa: E402
 from rl_tpu.models.transformer import ModelConfig, Transformer  # noqa: E402
 from rl_tpu.rl.losses import PolicyLossConfig  # noqa: E402
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
 from rl_tpu.train.learner import Learner, UpdateConfig  # noqa: E402
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer  # noqa: E402

@@ -106,8 +106,8 @@ def write_model(shape: str, out: str):
 
 def run_jax(spec: dict) -> dict:
     from benchmarks.common import model_config
+    from rl_tpu.core.engine import GenerateRequest, SamplingParams
     from rl_tpu.models import hf, tiny
-    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
     from rl_tpu.rollout.sampler import JaxSampler
 
     if spec["model_dir"]:

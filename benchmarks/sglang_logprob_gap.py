@@ -39,11 +39,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import print_table  # noqa: E402
+from rl_tpu.core.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.models import hf  # noqa: E402
 from rl_tpu.models.logprobs import token_logprobs  # noqa: E402
 from rl_tpu.models.tokenizer import load_tokenizer  # noqa: E402
 from rl_tpu.models.transformer import Transformer  # noqa: E402
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sglang import SGLangEngine  # noqa: E402
 
 QUESTIONS = ("What is 17 + 25? Answer with the number.",

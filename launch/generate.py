@@ -19,10 +19,10 @@ from absl import app, flags
 
 import launch
 from rl_tpu import parallel
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 flags.DEFINE_string("model_path", None, "HF model directory.", required=True)

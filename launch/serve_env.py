@@ -32,7 +32,8 @@ from absl import app, flags
 from launch import parse_flags
 from rl_tpu import serving
 from rl_tpu.env_serving import server
-from rl_tpu.envs import ENV_MODULES, base
+from rl_tpu.core import env as env_lib
+from rl_tpu.envs import ENV_MODULES
 
 flags.DEFINE_string("env", None, "Registered env name, one of: " + ", ".join(sorted(ENV_MODULES))
                     + " (or one that an --env_module registers).", required=True)
@@ -76,7 +77,7 @@ def main(argv):
         print(f"rl_tpu env server: {f.env} at {url}", flush=True)
 
     try:
-        base.check_kwargs(f.env, env_kwargs)  # an unknown env name or kwarg: fail by name
+        env_lib.check_kwargs(f.env, env_kwargs)  # an unknown env name or kwarg: fail by name
     except ValueError as e:  # one line, not the flag help: the flags were fine
         sys.exit(f"launch.serve_env: {e}")
     if f.idle_timeout_s < 0 or f.threads < 0 or f.max_instances < 1:

@@ -90,8 +90,8 @@ def _class_name(cls: type) -> str:
 
 def _registry() -> dict[str, type]:
     if not _REGISTRY:  # imported here: rl_tpu.envs' package import is not free
-        from rl_tpu.envs.base import StepResult, Task
-        from rl_tpu.agent.trajectory import Trajectory
+        from rl_tpu.core.env import StepResult, Task
+        from rl_tpu.core.trajectory import Trajectory
         for cls in (Trajectory, Task, StepResult):
             register(cls)
     return _REGISTRY

@@ -22,8 +22,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from rl_tpu import parallel  # noqa: E402
+from rl_tpu.core.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.models import hf  # noqa: E402
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100, 101, 102, 103, 104], [7] * 9]

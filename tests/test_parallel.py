@@ -157,7 +157,7 @@ def test_weight_sync_across_two_hosts_moves_nothing_through_host_memory(model_di
     `parallel.host_copies` under a transfer guard that refuses any host <-> device copy; both
     samplers then sample what one device does."""
     from multihost_weight_sync import PROMPTS
-    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+    from rl_tpu.core.engine import GenerateRequest, SamplingParams
     from rl_tpu.rollout.sampler import JaxSampler
 
     cfg, single = hf.load(model_dir)

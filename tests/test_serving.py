@@ -21,7 +21,7 @@ import time
 import pytest
 
 from rl_tpu import http_limits
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError
 from rl_tpu.env_serving.server import make_server
 from rl_tpu.http_limits import HttpLimits, JSONLimitError, deeper_than, loads
@@ -33,7 +33,7 @@ LIMITS = HttpLimits(max_header_bytes=4096, header_timeout_s=1.0, max_body_bytes=
                     max_json_depth=16)
 
 
-class Echo(base.Env):
+class Echo(env_lib.Env):
     """Echoes; "win" ends the episode with reward 1."""
     name = "echo"
 
@@ -42,7 +42,7 @@ class Echo(base.Env):
 
     def step(self, action):
         won = action == "win"
-        return base.StepResult(f"echo {action}", reward=float(won), done=won)
+        return env_lib.StepResult(f"echo {action}", reward=float(won), done=won)
 
 
 @pytest.fixture()
@@ -294,7 +294,7 @@ def test_json_too_deep_or_with_a_huge_integer_is_a_400_naming_it(env_server):
     assert status == 400 and "a number of 5000 digits; integers may have at most 4300" in \
         error_of(body)
     env = RemoteEnv(env_server.url, timeout=5)
-    env.reset(base.Task("t", {}))
+    env.reset(env_lib.Task("t", {}))
     deep_text = "[" * 1000  # brackets in a string are text, at any count
     assert env.step(deep_text).observation == "echo " + deep_text
     env.close()
@@ -313,12 +313,12 @@ def test_a_keyed_env_server_wants_the_key_and_remote_env_sends_it(env_server, mo
     assert time.perf_counter() - started < 0.5  # the body deadline is 1 s
     monkeypatch.delenv("RL_TPU_ENV_API_KEY", raising=False)
     with pytest.raises(RemoteEnvError, match="wants an API key .*set RL_TPU_ENV_API_KEY") as err:
-        RemoteEnv(env_server.url, timeout=5).reset(base.Task("t", {}))
+        RemoteEnv(env_server.url, timeout=5).reset(env_lib.Task("t", {}))
     assert err.value.status == 401
     for env in (RemoteEnv(env_server.url, timeout=5, api_key="k3y"),
                 monkeypatch.setenv("RL_TPU_ENV_API_KEY", "k3y") or RemoteEnv(env_server.url,
                                                                               timeout=5)):
-        assert env.reset(base.Task("t", {})) == "ready t"
+        assert env.reset(env_lib.Task("t", {})) == "ready t"
         assert env.step("go").observation == "echo go"
         result = env.step("win")
         assert result.done and result.reward == 1.0

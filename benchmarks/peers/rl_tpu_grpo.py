@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 import peer_args  # noqa: E402  (this folder: the flags every peer child shares)
 
 from rl_tpu import parallel  # noqa: E402
+from rl_tpu.core.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.models import hf  # noqa: E402
 from rl_tpu.models.transformer import Transformer  # noqa: E402
 from rl_tpu.rl.losses import PolicyLossConfig  # noqa: E402
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rl_tpu.rollout.sampler import JaxSampler  # noqa: E402
 from rl_tpu.train.learner import Learner, UpdateConfig  # noqa: E402
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer  # noqa: E402

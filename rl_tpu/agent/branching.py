@@ -12,7 +12,7 @@ samples its own turns (its own seed stream), so the G continuations are G sample
 policy from the same state: the group TL-GRPO normalises in.
 
 Restoring by replay needs an env that is deterministic given the task and the actions. An
-env says so with `replayable = True` (rl_tpu.envs.base.Env; False by default); forking an
+env says so with `replayable = True` (rl_tpu.core.env.Env; False by default); forking an
 env that does not at a turn f >= 1 raises `NotReplayableError` before anything is generated.
 Each replayed step is also checked against what the trunk saw (observation, reward, done):
 an env that declared itself replayable but diverges ends that branch with `env_error`, the
@@ -43,9 +43,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rl_tpu import agent
-from rl_tpu.envs.base import Env, Task
-from rl_tpu.rollout.engine import RolloutEngine
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.env import Env, Task
+from rl_tpu.core.engine import RolloutEngine
+from rl_tpu.core.trajectory import Trajectory
 
 SAMPLES = ("fixed", "uniform")
 

@@ -31,7 +31,7 @@ import os
 import re
 from typing import Optional, Sequence
 
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ import numpy as np
 from rl_tpu import parallel
 from rl_tpu.agent import run_episodes
 from rl_tpu.agent.env_failures import EnvFailureWatch, warn_all_failed
-from rl_tpu.envs.base import Env, Task
+from rl_tpu.core.env import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
-from rl_tpu.agent.trajectory import NO_VERSION, EpisodeStats, Trajectory
+from rl_tpu.core.engine import RolloutEngine, SamplingParams
+from rl_tpu.core.trajectory import NO_VERSION, EpisodeStats, Trajectory
 
 
 def global_sums(values: np.ndarray) -> np.ndarray:

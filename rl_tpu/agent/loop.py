@@ -61,11 +61,11 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
+from rl_tpu.core.env import Env, StepResult, Task, invalid_action
 from rl_tpu.env_serving.workers import Outcome, WorkerPool
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
-from rl_tpu.agent.trajectory import (NO_VERSION, EpisodeStats,  # noqa: F401 (EpisodeStats: API)
+from rl_tpu.core.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from rl_tpu.core.trajectory import (NO_VERSION, EpisodeStats,  # noqa: F401 (EpisodeStats: API)
                                Trajectory, token_versions)
 
 log = logging.getLogger(__name__)

@@ -49,10 +49,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from rl_tpu.agent.recording import EpisodeRecorder, RecordingServer
-from rl_tpu.agent.trajectory import Trajectory
-from rl_tpu.envs.base import Env, Task
+from rl_tpu.core.engine import RolloutEngine, SamplingParams
+from rl_tpu.core.env import Env, Task
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import RolloutEngine, SamplingParams
 
 AGENT_PROGRAM_ENV = "agent_program"  # the env name that makes the trainer play programs
 

@@ -53,11 +53,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rl_tpu.agent.loop import content_text
-from rl_tpu.agent.trajectory import NO_VERSION, token_versions
+from rl_tpu.core.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from rl_tpu.core.trajectory import NO_VERSION, token_versions
 from rl_tpu.http_limits import HttpLimits, JSONLimitError, loads
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout import openai_api
-from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from rl_tpu.serving import BadRequest, Server, error_response, install_error_handlers
 from rl_tpu.tools.calls import call_format_of, parse_tool_calls
 

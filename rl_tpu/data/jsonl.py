@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from rl_tpu.envs.base import Task, TaskSource
+from rl_tpu.core.env import Task, TaskSource
 
 SPLITS = ("train", "eval")
 VERSION = "1.0.0"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from rl_tpu.envs.base import Task, TaskSource
+from rl_tpu.core.env import Task, TaskSource
 
 log = logging.getLogger(__name__)
 

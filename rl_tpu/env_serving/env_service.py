@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core.env import Env, StepResult, Task
 from rl_tpu.env_serving.remote import agentgym_name
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ what AgentGym's own client for that env does, on the routes AgentGym's servers h
 
   `reset(Task(f"{env}_{i}", {"data_idx": i}))` plays item i (a task id `<env>_<i>` alone works
   too, as does a task from an rl_tpu server's `tasks()`). `step(reply)` takes the model's WHOLE
-  reply and parses it as AgentGym's client does (`rl_tpu.envs.agentgym_parse`): BabyAI and
+  reply and parses it as AgentGym's client does (`rl_tpu.core.agentgym_parse`): BabyAI and
   TextCraft send the one `Action:` line, filtered, and a reply with two markers gets the
   TOO_MANY_ACTIONS observation, reward 0, not done, without a request; SciWorld sends the text
   after the last marker; SearchQA sends the reply whole. The reward is what AgentGym's client
@@ -72,8 +72,8 @@ from typing import Any, Optional, Sequence
 
 import httpx
 
-from rl_tpu.envs.agentgym_parse import parse_action, parse_sciworld_action
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
+from rl_tpu.core.agentgym_parse import parse_action, parse_sciworld_action
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource
 from rl_tpu.env_serving.remote_http import RemoteEnvError, Transport, shared_client
 
 __all__ = ["AGENTGYM_ENVS", "API_KEY_ENV", "RemoteEnv", "RemoteEnvError", "RemoteEnvFactory",

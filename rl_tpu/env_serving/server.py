@@ -80,8 +80,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rl_tpu.envs import base
-from rl_tpu.envs.base import Env
+from rl_tpu.core import env as env_lib
+from rl_tpu.core.env import Env
 from rl_tpu.env_serving.env_service import DIALECTS, PARSING_ENVS, EnvService, RequestError, jsonable
 from rl_tpu.env_serving.server_wire import (ERROR_STYLES, Close, Create, JSONReply, Reset, SearchQAClose,
                                      SearchQACreate, SearchQAReset, SearchQAStep, Step,
@@ -297,9 +297,9 @@ def make_server(env: Union[str, Callable[[], Env]], host: str = "127.0.0.1", por
         limits = dataclasses.replace(limits, body_timeout_s=body_timeout_s)
     if isinstance(env, str):
         env_kwargs = dict(env_kwargs or {})
-        base.check_kwargs(env, env_kwargs)  # unknown env or kwarg: one line naming the valid
+        env_lib.check_kwargs(env, env_kwargs)  # unknown env or kwarg: one line naming the valid
         name = env
-        factory = functools.partial(base.make, env, **env_kwargs)
+        factory = functools.partial(env_lib.make, env, **env_kwargs)
     else:
         name, factory = None, env
     service = EnvService(factory, max_instances, name, action_prefix, dialect,

@@ -1,12 +1,14 @@
-"""Environments. Each env module registers itself with `rl_tpu.envs.base.register`.
+"""Environments. Each env module registers itself with `rl_tpu.core.env.register`.
 
 The agentic domains have one env each, AgentGym's behaviour by default and rl_tpu's own
 variants as keyword options: babyai (a package: env, levels, primitive mode), textcraft,
-sciworld, search (docs/environments.md); agentgym_parse is AgentGym's action format. Serving
-an env over HTTP and calling a served one (server, remote, workers, isolated scorers) live
-apart, in `rl_tpu.env_serving`."""
+sciworld, search (docs/environments.md), reading replies as AgentGym's clients do
+(rl_tpu/core/agentgym_parse.py). The env contract and the registry are rl_tpu/core/env.py.
+Serving an env over HTTP and calling a served one (server, remote, workers, isolated
+scorers) live apart, in `rl_tpu.env_serving`."""
 
-# Env name -> module under rl_tpu/envs/ that registers it; `base.make` imports it on first use.
+# Env name -> module under rl_tpu/envs/ that registers it; `rl_tpu.core.env.make` imports it on
+# first use (this package is imported by name there, so the contract stays below the envs).
 ENV_MODULES: dict[str, str] = {
     "babyai": "babyai",
     "textcraft": "textcraft",

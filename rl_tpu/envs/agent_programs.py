@@ -22,7 +22,7 @@ import random
 import re
 from typing import Any, Callable
 
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, TaskSource, register
+from rl_tpu.core.env import Env, SeededTasks, StepResult, Task, TaskSource, register
 from rl_tpu.optional import require
 
 

@@ -28,8 +28,8 @@ import dataclasses
 import re
 from typing import Optional
 
+from rl_tpu.core.env import Env, StepResult, Task, register
 from rl_tpu.envs import code_verdict
-from rl_tpu.envs.base import Env, StepResult, Task, register
 
 SYSTEM_PROMPT = ("Write the Python function the task asks for. Reply with the code only, e.g.\n"
                  "def f(x):\n    return x + 1")

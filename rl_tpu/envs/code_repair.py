@@ -32,7 +32,7 @@ import random
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import SeededTasks, StepResult, Task, register
+from rl_tpu.core.env import SeededTasks, StepResult, Task, register
 from rl_tpu.envs.code import CodeEnvBase, run_tests
 from rl_tpu.envs import code_tasks
 

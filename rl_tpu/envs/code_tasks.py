@@ -33,7 +33,7 @@ import random
 import threading
 from typing import Optional
 
-from rl_tpu.envs.base import SeededTasks, Task, TaskSource
+from rl_tpu.core.env import SeededTasks, Task, TaskSource
 from rl_tpu.optional import require
 
 KINDS = ("affine", "at_least", "at_most", "remainder")

@@ -21,7 +21,7 @@ first number of the list (right only when that one is even). With skill 0.3 it s
 from __future__ import annotations
 
 import random
-from rl_tpu.envs.base import OneReplyEnv, SeededTasks, StepResult, Task, register
+from rl_tpu.core.env import OneReplyEnv, SeededTasks, StepResult, Task, register
 
 SYSTEM_PROMPT = "Reply with one even number of the list, and nothing else."
 QUESTION = "Name an even number of the list:"

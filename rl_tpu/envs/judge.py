@@ -58,8 +58,8 @@ import hashlib
 import random
 from typing import Optional
 
+from rl_tpu.core.env import Env, SeededTasks, StepResult, Task, register
 from rl_tpu.data.pairs import PreferencePair, read_preference_pairs
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, register
 from rl_tpu.envs.largest import question as largest_question
 from rl_tpu.rewards import judge
 

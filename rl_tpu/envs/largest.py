@@ -24,7 +24,7 @@ reward to teach it the rule the teacher only half follows.
 from __future__ import annotations
 
 import random
-from rl_tpu.envs.base import OneReplyEnv, SeededTasks, StepResult, Task, register
+from rl_tpu.core.env import OneReplyEnv, SeededTasks, StepResult, Task, register
 
 SYSTEM_PROMPT = "Reply with the largest number of the list, and nothing else."
 QUESTION = "Which number is largest?"

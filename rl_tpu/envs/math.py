@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource, register
 from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError, shared_workers
 from rl_tpu.optional import require
 

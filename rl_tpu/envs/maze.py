@@ -39,7 +39,7 @@ import random
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
+from rl_tpu.core.env import Env, SeededTasks, StepResult, Task, invalid_action, register
 
 MOVES = {"north": (-1, 0), "south": (1, 0), "west": (0, -1), "east": (0, 1)}
 _DIRECTION = re.compile(r"\b(north|south|east|west)\b", re.IGNORECASE)

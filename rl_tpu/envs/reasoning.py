@@ -30,7 +30,7 @@ import inspect
 import random
 from typing import Any, Optional
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, register
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource, register
 from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError
 from rl_tpu.optional import require
 
@@ -196,7 +196,7 @@ class ReasoningGymEnv(Env):
 
 def _signature_of_the_env(factory, fixed: tuple[str, ...] = ()):
     """Gives `factory` ReasoningGymEnv's signature less the `fixed` arguments it sets itself,
-    so a config lists and types its real kwargs (rl_tpu.envs.base.kwargs_of)."""
+    so a config lists and types its real kwargs (rl_tpu.core.env.kwargs_of)."""
     params = inspect.signature(ReasoningGymEnv, eval_str=True).parameters.values()
     factory.__signature__ = inspect.Signature([p for p in params if p.name not in fixed])
     return factory

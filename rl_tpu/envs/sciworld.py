@@ -61,8 +61,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rl_tpu.envs.agentgym_parse import parse_sciworld_action
-from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
+from rl_tpu.core.agentgym_parse import parse_sciworld_action
+from rl_tpu.core.env import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
                               register)
 from rl_tpu.optional import require
 

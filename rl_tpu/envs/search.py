@@ -61,7 +61,7 @@ import string
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource, invalid_action, register
 from rl_tpu.tools.builtins import search_tool
 from rl_tpu.tools.calls import CALL_FORMATS, parse_tool_calls
 from rl_tpu.tools.env import run_reply_calls

@@ -67,8 +67,8 @@ import re
 import zlib
 from typing import Optional
 
-from rl_tpu.envs.agentgym_parse import parse_action
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, action_line, out_of_steps, register
+from rl_tpu.core.agentgym_parse import parse_action
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource, action_line, out_of_steps, register
 
 _PREFIX = "minecraft:"
 MAX_DISTRACTORS = 10   # AgentGym's cap on distractor recipes per listing

@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from rl_tpu.envs.base import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
+from rl_tpu.core.env import (Env, StepResult, Task, TaskSource, invalid_action, out_of_steps,
                               register)
 from rl_tpu.optional import require
 

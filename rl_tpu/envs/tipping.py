@@ -55,7 +55,7 @@ import random
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
+from rl_tpu.core.env import Env, SeededTasks, StepResult, Task, invalid_action, register
 
 CONDITIONS = ("supervised", "unsupervised", "neutral")
 

@@ -30,7 +30,7 @@ import random
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, Task, invalid_action, register
+from rl_tpu.core.env import Env, SeededTasks, StepResult, Task, invalid_action, register
 from rl_tpu.envs.code import SANDBOX_MODES, shared_sandbox
 
 SYSTEM_PROMPT = ("Solve the problem. To run Python, write a ```python block; its output comes "

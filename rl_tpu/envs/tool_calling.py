@@ -29,7 +29,7 @@ import importlib
 import random
 from typing import Optional
 
-from rl_tpu.envs.base import StepResult, Task, make, register
+from rl_tpu.core.env import StepResult, Task, make, register
 from rl_tpu.tools.builtins import builtin_tools
 from rl_tpu.tools.calls import format_tool_call
 from rl_tpu.tools.env import ToolEnv

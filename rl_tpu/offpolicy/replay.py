@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from rl_tpu.train.rollout_batch import NO_LOSS, UNSCORED_FINISHES
-from rl_tpu.agent.trajectory import Trajectory, group_version
+from rl_tpu.core.trajectory import Trajectory, group_version
 
 
 @dataclasses.dataclass(frozen=True)

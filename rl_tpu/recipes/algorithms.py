@@ -53,7 +53,7 @@ from rl_tpu.rl.registry import Registry
 from rl_tpu.train import steps
 from rl_tpu.train.learner import UpdateConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.agent.trajectory import Trajectory, groups_of
+from rl_tpu.core.trajectory import Trajectory, groups_of
 
 # The keys a record sets itself (name, estimator, loss kind); its `defaults` may not.
 _RECORD_KEYS = ("name", "advantage", "loss")

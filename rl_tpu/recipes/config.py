@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from rl_tpu.envs import base as envs
+from rl_tpu.core import env as envs
 from rl_tpu.recipes.algorithms import algo_config
 # The checks live apart (config_checks.py); `config.check(c)` is how every launcher calls them.
 from rl_tpu.recipes.config_checks import check  # noqa: F401

@@ -10,7 +10,7 @@ import ml_collections
 
 from rl_tpu import schedules
 from rl_tpu.agent import branching, program
-from rl_tpu.envs import base as envs
+from rl_tpu.core import env as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
 

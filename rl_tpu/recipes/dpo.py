@@ -48,7 +48,7 @@ from rl_tpu.rewards.mix import RewardMix
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.rollout_batch import NO_LOSS, UNSCORED_FINISHES
-from rl_tpu.agent.trajectory import Trajectory, groups_of
+from rl_tpu.core.trajectory import Trajectory, groups_of
 
 Example = sft.Example
 Pair = tuple[Example, Example]  # (chosen, rejected)

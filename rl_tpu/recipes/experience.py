@@ -23,9 +23,9 @@ import ml_collections
 
 from rl_tpu.agent import run_episodes
 from rl_tpu.agent.program import player_for
-from rl_tpu.envs.base import Task
+from rl_tpu.core.env import Task
 from rl_tpu.recipes import components
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 Example = tuple[list[int], list[bool]]  # (ids, loss mask), as recipes/sft.py trains on
 

@@ -66,7 +66,7 @@ from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
 from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig
 from rl_tpu.train.state import step_schedule
-from rl_tpu.agent.trajectory import Trajectory, groups_of
+from rl_tpu.core.trajectory import Trajectory, groups_of
 
 log = logging.getLogger(__name__)
 

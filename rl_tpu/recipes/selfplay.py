@@ -37,12 +37,12 @@ import ml_collections
 import numpy as np
 
 from rl_tpu.agent import run_episodes
-from rl_tpu.envs.base import Task
+from rl_tpu.core.env import Task
 from rl_tpu.envs.selfplay import solve_task
 from rl_tpu.recipes import components, shapes
 from rl_tpu.recipes.rl import Trainer, run as run_trainer
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 SOLVER_GROUPS = 1 << 30  # solver group ids start here, above every task position
 CURVES = ("selfplay/solver_success", "selfplay/proposal_terms", "selfplay/proposal_abs_value",

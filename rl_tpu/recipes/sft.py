@@ -27,7 +27,7 @@ import numpy as np
 
 from rl_tpu import parallel, preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
-from rl_tpu.envs.base import Env, Task
+from rl_tpu.core.env import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import components, run_summary
 from rl_tpu.train import steps

@@ -28,12 +28,12 @@ import jax
 import ml_collections
 
 from rl_tpu import parallel
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.rewards.judge import (Verdict, pairwise_messages, parse_pairwise,
                                   parse_pointwise, pointwise_messages)
-from rl_tpu.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams
+from rl_tpu.core.engine import GenerateRequest, RolloutEngine, SamplingParams
 
 JUDGE_MODES = ("", "pointwise", "pairwise")
 

@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
-from rl_tpu.agent.evaluation import global_sums
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu import parallel
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.rewards.scorer import RewardScorer
 from rl_tpu.rewards.tokenizer_match import check_match, fingerprint
@@ -177,7 +177,8 @@ def source_metrics(trajectories: Sequence[Trajectory],
                 sums[j] += (1.0, value)
             elif value is not None:
                 unparsed += 1
-    totals = global_sums(np.append(sums.ravel(), [unparsed, float(len(trajectories))]))
+    local = np.append(sums.ravel(), [unparsed, float(len(trajectories))])
+    totals = parallel.across_hosts(local, "sum")  # every host's, the same on each
     sums, unparsed, n = totals[:-2].reshape(len(sources), 2), totals[-2], totals[-1]
     out = {f"rollout/reward_{s}": float(sums[j, 1] / max(sums[j, 0], 1.0))
            for j, s in enumerate(sources)}

@@ -43,8 +43,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rl_tpu.core.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout.decoding import DecodeState, decode, prefill
-from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout.pool_programs import (Ladders, empty_pool, end_rows, fit, grow_pool,
                                           read_rows, scatter_rows)
 from rl_tpu.rollout.prefix_cache import next_power_of_two

@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 import httpx
 
-from rl_tpu.rollout.engine import RolloutError
+from rl_tpu.core.engine import RolloutError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from rl_tpu.rollout.engine import LOGPROB_CONVENTIONS, SamplingParams
+from rl_tpu.core.engine import LOGPROB_CONVENTIONS, SamplingParams
 
 PROBE_PROMPT = (10, 11, 12)  # SGLang's own warm-up ids: every model it serves accepts them
 PROBE_TOP_P, PROBE_TOP_K, PROBE_TEMPERATURE = 0.05, 2, 0.5

@@ -24,7 +24,7 @@ import dataclasses
 import json
 from typing import Any, Callable, Optional, Sequence, Union
 
-from rl_tpu.rollout.engine import GenerateResult, SamplingParams
+from rl_tpu.core.engine import GenerateResult, SamplingParams
 from rl_tpu.rollout.server_requests import stop_token_ids_field
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
                             integer_field, number_field, shown, text_field)

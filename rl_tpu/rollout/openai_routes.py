@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from rl_tpu.core.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout import openai_api as api
-from rl_tpu.rollout.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout.server import Prepared, RolloutService, await_ticket
 from rl_tpu.rollout.streaming import TextStream, TicketEvents, sse_stream
 from rl_tpu.serving import BadRequest, read_json

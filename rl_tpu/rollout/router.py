@@ -54,7 +54,7 @@ import json
 import logging
 from typing import Callable, Optional, Sequence
 
-from rl_tpu.rollout.engine import GenerateRequest, RolloutError, SamplingParams
+from rl_tpu.core.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.rollout.http_transport import HttpTransport, ServerDown, normalise_url
 from rl_tpu.rollout.logprob_probe import ServerLogprobs
 

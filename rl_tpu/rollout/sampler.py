@@ -27,7 +27,7 @@ from rl_tpu.rollout.adapter_slots import AdapterSlots
 from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
 from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
-from rl_tpu.rollout.engine import (GenerateRequest, GenerateResult, RolloutEngine,
+from rl_tpu.core.engine import (GenerateRequest, GenerateResult, RolloutEngine,
                                    check_stop_token_ids)
 from rl_tpu.rollout.own_copy import OwnCopy
 from rl_tpu.rollout.prefix_cache import Plan, PrefixCache, next_power_of_two

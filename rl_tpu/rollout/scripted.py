@@ -8,7 +8,7 @@ an env's prompts: `ScriptedEngine(tokenizer, policy)` answers every request with
 
 from __future__ import annotations
 
-from rl_tpu.rollout.engine import GenerateResult, RolloutEngine
+from rl_tpu.core.engine import GenerateResult, RolloutEngine
 
 
 class ScriptedEngine(RolloutEngine):

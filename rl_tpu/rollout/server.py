@@ -37,11 +37,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
+from rl_tpu.core.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.adapter_slots import AdapterSlotsError
 from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket, TokensCallback
-from rl_tpu.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 # (sampling_from_json and ServerLimits live in server_requests.py; imported from here too)
 from rl_tpu.rollout.server_requests import ServerLimits, sampling_from_json

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rl_tpu.rollout.engine import MAX_STOP_TOKEN_IDS, SamplingParams
+from rl_tpu.core.engine import MAX_STOP_TOKEN_IDS, SamplingParams
 from rl_tpu.serving import (INT32_MAX, INT64_MAX, INT64_MIN, BadRequest, flag_field,
                             integer_field, number_field, shown, text_field)
 

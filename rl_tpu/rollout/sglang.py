@@ -77,7 +77,7 @@ import jax
 
 from rl_tpu.models.transformer import ModelConfig
 from rl_tpu.rollout import logprob_probe
-from rl_tpu.rollout.engine import (FINISH_REASONS, GenerateRequest, GenerateResult,
+from rl_tpu.core.engine import (FINISH_REASONS, GenerateRequest, GenerateResult,
                                    RolloutEngine, RolloutError, SamplingParams)
 from rl_tpu.rollout.http_transport import HttpTransport, ServerDown
 from rl_tpu.rollout.logprob_probe import ServerLogprobs

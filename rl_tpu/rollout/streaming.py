@@ -17,8 +17,8 @@ import json
 import logging
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+from rl_tpu.core.engine import GenerateRequest
 from rl_tpu.rollout.continuous import Ticket
-from rl_tpu.rollout.engine import GenerateRequest
 
 log = logging.getLogger(__name__)
 

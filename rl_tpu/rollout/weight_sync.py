@@ -68,7 +68,7 @@ from rl_tpu.models import hf, lora, peft_format
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.adapter_versions import (AdapterVersions, adapter_name, earlier_life,
                                              run_id_of)
-from rl_tpu.rollout.engine import RolloutError
+from rl_tpu.core.engine import RolloutError
 from rl_tpu.rollout.http_transport import HttpTransport, error_message
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource
 from rl_tpu.tools.calls import CALL_FORMATS, ToolCall, parse_tool_calls
 from rl_tpu.tools.registry import ToolRegistry, ToolResult
 

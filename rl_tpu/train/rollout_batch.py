@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.train.batching import bucket_length
 
 # Episodes whose reward is not evidence about the policy: kept out of group statistics and loss.

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from rl_tpu.agent import branching
-from rl_tpu.envs import base as envs
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core import env as envs
+from rl_tpu.core.env import Env, StepResult, Task
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import algorithms
 from rl_tpu.rl.advantages import compute_advantages
-from rl_tpu.rollout.engine import GenerateResult, RolloutEngine
+from rl_tpu.core.engine import GenerateResult, RolloutEngine
 from rl_tpu.train.rollout_batch import trajectories_to_batch
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 
 class CounterEnv(Env):

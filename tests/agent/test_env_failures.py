@@ -10,7 +10,7 @@ import pytest
 
 from rl_tpu.agent.env_failures import EnvFailuresError, EnvFailureWatch, error_kind
 from rl_tpu.agent.evaluation import evaluate
-from rl_tpu.envs.base import make, register
+from rl_tpu.core.env import make, register
 from rl_tpu.envs.evens import EvensEnv
 from rl_tpu.envs.largest import LargestEnv
 from rl_tpu.models.tiny_tokenizer import build_tokenizer

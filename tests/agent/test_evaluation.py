@@ -4,10 +4,10 @@ distinct@k, counted by hand on `evens` with a scripted policy."""
 import itertools
 
 from rl_tpu.agent.evaluation import evaluate
-from rl_tpu.envs.base import make
+from rl_tpu.core.engine import SamplingParams
+from rl_tpu.core.env import make
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import SamplingParams
 from rl_tpu.rollout.scripted import ScriptedEngine
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from rl_tpu.agent import loop as agent  # the loop's internals too
-from rl_tpu.envs.base import Env, StepResult, Task, invalid_action
+from rl_tpu.core.engine import SamplingParams
+from rl_tpu.core.env import Env, StepResult, Task, invalid_action
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import SamplingParams
 from rl_tpu.rollout.scripted import ScriptedEngine
 
 # --- toy env and scripted engine ------------------------------------------------------------

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from rl_tpu.agent import run_episodes
-from rl_tpu.envs import base
+from rl_tpu.core.engine import SamplingParams
+from rl_tpu.core import env as env_lib
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.rollout.engine import SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 pytest.importorskip("minigrid")
@@ -25,11 +25,11 @@ def test_sampled_trajectories_match_the_trainer(tmp_path):
     cfg, params = hf.load(path)
     tokenizer = load_tokenizer(path)
     engine = JaxSampler(cfg, params, tokenizer=tokenizer, version="v0")
-    env = base.make("babyai")
+    env = env_lib.make("babyai")
     tasks = [env.tasks().get("eval", i) for i in range(2)]
     env.close()
     trajectories = run_episodes(
-        engine, lambda: base.make("babyai"), tasks, tokenizer=tokenizer, max_turns=3,
+        engine, lambda: env_lib.make("babyai"), tasks, tokenizer=tokenizer, max_turns=3,
         max_new_tokens_per_turn=12, max_context_tokens=2048, samples_per_task=2,
         sampling=SamplingParams(temperature=1.0, seed=0))
     assert len(trajectories) == 4 and [t.group_id for t in trajectories] == [0, 0, 1, 1]
@@ -72,10 +72,10 @@ def test_trajectory_across_three_weight_versions(tmp_path):
     versions = [jax.tree.map(lambda x, v=v: x * (1 + 0.3 * v), params) for v in range(3)]
     engine = VersionPerTurn(JaxSampler(cfg, versions[0], tokenizer=tokenizer, version="0"),
                             versions)
-    env = base.make("babyai")
+    env = env_lib.make("babyai")
     task = env.tasks().get("eval", 0)
     env.close()
-    [traj] = run_episodes(engine, lambda: base.make("babyai"), [task], tokenizer=tokenizer,
+    [traj] = run_episodes(engine, lambda: env_lib.make("babyai"), [task], tokenizer=tokenizer,
                           max_turns=3, max_new_tokens_per_turn=8, max_context_tokens=2048,
                           sampling=SamplingParams(temperature=1.0, seed=0))
     assert traj.num_turns == 3, traj.finish
@@ -107,18 +107,18 @@ def test_partial_rollouts_resume_under_newer_weights_exactly(tmp_path):
     tokenizer = load_tokenizer(path)
     versions = [jax.tree.map(lambda x, v=v: x * (1 + 0.05 * v), params) for v in range(8)]
     sampler = JaxSampler(cfg, versions[0], tokenizer=tokenizer, version="0")
-    env = base.make("largest")
+    env = env_lib.make("largest")
     tasks = [env.tasks().get("eval", i) for i in range(2)]
     env.close()
     common = dict(tokenizer=tokenizer, max_turns=1, max_new_tokens_per_turn=6,
                   max_context_tokens=256, samples_per_task=2, token_budget=4,
                   sampling=SamplingParams(temperature=1.0, seed=0, stop_token_ids=(0,)))
-    ended, paused = play_partial(sampler, lambda: base.make("largest"), tasks, **common)
+    ended, paused = play_partial(sampler, lambda: env_lib.make("largest"), tasks, **common)
     version = 0
     while paused:  # 4 episodes share 4 tokens a call: 1 each, then the next weights
         version += 1
         sampler.update_weights(versions[version], str(version))
-        more, paused = play_partial(sampler, lambda: base.make("largest"), [], resume=paused,
+        more, paused = play_partial(sampler, lambda: env_lib.make("largest"), [], resume=paused,
                                     **common)
         ended += more
     assert len(ended) == 4 and version >= 2

@@ -15,12 +15,12 @@ import openai
 import pytest
 
 from rl_tpu.agent.program import play_programs, program_outcome
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs.agent_programs import AgentProgramEnv, arithmetic_agent, load_object
-from rl_tpu.envs.base import Task
+from rl_tpu.core.env import Task
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.rollout.engine import GenerateResult, SamplingParams
+from rl_tpu.core.engine import GenerateResult, SamplingParams
 from rl_tpu.rollout.scripted import ScriptedEngine
 
 ARGS = dict(max_turns=4, max_new_tokens_per_turn=16, max_context_tokens=512)
@@ -341,7 +341,7 @@ def test_seeds_differ_per_episode_and_call_and_repeat_across_plays(tok):
 
 
 def test_the_env_names_program_and_tasks_and_refuses_to_be_stepped():
-    env = base.make("agent_program", program="rl_tpu.envs.agent_programs:guessing_agent",
+    env = env_lib.make("agent_program", program="rl_tpu.envs.agent_programs:guessing_agent",
                     tasks="rl_tpu.envs.agent_programs:guessing_tasks")
     assert env.program.__name__ == "guessing_agent"
     task = env.tasks().get("eval", 0)
@@ -351,9 +351,9 @@ def test_the_env_names_program_and_tasks_and_refuses_to_be_stepped():
     with pytest.raises(ValueError, match="'package.module:attribute'"):
         load_object("no_colon", "program")
     with pytest.raises(ValueError, match="has no 'nope'"):
-        base.make("agent_program", program="rl_tpu.envs.agent_programs:nope")
+        env_lib.make("agent_program", program="rl_tpu.envs.agent_programs:nope")
     with pytest.raises(TypeError, match="env.kwargs.tasks"):
-        base.make("agent_program", program="rl_tpu.envs.agent_programs:guessing_agent").tasks()
+        env_lib.make("agent_program", program="rl_tpu.envs.agent_programs:guessing_agent").tasks()
 
 
 @pytest.mark.parametrize("value,expected", [

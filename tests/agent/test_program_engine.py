@@ -5,12 +5,12 @@ log-probs of those tokens (1e-4, fp32), on every call of a multi-turn conversati
 import numpy as np
 
 from rl_tpu.agent.program import play_programs
-from rl_tpu.envs import base
+from rl_tpu.core.engine import SamplingParams
+from rl_tpu.core import env as env_lib
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.rollout.engine import SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 
@@ -22,7 +22,7 @@ def test_program_trajectories_match_the_trainers_logprobs(tmp_path):
     engine = JaxSampler(cfg, params, tokenizer=tokenizer, version="3")
 
     def make_env():
-        return base.make("agent_program", program="rl_tpu.envs.agent_programs:arithmetic_agent",
+        return env_lib.make("agent_program", program="rl_tpu.envs.agent_programs:arithmetic_agent",
                          tasks="rl_tpu.envs.agent_programs:arithmetic_tasks")
 
     source = make_env().tasks()

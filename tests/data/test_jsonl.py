@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from rl_tpu.core import env as env_lib
 from rl_tpu.data.jsonl import JsonlTaskSource, build_jsonl_dataset
 from rl_tpu.data.tasks import TaskStream
-from rl_tpu.envs import base
 
 ROWS = [
     {"prompt": "What is 1 + 1?", "answer": "2", "level": 1},
@@ -161,7 +161,7 @@ def test_math_env_scores_source_tasks(built, tmp_path):
     task = source.get("train", 1)  # answer \frac{3}{4}
     # The math env reads data["question"] / data["answer"], which the source provides; its
     # constructor still wants a JSONL path of its own (any valid one).
-    env = base.make("math", path=write_jsonl(tmp_path / "any.jsonl", [
+    env = env_lib.make("math", path=write_jsonl(tmp_path / "any.jsonl", [
         {"question": "unused", "answer": "0"}]), isolate=False)
     assert env.reset(task) == task.data["question"]
     right = env.step("18/24 = 3/4, so <answer>\\frac{3}{4}</answer>")

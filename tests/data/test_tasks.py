@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
+from rl_tpu.core.env import Task, TaskSource
 from rl_tpu.data.tasks import TaskStream, eval_tasks
-from rl_tpu.envs.base import Task, TaskSource
 
 
 class ListSource(TaskSource):

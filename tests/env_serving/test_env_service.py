@@ -9,12 +9,12 @@ import json
 import httpx
 import pytest
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.env_serving.env_service import EnvService, RequestError
 from rl_tpu.env_serving.server import build_app
 
 
-class Echo(base.Env):
+class Echo(env_lib.Env):
     """Echoes actions; a task whose data lacks "word" cannot start (bad data); "boom" raises."""
     name = "echo"
 
@@ -27,7 +27,7 @@ class Echo(base.Env):
     def step(self, action):
         if action == "boom":
             raise RuntimeError("kaboom")
-        return base.StepResult(f"echo {action}", 1.0, action == "stop", {"n": 1})
+        return env_lib.StepResult(f"echo {action}", 1.0, action == "stop", {"n": 1})
 
     def close(self):
         self.closed = True

@@ -16,8 +16,8 @@ import threading
 import pytest
 
 from rl_tpu import agent
-from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS, parse_action
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
+from rl_tpu.core.agentgym_parse import TOO_MANY_ACTIONS, parse_action
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource
 from rl_tpu.env_serving.remote import (ACKNOWLEDGEMENT, RemoteEnv, RemoteEnvError, RemoteEnvFactory,
                                 agentgym_name, parse_urls)
 from rl_tpu.env_serving.server import make_server
@@ -419,9 +419,10 @@ def test_rl_tpu_server_answers_in_agentgym_shapes():
 def _registered(prefix: str, agentgym: str) -> str:
     """The registered env named `prefix...` that plays AgentGym's `agentgym` (read at run
     time: envs get renamed)."""
-    from rl_tpu.envs import ENV_MODULES, base
+    from rl_tpu.core import env as env_lib
+    from rl_tpu.envs import ENV_MODULES
     for name in sorted(n for n in ENV_MODULES if n.startswith(prefix)):
-        env = base.make(name)
+        env = env_lib.make(name)
         try:
             if agentgym_name(env) == agentgym:
                 return name
@@ -433,12 +434,12 @@ def _registered(prefix: str, agentgym: str) -> str:
 @pytest.mark.slow  # starts a server thread
 def test_rl_tpu_server_plays_an_agentgym_env_like_the_local_one():
     pytest.importorskip("minigrid")
-    from rl_tpu.envs import base
+    from rl_tpu.core import env as env_lib
 
     name = _registered("babyai", "babyai")
     server, url = _serve(name)
     try:
-        local, env = base.make(name), RemoteEnv(url, "babyai", timeout=10)
+        local, env = env_lib.make(name), RemoteEnv(url, "babyai", timeout=10)
         task = local.tasks().get("train", 4)  # data_idx 4004 or so: AgentGym's item number
         assert env.reset(task) == local.reset(task)
         for reply in ["Thought:\nturning.\n\nAction:\nturn left", "Action: move forward",

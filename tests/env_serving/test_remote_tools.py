@@ -6,9 +6,9 @@ import json
 import pytest
 
 from rl_tpu.agent import env_tools, observation_messages
+from rl_tpu.core.env import make
 from rl_tpu.env_serving.remote import RemoteEnvFactory
 from rl_tpu.env_serving.server import make_server
-from rl_tpu.envs.base import make
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes.components import check_call_format

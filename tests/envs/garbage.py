@@ -1,7 +1,7 @@
 """Hostile action text for the env robustness tests (a helper module, not a test file).
 
 Every env must turn any action text into an observation, never an exception (see
-`rl_tpu.envs.base.Env.step`). `garbage_actions` mixes the generic hostile kinds below, the same
+`rl_tpu.core.env.Env.step`). `garbage_actions` mixes the generic hostile kinds below, the same
 for every env, with the env's own kinds: valid-looking-but-illegal actions, legal ones that keep
 episodes going, inputs aimed at its parser. `step_through` plays such actions and checks every
 result; each test then checks the env still plays a valid episode.
@@ -13,7 +13,7 @@ import random
 import string
 from typing import Callable, Collection, Iterable, Sequence, Union
 
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core.env import Env, StepResult, Task
 
 Maker = Callable[[random.Random], str]
 Kind = Union[str, Maker]  # a string is fed as is; a maker is called with the rng

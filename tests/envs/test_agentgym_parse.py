@@ -1,4 +1,4 @@
-"""AgentGym's reply parsing (rl_tpu.envs.agentgym_parse) and the generic `action_line`.
+"""AgentGym's reply parsing (rl_tpu.core.agentgym_parse) and the generic `action_line`.
 
 The expected values are the ones AgentGym's own clients produce for these replies: BabyAI and
 TextCraft take the one `Action:` line (case-sensitive marker, also inside a word, action on
@@ -8,8 +8,8 @@ spaces; SciWorld takes everything after the last marker, unfiltered; no marker g
 
 import pytest
 
-from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS, parse_action, parse_sciworld_action
-from rl_tpu.envs.base import action_line
+from rl_tpu.core.agentgym_parse import TOO_MANY_ACTIONS, parse_action, parse_sciworld_action
+from rl_tpu.core.env import action_line
 
 # --- BabyAI / TextCraft ------------------------------------------------------------------------
 

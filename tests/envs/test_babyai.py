@@ -9,7 +9,7 @@ pytest.importorskip("minigrid")
 
 from garbage import garbage_actions, one_of, step_through  # noqa: E402
 
-from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
 from rl_tpu.envs.babyai import (ACTIONS, PRIMITIVE_LEVELS, BabyAIEnv, BabyAITasks,  # noqa: E402
                                 demonstrate, expert_actions, level_and_seed)
 from rl_tpu.envs.babyai import parse_primitive as parse_action  # noqa: E402
@@ -19,7 +19,7 @@ PRIMITIVE = dict(actions="primitive", levels=PRIMITIVE_LEVELS)
 
 @pytest.fixture(scope="module")
 def env():
-    env = base.make("babyai", **PRIMITIVE)
+    env = env_lib.make("babyai", **PRIMITIVE)
     yield env
     env.close()
 
@@ -103,9 +103,9 @@ def test_unknown_level_and_bad_task_are_clear_errors():
         BabyAIEnv(actions="macro")
     env = BabyAIEnv(actions="primitive", levels=["BabyAI-GoToObj-v0"])
     with pytest.raises(ValueError, match="data_idx"):
-        env.reset(base.Task("t", {}))
+        env.reset(env_lib.Task("t", {}))
     # A task may name its level and seed instead of a data_idx.
-    assert env.reset(base.Task("t", {"level": "BabyAI-GoToObj-v0", "seed": 3})).startswith(
+    assert env.reset(env_lib.Task("t", {"level": "BabyAI-GoToObj-v0", "seed": 3})).startswith(
         "Mission: go to")
     with pytest.raises(ValueError, match="demonstrate plays primitive actions"):
         demonstrate(env.tasks().get("eval", 0), BabyAIEnv())

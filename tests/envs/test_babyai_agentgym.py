@@ -20,17 +20,17 @@ import pytest
 
 pytest.importorskip("minigrid")
 
-from rl_tpu.envs import base  # noqa: E402
-from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
+from rl_tpu.core.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
 from rl_tpu.envs.babyai import (ACK, COMPLETED, LEVELS, MAX_TURNS, NO_CHANGE,  # noqa: E402
                                 NOT_RECOGNIZED, BabyAIEnv, BabyAITasks, data_idx_of,
                                 level_and_seed)
-from rl_tpu.envs.base import Task  # noqa: E402
+from rl_tpu.core.env import Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def env():
-    env = base.make("babyai")
+    env = env_lib.make("babyai")
     yield env
     env.close()
 
@@ -98,7 +98,7 @@ def test_conversation_start_and_turn_limit(env):
                    "toggle and go through", "Thought:\n", "\n\nAction:\n"):
         assert needed in user["content"]
     assert MAX_TURNS == 20 and env.max_turns == 20 and env.system_prompt == ""
-    assert isinstance(base.make("babyai_agentgym"), BabyAIEnv)  # the old name: an alias
+    assert isinstance(env_lib.make("babyai_agentgym"), BabyAIEnv)  # the old name: an alias
     assert env.agentgym_name == "babyai"  # what the env server reads
 
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
+from rl_tpu.core.env import Task, make
 from rl_tpu.envs import code, code_tasks, code_verdict
-from rl_tpu.envs.base import Task, make
 from rl_tpu.sandbox import SandboxUnavailable, sandbox_unavailable_reason
 
 # bubblewrap where it works (CI installs it), else plain subprocesses: the harness is the same

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
+from rl_tpu.core.env import Task
 from rl_tpu.envs import code
-from rl_tpu.envs.base import Task
 from rl_tpu.sandbox import sandbox_unavailable_reason
 
 MODE = "bubblewrap" if sandbox_unavailable_reason() is None else "unsafe_no_isolation"

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs.base import Task, make
+from rl_tpu.core.env import Task, make
 from rl_tpu.envs.code_repair import CodeRepairEnv, parse_input
 from rl_tpu.sandbox import sandbox_unavailable_reason
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs.base import make
+from rl_tpu.core.env import make
 from rl_tpu.envs.evens import EvensTasks, teacher_reply
 
 

@@ -4,7 +4,7 @@ replies, and a teacher that halving makes optimal."""
 import math
 import random
 
-from rl_tpu.envs.base import Task, make
+from rl_tpu.core.env import Task, make
 
 
 def test_a_game_by_hand():

@@ -11,9 +11,9 @@ import pytest
 
 from garbage import garbage_actions, one_of, step_through
 
-from rl_tpu.agent.trajectory import EpisodeStats, Trajectory
-from rl_tpu.envs import base
-from rl_tpu.envs.base import Task
+from rl_tpu.core import env as env_lib
+from rl_tpu.core.env import Task
+from rl_tpu.core.trajectory import EpisodeStats, Trajectory
 from rl_tpu.envs.judge import (PairwiseJudgeEnv, PointwiseJudgeEnv, largest_pair,
                              pointwise_teacher_reply, teacher_reply)
 from rl_tpu.recipes.config import base_config, env_kwargs, set_env
@@ -229,7 +229,7 @@ def test_env_kwargs_are_readable_by_the_config():
     assert c.env.kwargs.num_items == 3 and c.env.kwargs.pairs_path == "/x.jsonl"
     with pytest.raises(TypeError):
         c.env.kwargs.num_items = "three"
-    env = base.make("judge_pairwise", num_items=3)
+    env = env_lib.make("judge_pairwise", num_items=3)
     assert len(env.tasks().get("train", 0).data["numbers"]) == 3
 
 
@@ -284,5 +284,5 @@ def test_the_pointwise_teachers_mistakes_are_leniency(skill):
     share_correct = sum(t.data["correct"] for t in tasks) / 400
     expected = skill + (1 - skill) * share_correct
     assert abs(sum(right) / 400 - expected) <= 4 * math.sqrt(skill * (1 - skill) / 400)
-    assert base.kwargs_of("judge_pointwise").keys() == {
+    assert env_lib.kwargs_of("judge_pointwise").keys() == {
         "num_items", "max_value", "train_seed", "eval_seed", "train_size", "eval_size"}

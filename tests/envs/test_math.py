@@ -12,7 +12,7 @@ pytest.importorskip("math_verify")
 
 from garbage import code_points, garbage_actions, one_of, step_through, text
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.env_serving.isolated import IsolatedWorkers
 from rl_tpu.envs.math import MathEnv, MathVerifier
 
@@ -29,7 +29,7 @@ def workers():
 
 @pytest.fixture(scope="module")
 def env(workers):
-    e = base.make("math", path=SAMPLE, eval_fraction=0.5)
+    e = env_lib.make("math", path=SAMPLE, eval_fraction=0.5)
     e.verifier = MathVerifier(workers=workers)
     return e
 

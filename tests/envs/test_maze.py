@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs.base import Task, make
+from rl_tpu.core.env import Task, make
 from rl_tpu.envs.maze import MazeEnv, distances, in_sight
 
 # a 3 x 3 grid with one wall in the middle: from (0, 0) to (2, 2) is 4 moves around it

@@ -9,7 +9,7 @@ pytest.importorskip("reasoning_gym")
 
 from garbage import code_points, garbage_actions, one_of, step_through, text
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.env_serving.isolated import IsolatedWorkers
 from rl_tpu.envs.reasoning import ReasoningGymEnv
 
@@ -25,7 +25,7 @@ def workers():
 @pytest.mark.parametrize("name,kwargs", [("countdown", {}), ("arithmetic", {}),
                                          ("reasoning_gym", {"dataset": "chain_sum"})])
 def test_reference_answer_scores_one(name, kwargs, workers):
-    env = base.make(name, workers=workers, **kwargs)
+    env = env_lib.make(name, workers=workers, **kwargs)
     assert "<answer>" in env.system_prompt
     for i in range(3):
         task = env.tasks().get("eval", i)
@@ -37,7 +37,7 @@ def test_reference_answer_scores_one(name, kwargs, workers):
 
 
 def test_wrong_missing_and_partial_answers(workers):
-    env = base.make("countdown", workers=workers)
+    env = env_lib.make("countdown", workers=workers)
     task = env.tasks().get("eval", 0)
     env.reset(task)
     r = env.step("no tags at all")
@@ -63,20 +63,20 @@ def test_splits_are_reproducible_and_seed_disjoint(workers):
     with pytest.raises(ValueError, match="overlap"):
         ReasoningGymEnv("basic_arithmetic", train_seed=10, eval_seed=0, eval_size=50)
     with pytest.raises(ValueError, match="unknown reasoning-gym dataset"):
-        base.make("reasoning_gym", dataset="no_such_dataset")
+        env_lib.make("reasoning_gym", dataset="no_such_dataset")
     with pytest.raises(IndexError):
         ts.get("eval", 50)
 
 
 def test_task_from_id_only(workers):
-    env = base.make("arithmetic", workers=workers)
+    env = env_lib.make("arithmetic", workers=workers)
     task = env.tasks().get("eval", 4)
-    assert env.reset(base.Task(task.task_id)) == task.data["question"]
+    assert env.reset(env_lib.Task(task.task_id)) == task.data["question"]
     assert env.step(f"<answer>{task.data['answer']}</answer>").reward == 1.0
 
 
 def test_in_process_scoring():
-    env = base.make("countdown", isolate=False)
+    env = env_lib.make("countdown", isolate=False)
     task = env.tasks().get("train", 3)
     env.reset(task)
     assert env.step(f"<answer>{task.data['answer']}</answer>").reward == 1.0
@@ -84,7 +84,7 @@ def test_in_process_scoring():
 
 def test_hanging_scorer_is_cut_off(workers):
     """countdown's scorer evaluates 10**10**10 with no bound: the worker is killed instead."""
-    env = base.make("countdown", workers=workers, score_timeout_s=1.0)
+    env = env_lib.make("countdown", workers=workers, score_timeout_s=1.0)
     task = env.tasks().get("eval", 0)
     env.reset(task)
     env.step(f"<answer>{task.data['answer']}</answer>")  # warm the worker (imports)
@@ -113,7 +113,7 @@ GARBAGE = [
 
 @pytest.mark.parametrize("name", ["countdown", "arithmetic"])
 def test_garbage_actions_never_raise(name, workers):
-    env = base.make(name, workers=workers)
+    env = env_lib.make(name, workers=workers)
     ts = env.tasks()
     tasks = [ts.get("train", i) for i in range(20)]  # countdown builds ~100 tasks/s: reuse some
     results = step_through(env, garbage_actions(random.Random(1), 1000, GARBAGE), tasks)

@@ -3,7 +3,7 @@
 
 import pytest
 
-from rl_tpu.core import env as base
+from rl_tpu.core import env as env_lib
 
 
 def _define(body: int):
@@ -16,22 +16,22 @@ def _define(body: int):
 @pytest.fixture
 def name():
     yield "test_registry_env"
-    base._REGISTRY.pop("test_registry_env", None)
+    env_lib._REGISTRY.pop("test_registry_env", None)
 
 
 def test_a_rerun_definition_replaces_itself_and_another_is_refused(name):
     first, again = _define(1), _define(2)
-    base.register(name)(first)
-    base.register(name)(again)
-    assert base.factory(name) is again and base.factory(name).value == 2
+    env_lib.register(name)(first)
+    env_lib.register(name)(again)
+    assert env_lib.factory(name) is again and env_lib.factory(name).value == 2
 
     class Other:
         pass
     with pytest.raises(ValueError, match="registered twice.*pick another name"):
-        base.register(name)(Other)
-    assert base.factory(name) is again
+        env_lib.register(name)(Other)
+    assert env_lib.factory(name) is again
 
 
 def test_an_unknown_env_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown env 'no_such_env'; known envs: .*largest"):
-        base.factory("no_such_env")
+        env_lib.factory("no_such_env")

@@ -11,7 +11,7 @@ pytest.importorskip("scienceworld")
 
 from garbage import garbage_actions, one_of, step_through
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs import sciworld as sciworld_module
 from rl_tpu.envs.sciworld import SciWorldEnv
 
@@ -27,7 +27,7 @@ def env():
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs a Java runtime on PATH (e.g. apt-get install "
                     "openjdk-17-jre-headless)")
-    e = base.make("sciworld", **RL_TPU)
+    e = env_lib.make("sciworld", **RL_TPU)
     yield e
     e.close()
 

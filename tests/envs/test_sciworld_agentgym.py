@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("scienceworld")
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs import sciworld as sciworld_module
 from rl_tpu.envs.sciworld import ACK, INSTRUCTION, SciWorldEnv, flat_task_list
 
@@ -31,7 +31,7 @@ NO_MATCH = "No known action matches that input."
 def env():
     if shutil.which("java") is None:
         pytest.skip(NO_JAVA)
-    e = base.make("sciworld_agentgym")  # the old name: an alias of "sciworld"
+    e = env_lib.make("sciworld_agentgym")  # the old name: an alias of "sciworld"
     yield e
     e.close()
 
@@ -60,14 +60,14 @@ def test_flat_list_matches_agentgym(env):
     assert games[0] == ("boil", 0) and games[29] == ("boil", 29) and games[30] == ("melt", 0)
     assert games[120] == ("use-thermometer", 0) and games[4638] == ("identify-life-stages-2", 9)
     with pytest.raises(ValueError, match="out of range.*4639"):
-        env.reset(base.Task("sciworld_4639", {"data_idx": 4639}))
+        env.reset(env_lib.Task("sciworld_4639", {"data_idx": 4639}))
     assert flat_task_list(env.sim) is games  # computed once per process
 
 
 @needs_java
 def test_task_source_splits(env):
     ts = env.tasks()
-    assert ts.get("all", 30) == base.Task("sciworld_30", {"data_idx": 30})
+    assert ts.get("all", 30) == env_lib.Task("sciworld_30", {"data_idx": 30})
     assert ts.get("all", 30).data == {"data_idx": 30}
     assert ts.size("all") == 4639
     sizes = {s: ts.size(s) for s in ("train", "eval", "test")}
@@ -85,17 +85,17 @@ def test_task_source_splits(env):
 
 @needs_java
 def test_first_observation_is_description_newline_look(env):
-    obs = env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+    obs = env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
     assert obs.startswith(BOIL + "\n" + HALLWAY)
     assert obs.endswith("A door to the workshop (that is closed)")
     # AgentGym-RL's item ids carry data_idx after the last "_".
-    obs30 = env.reset(base.Task("sciworld_30"))
+    obs30 = env.reset(env_lib.Task("sciworld_30"))
     assert obs30.startswith("Your task is to melt ")
 
 
 @needs_java
 def test_score_is_the_reward(env):
-    env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
     steps = [("open door to kitchen", "The door is now open.", 0),
              ("go to kitchen", "You move to the kitchen.", 0),
              ("pick up thermometer", "You move the thermometer to the inventory.", 0),
@@ -114,7 +114,7 @@ def test_score_is_the_reward(env):
 
 @needs_java
 def test_failure_is_minus_100_and_done(env):
-    env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
     # Two markers: only the text after the last one is the action.
     r = env.step("Thought:\nfirst look.\nAction: look around\nActually no.\nAction: focus on agent")
     assert (r.observation, r.reward, r.done) == ("You focus on the agent.", -100.0, True)
@@ -125,7 +125,7 @@ def test_failure_is_minus_100_and_done(env):
 
 @needs_java
 def test_unparsable_reply_sends_empty_action(env):
-    env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
     r = env.step("I will look around.")  # no `Action:`: "" goes to the simulator
     assert (r.observation, r.reward, r.done) == (NO_MATCH, 0.0, False)
     assert r.info["action"] == "" and r.info["moves"] == 0
@@ -142,7 +142,7 @@ def test_unparsable_reply_sends_empty_action(env):
 def test_done_past_100_moves(env):
     # find-animal variation 0 (data_idx 3836). `look around` is free; `wait1` costs 2 moves:
     # 50 of them make 100 (not past the limit), the 51st makes 102 and ends the episode.
-    env.reset(base.Task("sciworld_3836", {"data_idx": 3836}))
+    env.reset(env_lib.Task("sciworld_3836", {"data_idx": 3836}))
     assert env.step(act("look around")).info["moves"] == 0
     for n in range(1, 51):
         r = env.step(act("wait1"))
@@ -161,7 +161,7 @@ def test_same_as_the_packages_own_step(env):
     try:
         ref.load("boil", 0)
         ref.step("look around")
-        env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+        env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
         for action in ["open door to kitchen", "go to kitchen", "look around", "wait",
                        "pick up thermometer", "open cupboard", "pick up metal pot",
                        "move metal pot to sink", "activate sink", "focus on sink"]:
@@ -190,7 +190,7 @@ def test_conversation_start():
 
 @needs_java
 def test_instruction_lists_the_packages_templates(env):
-    env.reset(base.Task("sciworld_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("sciworld_0", {"data_idx": 0}))
     templates = set(env.sim.get_possible_actions())
     # `go OBJ` is written `go to LOC` (what the simulator's own texts use); `reset task` only
     # undoes progress and is left out.

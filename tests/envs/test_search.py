@@ -11,14 +11,14 @@ import pytest
 
 from garbage import garbage_actions, one_of, step_through, text
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs.search import (DATA_DIR, BM25Index, SearchEnv, SearchOracle, bracket_action,
                                 exact_match, token_f1)
 
 
 @pytest.fixture(scope="module")
 def env():
-    e = base.make("search", actions="brackets")
+    e = env_lib.make("search", actions="brackets")
     yield e
     e.close()
 
@@ -129,7 +129,7 @@ def test_custom_corpus(tmp_path: Path):
     assert "Quix is red." in env.step("search[Quix]").observation
     assert env.step("answer[crimson]").reward == 1.0
     # A task that carries its own question and answer needs no questions file entry.
-    env.reset(base.Task("own", {"question": "Colour of Zorblat?", "answer": "blue"}))
+    env.reset(env_lib.Task("own", {"question": "Colour of Zorblat?", "answer": "blue"}))
     assert env.step("answer[Blue]").reward == 1.0
     with pytest.raises(FileNotFoundError, match="corpus_path"):
         SearchEnv(corpus_path=tmp_path / "missing.jsonl")

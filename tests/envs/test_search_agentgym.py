@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs.search import (ACK, CORRECT, INCORRECT, INSTRUCTION, INVALID, SearchEnv,
                                 acting_pair, last_answer)
 
@@ -46,21 +46,21 @@ def _write(path, rows):
 
 @pytest.fixture
 def env(tmp_path):
-    return base.make("search",
+    return env_lib.make("search",
                      corpus_path=_write(tmp_path / "corpus.jsonl", PASSAGES),
                      questions_path=_write(tmp_path / "questions.jsonl", QUESTIONS))
 
 
 def test_reset_gives_the_prompt_with_the_stripped_question(env):
-    obs = env.reset(base.Task("searchqa_0", {"data_idx": 0}))
+    obs = env.reset(env_lib.Task("searchqa_0", {"data_idx": 0}))
     assert obs.endswith("\n\nQuestion: Where does Alpha Tower stand?")
     assert "<search>...</search>" in obs and "<answer> Beijing </answer>" in obs
     # AgentGym-RL's item ids carry data_idx after the last "_".
-    assert env.reset(base.Task("searchqa_1")).endswith("Question: What is Cato?")
+    assert env.reset(env_lib.Task("searchqa_1")).endswith("Question: What is Cato?")
 
 
 def test_search_result_format(env):
-    env.reset(base.Task("searchqa_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("searchqa_0", {"data_idx": 0}))
     r = env.step("<think>I need the town.</think>\n<search> Brenn </search>")
     assert (r.observation, r.reward, r.done) == (BRENN_DOCS, 0.0, False)
     assert r.info["query"] == "Brenn" and r.info["passage_ids"] == ["p1", "p0", "p3"]
@@ -76,7 +76,7 @@ def test_search_result_format(env):
 
 
 def test_wrong_answer_goes_on(env):
-    env.reset(base.Task("searchqa_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("searchqa_0", {"data_idx": 0}))
     r = env.step("<think>Maybe Delta.</think><answer>Delta</answer>")
     assert (r.observation, r.reward, r.done) == (INCORRECT, 0.0, False)
     assert r.observation == "Sorry, your answer is incorrect. Please try again."
@@ -87,7 +87,7 @@ def test_wrong_answer_goes_on(env):
 
 
 def test_right_answer_after_normalising(env):
-    env.reset(base.Task("searchqa_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("searchqa_0", {"data_idx": 0}))
     # lower case, "!" dropped, the article dropped, spaces collapsed: "brenn town"
     r = env.step("<answer>  The   BRENN   town! </answer>")
     assert (r.observation, r.reward, r.done) == (CORRECT, 1.0, True)
@@ -95,12 +95,12 @@ def test_right_answer_after_normalising(env):
     assert r.info["success"] and r.info["answer"] == "The   BRENN   town!"
     after = env.step("<answer>Brenn</answer>")
     assert after.done and after.reward == 0.0 and after.info["invalid_action"]
-    env.reset(base.Task("searchqa_1", {"data_idx": 1}))  # gold "a painter" -> "painter"
+    env.reset(env_lib.Task("searchqa_1", {"data_idx": 1}))  # gold "a painter" -> "painter"
     assert env.step("<answer>Painter.</answer>").reward == 1.0
 
 
 def test_first_pair_acts(env):
-    env.reset(base.Task("searchqa_0", {"data_idx": 0}))
+    env.reset(env_lib.Task("searchqa_0", {"data_idx": 0}))
     # A search before the answer: the search acts, the answer is ignored.
     r = env.step("<search>Brenn</search> and then <answer>Brenn</answer>")
     assert (r.observation, r.reward, r.done) == (BRENN_DOCS, 0.0, False)
@@ -113,11 +113,11 @@ def test_first_pair_acts(env):
 
 
 def test_pairs_need_matching_tags(env):
-    env.reset(base.Task("searchqa_2", {"data_idx": 2}))
+    env.reset(env_lib.Task("searchqa_2", {"data_idx": 2}))
     # <search> closed by </answer> is no pair; the first complete pair is the answer.
     r = env.step("<search>Cato</answer> <answer>\nBrenn\n</answer>")
     assert (r.observation, r.reward, r.done) == (CORRECT, 1.0, True)
-    env.reset(base.Task("searchqa_2", {"data_idx": 2}))
+    env.reset(env_lib.Task("searchqa_2", {"data_idx": 2}))
     for reply in ("It is Brenn.", "<Search>Brenn</Search>", "<search>Brenn", "search[Brenn]"):
         r = env.step(reply)
         assert (r.observation, r.reward, r.done) == (INVALID, 0.0, False), reply
@@ -134,16 +134,16 @@ def test_parsing_helpers():
 
 def test_tasks_and_indices(env):
     ts = env.tasks()
-    assert ts.get("all", 2) == base.Task("searchqa_2", {"data_idx": 2})
+    assert ts.get("all", 2) == env_lib.Task("searchqa_2", {"data_idx": 2})
     assert ts.get("all", 2).data == {"data_idx": 2}
     assert [ts.get("train", i).data["data_idx"] for i in range(ts.size("train"))] == [1, 2]
     assert [ts.get("eval", i).task_id for i in range(ts.size("eval"))] == ["searchqa_0"]
     with pytest.raises(IndexError, match="out of range"):
         ts.get("eval", 1)
     with pytest.raises(ValueError, match="data_idx 3 is out of range.*3 questions"):
-        env.reset(base.Task("searchqa_3", {"data_idx": 3}))
+        env.reset(env_lib.Task("searchqa_3", {"data_idx": 3}))
     with pytest.raises(ValueError, match="searchqa_7"):
-        env.reset(base.Task("question-a"))
+        env.reset(env_lib.Task("question-a"))
 
 
 def test_conversation_start(env):
@@ -158,7 +158,7 @@ def test_conversation_start(env):
 def test_shipped_corpus():
     """The default data (rl_tpu/envs/data): question 0 asks for Mys Dehaes's profession,
     `apothecary`; only the passage about Mys Dehaes has both words of the name."""
-    env = base.make("searchqa_agentgym")  # the old name: an alias of "search"
+    env = env_lib.make("searchqa_agentgym")  # the old name: an alias of "search"
     assert isinstance(env, SearchEnv) and env.actions == "tags"
     assert env.tasks().size("all") == 100
     obs = env.reset(env.tasks().get("all", 0))

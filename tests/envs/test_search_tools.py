@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rl_tpu.agent import run_episodes
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.scripted import ScriptedEngine
 from rl_tpu.tools import call_format_of
@@ -20,7 +20,7 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 
 @pytest.fixture(scope="module")
 def env():
-    e = base.make("search", actions="tools")
+    e = env_lib.make("search", actions="tools")
     yield e
     e.close()
 
@@ -45,10 +45,10 @@ def test_schema_prompt_and_other_styles_have_no_tools(env):
     assert env.system_prompt.startswith("You answer questions by searching a document collection "
                                         "with the search tool.")
     assert env.conversation_start() is None
-    assert base.make("search").tools is None
-    assert base.make("search", actions="brackets").tools is None
+    assert env_lib.make("search").tools is None
+    assert env_lib.make("search", actions="brackets").tools is None
     with pytest.raises(ValueError, match="call_format must be one of"):
-        base.make("search", actions="tools", call_format="xml")
+        env_lib.make("search", actions="tools", call_format="xml")
 
 
 def test_a_call_returns_the_passages_as_a_tool_message(env):
@@ -93,7 +93,7 @@ def test_bad_calls_are_error_tool_messages(env):
 
 
 def test_llama_format(env):
-    llama = base.make("search", actions="tools", call_format="llama3_json")
+    llama = env_lib.make("search", actions="tools", call_format="llama3_json")
     task = two_hop(llama)
     llama.reset(task)
     query = llama.question(task)["hops"][0]["query"]
@@ -109,7 +109,7 @@ def test_an_episode_through_the_tool(family, template):
     fmt = call_format_of(tok)
     header = {"qwen2": "<|im_start|>assistant\n",
               "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n"}[family]
-    probe = base.make("search", actions="tools")
+    probe = env_lib.make("search", actions="tools")
     task = two_hop(probe)
     q = probe.question(task)
     hops = q["hops"]
@@ -125,7 +125,7 @@ def test_an_episode_through_the_tool(family, template):
         return replies[min(text.count(header) - 1, len(replies) - 1)]
 
     engine = ScriptedEngine(tok, policy)
-    [traj] = run_episodes(engine, lambda: base.make("search", actions="tools", call_format=fmt),
+    [traj] = run_episodes(engine, lambda: env_lib.make("search", actions="tools", call_format=fmt),
                           [task], tokenizer=tok, max_turns=5, max_new_tokens_per_turn=100,
                           max_context_tokens=8192, num_threads=0)
     assert traj.finish == "done" and traj.reward == 1.0 and traj.success

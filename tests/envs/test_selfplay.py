@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs.base import make
+from rl_tpu.core.env import make
 from rl_tpu.envs.selfplay import evaluate, parse_expression, solve_task
 
 

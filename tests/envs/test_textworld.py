@@ -8,7 +8,7 @@ pytest.importorskip("textworld")
 
 from garbage import garbage_actions, one_of, step_through
 
-from rl_tpu.envs import base
+from rl_tpu.core import env as env_lib
 from rl_tpu.envs.textworld import TextWorldEnv, check_command, clean_feedback
 
 # Small games keep generation (~1 s each, cached after) cheap; the env's defaults are bigger.
@@ -19,7 +19,7 @@ GAME = dict(nb_rooms=3, nb_objects=6, quest_length=3)
 def env():
     # The default cache dir (~/.cache/rl_tpu/textworld or $RL_TPU_TEXTWORLD_CACHE): games are
     # generated once per machine, so later runs of the suite skip the compile.
-    e = base.make("textworld", **GAME)
+    e = env_lib.make("textworld", **GAME)
     yield e
     e.close()
 

@@ -7,8 +7,8 @@ import pytest
 
 from garbage import garbage_actions, one_of, step_through
 
-from rl_tpu.envs import base
-from rl_tpu.envs.base import Task
+from rl_tpu.core import env as env_lib
+from rl_tpu.core.env import Task
 from rl_tpu.envs.tipping import (CommonsEnv, RoutesEnv, best_choice, imitate,
                                  parse_contribution, parse_letter)
 
@@ -317,12 +317,12 @@ def test_commons_single_turn_tasks_and_determinism():
 def test_make_and_config():
     from rl_tpu.recipes.config import base_config, set_env
 
-    assert isinstance(base.make("tipping_routes"), RoutesEnv)
-    assert isinstance(base.make("tipping_commons", num_agents=4, threshold=2), CommonsEnv)
+    assert isinstance(env_lib.make("tipping_routes"), RoutesEnv)
+    assert isinstance(env_lib.make("tipping_commons", num_agents=4, threshold=2), CommonsEnv)
     c = set_env(base_config(), "tipping_routes", rounds=1)
     assert c.env.name == "tipping_routes" and c.env.kwargs.rounds == 1
     assert c.env.kwargs.violation_penalty == 0.0 and c.env.kwargs.comply_reward == 0.3
-    env = base.make(c.env.name, **c.env.kwargs.to_dict())
+    env = env_lib.make(c.env.name, **c.env.kwargs.to_dict())
     assert env.rounds == 1
     c = set_env(base_config(), "tipping_commons", imitation=1.0)
     assert c.env.kwargs.imitation == 1.0 and c.env.kwargs.threshold == 5
@@ -336,7 +336,7 @@ def _played(env, task, replies):
     """A Trajectory carrying just what EpisodeStats reads of the env: its step infos."""
     import numpy as np
 
-    from rl_tpu.agent.trajectory import Trajectory
+    from rl_tpu.core.trajectory import Trajectory
     env.reset(task)
     infos = [env.step(r).info for r in replies]
     return Trajectory(tokens=np.zeros(2, np.int32), loss_mask=np.array([False, True]),

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rl_tpu.envs.base import Task, make
+from rl_tpu.core.env import Task, make
 from rl_tpu.envs.tir import TirEnv, as_integer, final_answer
 from rl_tpu.sandbox import sandbox_unavailable_reason
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from rl_tpu.agent import env_tools
-from rl_tpu.envs.base import make
+from rl_tpu.core.env import make
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import sft

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 
 from real_model import smollm2_dir
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 torch = pytest.importorskip("torch")

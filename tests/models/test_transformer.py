@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf
 from rl_tpu.models.transformer import Transformer, init_cache
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 TOL = 1e-4

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from rl_tpu.envs.base import Task
+from rl_tpu.core.env import Task
 from rl_tpu.offpolicy.producer import AsyncProducer, SyncProducer
-from rl_tpu.agent.trajectory import Trajectory, group_version, groups_of
+from rl_tpu.core.trajectory import Trajectory, group_version, groups_of
 
 G = 2  # samples per task
 PER_STEP = 3  # tasks (groups) per step

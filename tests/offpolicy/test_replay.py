@@ -4,7 +4,7 @@ import numpy as np
 
 from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig
 from rl_tpu.train.rollout_batch import NO_LOSS
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 
 def traj(reward, group_id, finish="done", filler=False):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.recipes import algorithms
 from rl_tpu.recipes.config import base_config
 

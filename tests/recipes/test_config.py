@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rl_tpu.envs import base as envs
+from rl_tpu.core import env as envs
 from rl_tpu.recipes import components
 from rl_tpu.recipes.config import base_config, check, set_algo, set_env
 

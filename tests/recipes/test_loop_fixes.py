@@ -13,7 +13,7 @@ from rl_tpu.recipes.config import base_config, check
 from rl_tpu.rl.advantages import compute_advantages
 from rl_tpu.train import rollout_batch
 from rl_tpu.train.state import step_schedule, learning_rate_schedule
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 
 def traj(reward, group_id, turns=(4,), prompt=3):

@@ -13,7 +13,7 @@ from test_rl import REPO, _cpu_env, _finite, config, kill_mid_run
 from rl_tpu.metrics import read_metrics
 from rl_tpu.recipes import dpo, sft
 from rl_tpu.recipes.experience import ExpertSet
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 
 
 def _traj(task, tokens, reward, success=None, finish="stop"):

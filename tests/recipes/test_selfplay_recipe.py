@@ -128,7 +128,7 @@ def test_violation_rate_is_over_valid_decisions_and_format_validity_apart():
 
 
 def test_episode_stats_count_decisions_asked_valid_and_broken():
-    from rl_tpu.agent.trajectory import EpisodeStats
+    from rl_tpu.core.trajectory import EpisodeStats
     stats = EpisodeStats.of(list(_decision_trajectories()))
     assert (stats.decisions, stats.valid_decisions, stats.violations) == (4, 3, 2)
     d = stats.as_dict()

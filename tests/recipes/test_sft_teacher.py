@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import sft

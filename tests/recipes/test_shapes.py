@@ -14,11 +14,11 @@ from test_config import load, shipped
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as launch.compile_check sets it
 
 from rl_tpu import aot  # noqa: E402
-from rl_tpu.envs.base import Task  # noqa: E402
+from rl_tpu.core.env import Task  # noqa: E402
 from rl_tpu.recipes import components, shapes  # noqa: E402
 from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig  # noqa: E402
 from rl_tpu.train.rollout_batch import trajectories_to_batch  # noqa: E402
-from rl_tpu.agent.trajectory import Trajectory  # noqa: E402
+from rl_tpu.core.trajectory import Trajectory  # noqa: E402
 
 pytest.importorskip("libtpu")
 

@@ -87,7 +87,7 @@ def test_learner_update_compiles_once_across_budgets_and_divides_by_each():
 
 def test_arithmetic_teacher_is_verbose_imperfect_and_self_consistent():
     from rl_tpu.envs.reasoning import TEACHER_FILLER, arithmetic_teacher_reply
-    from rl_tpu.envs.base import Task
+    from rl_tpu.core.env import Task
 
     task = Task("arithmetic/train/0", {"question": "Calculate 6 + 9.", "answer": "15",
                                         "metadata": {"expression": "6 + 9"}})
@@ -103,7 +103,7 @@ def test_arithmetic_teacher_is_verbose_imperfect_and_self_consistent():
 
 
 def test_the_steps_teacher_works_a_sum_as_running_totals_and_slips_once():
-    from rl_tpu.envs.base import Task, make
+    from rl_tpu.core.env import Task, make
     from rl_tpu.envs.reasoning import TEACHER_FILLER
 
     task = Task("arithmetic/train/0", {"question": "Calculate 6 + 9 + 8 + 4.", "answer": "27",

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.metrics import read_metrics
 from rl_tpu.models import tiny
 from rl_tpu.models.tokenizer import load_tokenizer

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from rl_tpu import parallel
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models import reward_model as rm
 from rl_tpu.models import tiny
 from rl_tpu.rewards.mix import RewardMix, source_metrics

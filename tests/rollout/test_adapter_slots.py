@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import lora, peft_format
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.adapter_slots import AdapterSlotsError, slot_config
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.server import RolloutService, serve
 

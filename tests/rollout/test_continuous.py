@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf, tiny
 from rl_tpu.rollout.continuous import ContinuousBatcher
 from rl_tpu.rollout.decoding import decode, prefill
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 
@@ -170,7 +170,7 @@ def test_the_sampler_refuses_integers_its_rows_cannot_hold(batcher):
 
 
 def test_limits_of_rows_context_and_tokens():
-    from rl_tpu.rollout.engine import SamplingParams
+    from rl_tpu.core.engine import SamplingParams
     from rl_tpu.rollout.server import BadRequest, ServerLimits
     limits = ServerLimits(max_n=8, max_rows=10, max_context_tokens=16)
     limits.check([[1, 2]] * 2, [SamplingParams(max_new_tokens=14, n=5)] * 2, context=2048)

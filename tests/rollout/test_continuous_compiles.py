@@ -9,9 +9,9 @@ import threading
 import jax
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf, tiny
 from rl_tpu.rollout.continuous import ContinuousBatcher
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.pool_programs import Ladders, fit, ladder
 from rl_tpu.rollout.sampler import JaxSampler
 

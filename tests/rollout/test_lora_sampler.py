@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import rl_tpu.rollout.sampler as sampler_module
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import lora
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 
 BASE = ModelConfig(arch="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from rl_tpu.core.engine import GenerateResult
 from rl_tpu.rollout import openai_api as api
-from rl_tpu.rollout.engine import GenerateResult
 from rl_tpu.serving import BadRequest
 from rl_tpu.tools.calls import parse_tool_calls
 

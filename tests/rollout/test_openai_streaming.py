@@ -4,9 +4,9 @@ batcher that reports each row's output after its prefill and after every decode 
 
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.models import hf, tiny
 from rl_tpu.rollout.continuous import ContinuousBatcher
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.sampler import JaxSampler
 from rl_tpu.rollout.streaming import IncrementalText, TextStream
 

@@ -11,7 +11,7 @@ from rl_tpu import parallel
 from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
 from rl_tpu.rollout.prefix_cache import PrefixCache, chain_hashes
 from rl_tpu.rollout.decoding import prefill
 from rl_tpu.rollout.sampler import JaxSampler

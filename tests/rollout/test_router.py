@@ -22,10 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.metrics import read_metrics
 from rl_tpu.models import hf, tiny
 from rl_tpu.recipes import rl
-from rl_tpu.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.rollout.logprob_probe import ServerLogprobs
 from rl_tpu.rollout.router import agreed_logprobs, generate_body, group_by_params
 from rl_tpu.rollout.sglang import SGLangEngine

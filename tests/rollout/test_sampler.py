@@ -12,7 +12,7 @@ from rl_tpu.models import hf, tiny
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer, init_cache
-from rl_tpu.rollout.engine import MAX_STOP_TOKEN_IDS, GenerateRequest, SamplingParams
+from rl_tpu.core.engine import MAX_STOP_TOKEN_IDS, GenerateRequest, SamplingParams
 from rl_tpu.rollout.decoding import decode, prefill
 from rl_tpu.rollout.sampler import JaxSampler
 
@@ -229,7 +229,7 @@ def test_ids_sampled_after_a_mid_sample_swap_count_as_the_first_version(setup):
     the trajectory's per-token version is the one the sample's K/V started with: 3 for every
     id (its prompt and first ids were computed by version 3, and every later id attends to
     them), so the trainer's stale-token mask and staleness see them as that old."""
-    from rl_tpu.agent.trajectory import token_versions
+    from rl_tpu.core.trajectory import token_versions
     _, params_b = hf.load(str(setup["root"] / "b"))
     sampler = JaxSampler(setup["cfg"], setup["params"], decode_chunk=4, version="3")
     swapped = {}

@@ -224,7 +224,7 @@ def test_a_request_joins_a_running_batch_and_leaves_as_soon_as_it_ends(server):
 def test_concurrent_requests_get_what_the_batch_path_gives(server):
     """Samples with a seed are the same whether they run alone in a batch (the trainer's
     path) or side by side in the continuous pool with others joining: log-probs included."""
-    from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
+    from rl_tpu.core.engine import GenerateRequest, SamplingParams
     service = server["service"]
     requests = [GenerateRequest([5 + i, 6, 7], SamplingParams(
         max_new_tokens=5 + 3 * i, temperature=1.0, seed=i, ignore_eos=True), f"r{i}")

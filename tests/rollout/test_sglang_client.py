@@ -21,12 +21,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams  # noqa: E402
+from rl_tpu.core.engine import RolloutError  # noqa: E402
 from rl_tpu.models import hf  # noqa: E402
 from rl_tpu.models.logprobs import logits_from_hidden, token_logprobs  # noqa: E402
 from rl_tpu.models.tiny import write_tiny_model  # noqa: E402
 from rl_tpu.models.transformer import Transformer  # noqa: E402
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
-from rl_tpu.rollout.engine import RolloutError  # noqa: E402
 from rl_tpu.rollout.sglang import SGLangEngine  # noqa: E402
 
 from sglang_server import (REPO, free_port, start_rollout_server,  # noqa: E402

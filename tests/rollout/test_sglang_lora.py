@@ -38,12 +38,12 @@ import numpy as np
 import pytest
 
 from rl_tpu import parallel
+from rl_tpu.core.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.models import hf, lora, peft_format
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.tiny import tiny_config, write_tiny_model
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.rollout import weight_sync
-from rl_tpu.rollout.engine import GenerateRequest, RolloutError, SamplingParams
 from rl_tpu.rollout.sglang import SGLangEngine
 from rl_tpu.rollout.weight_sync import AdapterVersions
 

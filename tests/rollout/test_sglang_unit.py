@@ -14,11 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from rl_tpu.core.engine import GenerateRequest, SamplingParams
+from rl_tpu.core.engine import RolloutError
 from rl_tpu.models import hf
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.rollout import http_transport, logprob_probe, weight_sync
-from rl_tpu.rollout.engine import GenerateRequest, SamplingParams
-from rl_tpu.rollout.engine import RolloutError
 from rl_tpu.rollout.logprob_probe import ServerLogprobs
 from rl_tpu.rollout.sglang import SGLangEngine
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core.env import Env, StepResult, Task
 from rl_tpu.sandbox import Limits, sandbox_unavailable_reason
 from rl_tpu.tools import ToolCall, ToolEnv, ToolRegistry, python_tool, search_tool
 from rl_tpu.tools.builtins import MAX_QUERY_CHARS

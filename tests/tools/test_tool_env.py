@@ -3,7 +3,7 @@ reply without calls goes to the task env."""
 
 import pytest
 
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core.env import Env, StepResult, Task
 from rl_tpu.tools import ToolEnv, ToolRegistry, calculator_tool
 
 CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'

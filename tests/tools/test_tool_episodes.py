@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rl_tpu.agent import run_episodes
-from rl_tpu.envs.base import Env, StepResult, Task
+from rl_tpu.core.env import Env, StepResult, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.rollout.scripted import ScriptedEngine
 from rl_tpu.tools import ToolEnv, ToolRegistry, calculator_tool, call_format_of

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rl_tpu.agent.trajectory import Trajectory
+from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.train.rollout_batch import sampled_budgets, trajectories_to_batch
 
 

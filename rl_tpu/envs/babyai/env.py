@@ -58,11 +58,11 @@ import random
 import re
 from typing import Optional, Sequence, Union
 
-from rl_tpu.envs.agentgym_parse import parse_action
+from rl_tpu.core.agentgym_parse import parse_action
 from rl_tpu.envs.babyai import primitive
 from rl_tpu.envs.babyai.levels import (BabyAITasks, data_idx_of, level_and_seed, level_numbers,
                                        silence_minigrid_sampling_prints)
-from rl_tpu.envs.base import Env, StepResult, Task, TaskSource, invalid_action, register
+from rl_tpu.core.env import Env, StepResult, Task, TaskSource, invalid_action, register
 
 log = logging.getLogger(__name__)
 ACTION_STYLES = ("agentgym", "primitive")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from rl_tpu.envs.base import action_line
+from rl_tpu.core.env import action_line
 
 # Canonical action words, in minigrid's `Actions` order (index = minigrid action id).
 ACTIONS: tuple[str, ...] = ("turn left", "turn right", "move forward", "pick up", "drop",
