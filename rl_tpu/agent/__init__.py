@@ -4,7 +4,8 @@
                  `play_episodes`, `play_partial`), and the `Episode` state and the calls
                  (`start_episodes`, `ended_on_failure`) that branching builds on
   branching.py   branching rollouts for TL-GRPO: fork an episode, restore branch envs by replay
-  trajectory.py  `Trajectory` and `EpisodeStats`: what the loop hands everything else
+  trajectory.py  moved to rl_tpu/core/trajectory.py (`Trajectory`, `EpisodeStats`: what the
+                 loop hands everything else); re-exported here for one release
   evaluation.py  eval suites: greedy success, pass@k, turns, tokens
 
 The loop's public names are importable from here (`from rl_tpu import agent;

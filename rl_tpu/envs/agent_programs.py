@@ -82,7 +82,7 @@ class AgentProgramEnv(Env):
             source = source()
         if not isinstance(source, TaskSource):
             raise ValueError(f"tasks={self.tasks_spec!r} gave a {type(source).__name__}, not a "
-                             "TaskSource (rl_tpu.envs.base)")
+                             "TaskSource (rl_tpu.core.env)")
         return source
 
 

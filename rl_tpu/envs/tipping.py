@@ -41,7 +41,7 @@ False on an invalid reply, which also has `invalid_action: True`) and `round` (1
 routes adds `condition`, commons adds `contributors` (all agents), `others_contributing` and
 `goal_met`. The final step has `success`: the agent never violated in the episode (routes) /
 contributed every round (commons), and `violations`, their count. The rates over many episodes
-(rl_tpu/agent/trajectory.py `EpisodeStats`) count an invalid reply as no decision about the rule:
+(rl_tpu/core/trajectory.py `EpisodeStats`) count an invalid reply as no decision about the rule:
 violation_rate = violations / valid replies, and format_valid_rate = valid / all replies.
 
 Tasks: task i of a split comes from `Random(split_seed + i)`, train and eval seed ranges
