@@ -13,16 +13,24 @@ nothing in it. `--help` prints the flags and exits 0; `--config configs/X.py --l
 prints the file's variants, one line each, and its smoke runs, and exits 0.
 
 They also turn on JAX's persistent compilation cache (`use_compilation_cache`), so a rerun, a
-resume and every run of a sweep compile each program once per machine.
+resume and every run of a sweep compile each program once per machine, and on a machine with
+no accelerator they default JAX to the CPU (`rl_tpu.jax_platform.default_to_cpu`).
 """
 
 import os
 import sys
 import warnings
 
-from absl import app, flags, logging
+from rl_tpu.jax_platform import default_to_cpu
 
-from rl_tpu.preemption import Preempted, PreemptionGuard
+# Before anything below imports JAX. Every `python -m launch.<name>` runs this package's
+# __init__ before the launcher module's own imports, so this one call precedes JAX in each
+# launcher (tests/test_launch_cpu_default.py checks every one).
+default_to_cpu()
+
+from absl import app, flags, logging  # noqa: E402
+
+from rl_tpu.preemption import Preempted, PreemptionGuard  # noqa: E402
 
 DEBUG_ENV = "RL_TPU_DEBUG"
 CACHE_ENV = "RL_TPU_COMPILATION_CACHE"  # "0": no persistent compilation cache
