@@ -30,7 +30,7 @@ default_to_cpu()
 
 from absl import app, flags, logging  # noqa: E402
 
-from rl_tpu.preemption import Preempted, PreemptionGuard  # noqa: E402
+from rl_tpu.persistence.preemption import Preempted, PreemptionGuard  # noqa: E402
 
 DEBUG_ENV = "RL_TPU_DEBUG"
 CACHE_ENV = "RL_TPU_COMPILATION_CACHE"  # "0": no persistent compilation cache
@@ -61,11 +61,11 @@ def run_errors() -> tuple:
     first error and where the tracebacks are), and a code env on a machine where bubblewrap
     cannot run (sandbox.SandboxUnavailable: it names the override that runs unisolated)."""
     from rl_tpu.agent.env_failures import EnvFailuresError
-    from rl_tpu.checkpoint_errors import RunWriteError
+    from rl_tpu.persistence.checkpoint_errors import RunWriteError
     from rl_tpu.models.hf import CheckpointError
     from rl_tpu.recipes.resume import ResumeConfigError
     from rl_tpu.sandbox.limits import SandboxUnavailable
-    from rl_tpu.workdir_lock import WorkdirLockedError
+    from rl_tpu.persistence.workdir_lock import WorkdirLockedError
 
     return RUN_ERRORS + (CheckpointError, ResumeConfigError, RunWriteError, WorkdirLockedError,
                          EnvFailuresError, SandboxUnavailable)

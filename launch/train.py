@@ -17,7 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
-from rl_tpu import workdir_lock
+from rl_tpu.persistence import workdir_lock
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
                                 lock_config=True)

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from rl_tpu.checkpoint_errors import RunWriteError
+from rl_tpu.persistence.checkpoint_errors import RunWriteError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import secrets
 import string
 from typing import Any, Mapping, Optional
 
-from rl_tpu.checkpoint_errors import RunWriteError
+from rl_tpu.persistence.checkpoint_errors import RunWriteError
 
 RUN_ID_FILE = "wandb_run_id"
 WANDB_SUBDIR = "wandb"

@@ -1,6 +1,6 @@
 """A checkpoint step that cannot be written: one CheckpointWriteError naming the step, the
 path, the cause and the last good step, no tracebacks from orbax's writer threads, and the
-steps before it restore (rl_tpu/checkpoint_errors.py, rl_tpu/checkpoint.py)."""
+steps before it restore (rl_tpu/persistence/checkpoint_errors.py and checkpoint.py)."""
 
 import errno
 import json
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_tpu.checkpoint import Checkpointer
-from rl_tpu.checkpoint_errors import CheckpointWriteError, is_storage_error, storage_cause
+from rl_tpu.persistence.checkpoint import Checkpointer
+from rl_tpu.persistence.checkpoint_errors import (CheckpointWriteError, is_storage_error,
+                                                  storage_cause)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 WRITE_FAILURE_SCRIPT = textwrap.dedent("""
     import json, resource, signal, sys
     import jax, jax.numpy as jnp
-    from rl_tpu.checkpoint import Checkpointer, CheckpointWriteError
+    from rl_tpu.persistence.checkpoint import Checkpointer, CheckpointWriteError
     ckpt = Checkpointer(sys.argv[1], keep=3)
     ckpt.save(1, {"w": jnp.ones((512, 512))}, {"step": 1})
     ckpt.wait()
@@ -97,7 +98,7 @@ def test_the_cause_of_a_failed_write_is_read_from_tensorstore_or_the_os():
 
 
 def test_a_final_export_the_disk_refuses_is_one_line_naming_the_path(tmp_path):
-    from rl_tpu.checkpoint_errors import RunWriteError
+    from rl_tpu.persistence.checkpoint_errors import RunWriteError
     from rl_tpu.models import tiny
     from rl_tpu.recipes import components
 

@@ -12,7 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import launch
-from rl_tpu import workdir_lock
+from rl_tpu.persistence import workdir_lock
 from rl_tpu.env_serving.server import make_server
 from rl_tpu.models import hf, tiny
 from rl_tpu.recipes import algorithms, components, evaluate, resume, rl

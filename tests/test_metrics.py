@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_tpu.checkpoint_errors import RunWriteError
+from rl_tpu.persistence.checkpoint_errors import RunWriteError
 from rl_tpu.metrics import (METRICS_FILE, TENSORBOARD_DIR, MetricsWriter, StepLog,
                             curves_figure, plot_curves, progress, read_metrics)
 

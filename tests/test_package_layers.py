@@ -1,6 +1,7 @@
 """rl_tpu's packages form layers: no two packages reach each other, the contracts in
 rl_tpu/core stand on no other package, and nothing of the project imports the old paths the
-contracts moved from (they re-export core for one release, for code outside rl_tpu).
+contracts and the persistence modules moved from (they re-export the new ones for one release,
+for code outside rl_tpu).
 
 Read from the source (ast), as tests/test_private_names.py does. A node is a package of
 rl_tpu (rl_tpu/envs/) or a root module (rl_tpu/aot.py); every import counts, the ones inside
@@ -21,6 +22,11 @@ OLD_PATHS = {"rl_tpu.envs.base": "rl_tpu.core.env",
              "rl_tpu.envs.agentgym_parse": "rl_tpu.core.agentgym_parse",
              "rl_tpu.rollout.engine": "rl_tpu.core.engine",
              "rl_tpu.agent.trajectory": "rl_tpu.core.trajectory"}
+# Where the persistence modules lived before rl_tpu/persistence; each old name is now an alias
+# of the moved module.
+OLD_PATHS.update({f"rl_tpu.{name}": f"rl_tpu.persistence.{name}" for name in (
+    "checkpoint", "checkpoint_errors", "checkpoint_integrity", "host_state", "preemption",
+    "workdir_lock")})
 
 
 def _sources(root: str, top: str):

@@ -278,7 +278,7 @@ def eval_block() -> ml_collections.ConfigDict:
 
 
 def checkpoint_block() -> ml_collections.ConfigDict:
-    """Orbax checkpoints (rl_tpu/checkpoint.py) and the final HF export."""
+    """Orbax checkpoints (rl_tpu/persistence/checkpoint.py) and the final HF export."""
     b = ml_collections.ConfigDict()
     b.every = 10
     b.keep = 3

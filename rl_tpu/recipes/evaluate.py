@@ -38,7 +38,7 @@ LATEST_FILE = "eval.json"  # W/eval.json: a copy of the latest
 
 def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     """The latest checkpoint's policy params, restored into the trainer's state layout."""
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
     from rl_tpu.recipes import algorithms
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))

@@ -47,15 +47,15 @@ from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
 from rl_tpu.agent import play_partial
 from rl_tpu.agent.program import player_for
-from rl_tpu.checkpoint import Checkpointer
-from rl_tpu.checkpoint_errors import RunWriteError
+from rl_tpu.persistence.checkpoint import Checkpointer
+from rl_tpu.persistence.checkpoint_errors import RunWriteError
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.agent.env_failures import EnvFailureWatch
 from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import lora
 from rl_tpu.models.value import ValueModel
-from rl_tpu.preemption import PreemptionGuard, stop_here
+from rl_tpu.persistence.preemption import PreemptionGuard, stop_here
 from rl_tpu.recipes import algorithms, components, resume, run_summary, sft, shapes
 from rl_tpu.recipes.config import check
 from rl_tpu.rewards.mix import RewardMix, source_metrics
@@ -428,7 +428,7 @@ class Trainer:
     def stop_if_signalled(self, step: int) -> None:
         """After step `step` (before the last): when any host got SIGTERM / SIGINT, the
         step's checkpoint (unless it was just saved) on disk, then `Preempted` is raised on
-        every host (rl_tpu/preemption.py)."""
+        every host (rl_tpu/persistence/preemption.py)."""
         if step >= self.config.train.steps:
             return
 

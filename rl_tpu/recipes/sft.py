@@ -25,7 +25,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from rl_tpu import parallel, preemption
+from rl_tpu import parallel
+from rl_tpu.persistence import preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.core.env import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
@@ -298,7 +299,7 @@ def checkpointed_steps(config: ml_collections.ConfigDict, checkpoint_dir: str,
     every checkpoint.every steps with the data position and resumed from it (a killed run
     started again repeats the uninterrupted one); (the state, the last step's metrics as
     {prefix/name: value}). DPO's and the reward model's optimisers run on it."""
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
 
     last: dict[str, float] = {}
     with Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
@@ -320,10 +321,10 @@ def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
     """`steps` SFT steps of `params` on `examples` at `lr` (the config's schedule, warmup
     sft.warmup_steps), checkpointed in `checkpoint_dir` every checkpoint.every steps when it
     is given (and resumed from it; SIGTERM / SIGINT then save the step and stop the run:
-    rl_tpu/preemption.py); returns the new params. The sampling loops (expert iteration,
+    rl_tpu/persistence/preemption.py); returns the new params. The sampling loops (expert iteration,
     RLoop) call this for each round's fine-tune; on_start(the step it resumes from, 0 when
     fresh) before the first step, on_metrics(step, metrics) after each."""
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
 
     optim = components.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
     state = components.new_state(params, optim)
@@ -418,7 +419,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """SFT on its own: sft.steps steps, checkpointed in W/checkpoints (rerunning the command
     resumes), then a greedy eval on the eval split and an HF export to W/final_hf."""
     from rl_tpu import metrics as metrics_lib
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
     from rl_tpu.data.tasks import eval_tasks
     from rl_tpu.heartbeat import Heartbeat
     from rl_tpu.recipes.config import check

@@ -25,7 +25,7 @@ import pytest
 from multihost import run_job
 from rl_tpu.metrics import read_metrics
 from test_rl import _final_params
-from rl_tpu import host_state
+from rl_tpu.persistence import host_state
 from test_rl import config
 from test_rl_async import TRACE_SCRIPT, _assert_partition, _pending, _read_trace
 

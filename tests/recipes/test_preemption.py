@@ -15,7 +15,7 @@ import pytest
 
 from multihost import start_job, wait_job
 from rl_tpu.metrics import read_metrics
-from rl_tpu.preemption import PreemptionGuard, Preempted
+from rl_tpu.persistence.preemption import PreemptionGuard, Preempted
 from test_rl import (KILL_STEPS, REPO, _cpu_env, _final_params, _finite,  # noqa: F401
                      resumed_from, uninterrupted_run)  # the fixture, used by name
 

@@ -40,7 +40,7 @@ def _kill_mid_run(command, workdir, log_path, env) -> int:
 
 
 def _host_state(directory, step):
-    from rl_tpu import host_state
+    from rl_tpu.persistence import host_state
     return host_state.read(host_state.path(str(directory), step, 0))
 
 

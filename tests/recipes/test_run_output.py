@@ -31,7 +31,7 @@ TRAIN = [sys.executable, "-m", "launch.train", "--config", "configs/quickstart.p
 # TensorBoard events) are not.
 HOOK = textwrap.dedent(f"""
     import resource, signal
-    from rl_tpu import checkpoint
+    from rl_tpu.persistence import checkpoint
 
     _save = checkpoint.Checkpointer.save
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rl_tpu.checkpoint import Checkpointer
+from rl_tpu.persistence.checkpoint import Checkpointer
 from rl_tpu.models import lora
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rl.losses import PolicyLossConfig

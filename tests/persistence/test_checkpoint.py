@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from rl_tpu.checkpoint import (SUPERSEDED_DIR, CheckpointCorruptError, Checkpointer,
+from rl_tpu.persistence.checkpoint import (SUPERSEDED_DIR, CheckpointCorruptError, Checkpointer,
                                CheckpointTargetMismatchError)
-from rl_tpu.checkpoint_integrity import _checksum
-from rl_tpu.host_state import PickledHostStateError
+from rl_tpu.persistence.checkpoint_integrity import _checksum
+from rl_tpu.persistence.host_state import PickledHostStateError
 from rl_tpu.parallel import make_mesh
 from rl_tpu.train.state import OptimConfig, create_state, make_optimizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_truncated_latest_falls_back_to_previous_with_warning(tmp_path, mesh, ca
     ckpt.save(2, make_state(mesh, seed=2), {"step": 2})
     for f in data_files(tmp_path / "ckpt" / "2"):  # as a full disk or a cut copy leaves them
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.persistence.checkpoint"):
         step, restored, meta = ckpt.restore(abstract_of(first))
     assert (step, meta) == (1, {"step": 1})
     assert_bitwise_equal(restored, host_copy(first))
@@ -207,7 +207,7 @@ def test_flipped_bit_is_caught_by_checksum_and_falls_back(tmp_path, mesh, caplog
     else:
         pytest.fail("orbax now detects flipped data bits itself; this test needs a new "
                     "corruption")
-    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.persistence.checkpoint"):
         step, restored, _ = ckpt.restore(abstract_of(state_of(2)))
     assert step == 1
     assert_bitwise_equal(restored, host_copy(state_of(1)))
@@ -298,7 +298,7 @@ def test_steps_a_resumed_run_saves_itself_are_never_set_aside(tmp_path, mesh, ca
     killed.close()
     rerun = Checkpointer(str(directory), async_save=True, keep=5)
     assert rerun.restore(abstract_of(state))[0] == 2
-    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.persistence.checkpoint"):
         for step in (3, 4, 5):
             rerun.save(step, state, {"step": step})
         rerun.wait()
@@ -372,7 +372,7 @@ def test_damaged_host_state_of_the_latest_step_resumes_from_the_one_before(
         data[-20] ^= 0x40
         path.write_bytes(bytes(data))
     ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
-    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.persistence.checkpoint"):
         step, _, meta = ckpt.restore(abstract_of(state))
     assert (step, meta) == (1, {"step": 1})
     assert ckpt.restore_host_state(1) == host_of(1)
@@ -421,7 +421,7 @@ def test_host_state_pickled_by_an_earlier_version_is_refused_unread(tmp_path, me
 CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import jax.numpy as jnp
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
 
     ckpt = Checkpointer(sys.argv[1], async_save=True)
     ckpt.save(1, {"w": jnp.full((4, 4), 1.0)}, {"step": 1})
@@ -523,7 +523,7 @@ def test_static_of_other_arrays_is_replaced_only_while_no_step_exists(tmp_path, 
     ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
     ckpt.save_static("reference", first)
     # A run that stopped before its first checkpoint left it: nothing refers to it.
-    with caplog.at_level(logging.WARNING, logger="rl_tpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rl_tpu.persistence.checkpoint"):
         assert ckpt.save_static("reference", second)
     assert any("replacing it" in r.getMessage() for r in caplog.records)
     assert_bitwise_equal(ckpt.restore_static("reference", abstract_of(first)), host_copy(second))
@@ -591,7 +591,7 @@ def test_static_missing_mismatched_or_badly_named_is_named(tmp_path, mesh):
 STATIC_CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import jax.numpy as jnp
-    from rl_tpu.checkpoint import Checkpointer
+    from rl_tpu.persistence.checkpoint import Checkpointer
 
     ckpt = Checkpointer(sys.argv[1], async_save=True)
     big = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(8)}  # 128 MiB

@@ -13,13 +13,13 @@ import time
 import pytest
 
 from multihost import start_job, wait_job
-from rl_tpu import workdir_lock
+from rl_tpu.persistence import workdir_lock
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HOLDER = """
 import sys, time
-from rl_tpu import workdir_lock
+from rl_tpu.persistence import workdir_lock
 with workdir_lock.hold(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -98,7 +98,7 @@ def test_a_trainer_on_a_held_workdir_stops_in_one_line_writing_nothing(tmp_path,
 
 JOB_HOLDER = """
 import os, sys, time
-from rl_tpu import workdir_lock
+from rl_tpu.persistence import workdir_lock
 workdir, release = sys.argv[1:]
 try:
     with workdir_lock.hold(workdir):

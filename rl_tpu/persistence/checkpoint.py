@@ -5,7 +5,7 @@ One checkpoint is one orbax step directory `<directory>/<step>/` holding three i
 - `state`: the pytree of arrays (a TrainState, dicts...), written by every process for the
   shards it holds and read back straight into the target's shardings;
 - `meta`: a JSON dict (task-iterator state, schedule state, rng seed, the config), written once;
-- `integrity`: per-array checksums of the bits (rl_tpu/checkpoint_integrity.py). Tensorstore
+- `integrity`: per-array checksums of the bits (checkpoint_integrity.py). Tensorstore
   checks its index but not the array bytes, so a flipped bit in a data file would restore
   silently; the checksum turns that into a read error, which makes `restore` fall back to the
   previous step like any other.
@@ -28,7 +28,7 @@ after a static item always finds it complete: `save` first waits for any static 
 
 Host-side state (a trainer's producer and replay buffer: Python objects of one process, no
 arrays to shard) is saved per process per step in `<directory>/host/` by `save_host_state`,
-in rl_tpu/host_state.py's checksummed format (never a pickle). It is part of its step: once a
+in host_state.py's checksummed format (never a pickle). It is part of its step: once a
 process has saved host state, `restore` treats a step whose host-state file is missing or
 fails its checksum as damaged and falls back to the step before it, like an unreadable array.
 A directory holding host state pickled by an earlier rl_tpu is refused, never unpickled.
@@ -59,14 +59,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from rl_tpu import host_state, parallel
-from rl_tpu.checkpoint_errors import (  # noqa: F401 - CheckpointWriteError: public here
+from rl_tpu import parallel
+from rl_tpu.persistence import host_state
+from rl_tpu.persistence.checkpoint_errors import (  # noqa: F401 - CheckpointWriteError: public
     CheckpointWriteError, is_storage_error, quiet_background_failure_reports)
-from rl_tpu.checkpoint_integrity import (  # noqa: F401 - CheckpointCorruptError: public here
+from rl_tpu.persistence.checkpoint_integrity import (  # noqa: F401 - CheckpointCorruptError: public
     CheckpointCorruptError, check_savable, flat, path_name)
-from rl_tpu.checkpoint_integrity import compile_record
-from rl_tpu.checkpoint_integrity import record as integrity_record
-from rl_tpu.checkpoint_integrity import verify as verify_integrity
+from rl_tpu.persistence.checkpoint_integrity import compile_record
+from rl_tpu.persistence.checkpoint_integrity import record as integrity_record
+from rl_tpu.persistence.checkpoint_integrity import verify as verify_integrity
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class Checkpointer:
         return host_state.path(self._host_dir, step, jax.process_index())
 
     def save_host_state(self, step: int, state) -> None:
-        """Write this process's host-side state of checkpoint `step` (rl_tpu/host_state.py's
+        """Write this process's host-side state of checkpoint `step` (host_state.py's
         format), before `save(step, ...)`: a step on disk then always has its host state.
         Host states of earlier steps whose checkpoints are gone (retention, a save that never
         completed) are deleted; call it after `wait()`, so the step in flight is not one."""

@@ -1,5 +1,5 @@
 """The bits of a checkpoint's arrays, checked: one checksum per array, computed where its
-shards are, the same whatever the sharding (rl_tpu/checkpoint.py saves it beside each step
+shards are, the same whatever the sharding (checkpoint.py saves it beside each step
 and verifies it on restore).
 
 Tensorstore checks its index but not the array bytes, so a flipped bit in a data file would

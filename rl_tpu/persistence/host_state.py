@@ -1,6 +1,6 @@
 """Host-side state saved beside a checkpoint (the producer's, the replay buffer's), as data.
 
-A checkpoint step's sharded arrays are orbax's (rl_tpu/checkpoint.py); what lives only on one
+A checkpoint step's sharded arrays are orbax's (checkpoint.py); what lives only on one
 host's Python side (the task stream's position, played-but-not-trained `Trajectory` lists,
 `(position, Task)` tuples, chunk metrics, replay groups) is written here, one file per process
 per step: `<checkpoint dir>/host/<step>.process<i>.hoststate`.
@@ -133,7 +133,7 @@ def _encode(value: Any, arrays: list, where: str) -> Any:
         f"host state at {where} is a {kind.__module__}.{kind.__qualname__}, which the host-state "
         "format does not hold (None, bool, int, float, str, list, tuple, dict, bytes, numpy "
         f"arrays and scalars, and the registered dataclasses {sorted(_registry())}). Convert "
-        "it to one of these, or register its dataclass with rl_tpu.host_state.register")
+        "it to one of these, or register its dataclass with rl_tpu.persistence.host_state.register")
 
 
 def _check_array(array: np.ndarray, where: str) -> None:

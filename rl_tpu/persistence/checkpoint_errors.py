@@ -3,7 +3,7 @@
 A step that cannot be written (a full disk, no permission, a read-only filesystem) is an
 OSError from our own writes or, from orbax's background threads, a ValueError tensorstore
 raises with the OS error inside its message (`RESOURCE_EXHAUSTED: ... No space left on device
-[os_error_code='28']`). rl_tpu/checkpoint.py turns either into one `CheckpointWriteError`
+[os_error_code='28']`). checkpoint.py turns either into one `CheckpointWriteError`
 naming the step, the path, the cause, what to do and the last good step; rl_tpu/metrics.py
 raises a RunWriteError for a metrics line or TensorBoard event it cannot write.
 

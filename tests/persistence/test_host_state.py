@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from rl_tpu import host_state
+from rl_tpu.persistence import host_state
 from rl_tpu.core.env import Task
 from rl_tpu.core.trajectory import Trajectory
 
