@@ -1,0 +1,9 @@
+"""Moved to rl_tpu/persistence/workdir_lock.py. This name stays for one release, for code outside
+rl_tpu that imports `rl_tpu.workdir_lock`: it is the same module object, private names and
+monkeypatching included. Nothing in the project imports it (tests/test_package_layers.py)."""
+
+import sys
+
+from rl_tpu.persistence import workdir_lock
+
+sys.modules[__name__] = workdir_lock
