@@ -154,7 +154,7 @@ def run_jax(spec: dict) -> dict:
     trainable = None
     if spec.get("lora_rank"):  # fresh adapters (B = 0) on the frozen base
         from rl_tpu.models import lora
-        from rl_tpu.recipes.components import with_fresh_adapters
+        from rl_tpu.recipes.policy_io import with_fresh_adapters
 
         r = spec["lora_rank"]
         cfg = cfg.replace(lora=lora.LoraConfig(rank=r, alpha=2.0 * r))

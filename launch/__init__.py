@@ -141,10 +141,10 @@ def parse_flags(argv, flag_values: flags.FlagValues = flags.FLAGS):
 
 
 def check_inputs(config, model_path=None) -> None:
-    """rl_tpu.recipes.components.check_inputs (imported late: it loads JAX)."""
-    from rl_tpu.recipes import components
+    """rl_tpu.recipes.input_checks.check_inputs (imported late: it loads JAX)."""
+    from rl_tpu.recipes import input_checks
 
-    components.check_inputs(config, model_path)
+    input_checks.check_inputs(config, model_path)
 
 
 def remove_if_nothing_written(workdir: str) -> None:

@@ -7,7 +7,7 @@ machine, which needs libtpu but no TPU, and prints each one's memory per chip ag
 chip's HBM and its compile time. The shapes are the trainer's, by the same functions
 (`aot.plan`): a step's rows with its replayed groups and self-play's solver rows
 (recipes/shapes.py), and the chips the trainer gives the learner and the embedded sampler
-(components.split_devices: an asynchronous run's sampler has part of each host). Several
+(placement.split_devices: an asynchronous run's sampler has part of each host). Several
 topologies: `--topology v5p:4x4x4,v5e:4x4`. The policy is `--model` (a preset of
 rl_tpu/models/presets.py), else `model.path`'s config.json, else the config's tiny model;
 with `--config.model.lora.rank=8` it is a LoRA run's (adapters trained on the frozen base,

@@ -17,7 +17,7 @@ trainer uses:
   sampler_decode   bucket, and one decode chunk, on one host's sampler chips (its mesh)
 
 `plan(config, topology)` gives those shapes by the functions the trainer calls: the learner's
-and the sampler's chips (components.split_devices: asynchronous with the embedded sampler,
+and the sampler's chips (placement.split_devices: asynchronous with the embedded sampler,
 each host gives rollout.sampler_devices of its chips to the sampler, 0 = half; else the learner
 has every chip and the sampler a host's) and a step's global rows (shapes.step_rows).
 
@@ -55,7 +55,7 @@ from rl_tpu.models import hf, lora
 from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.recipes import algorithms, components, shapes
+from rl_tpu.recipes import algorithms, engines, placement, policy_io, shapes, train_states
 from rl_tpu.train.learner import Learner, abstract_batch
 from rl_tpu.train.state import abstract_state, make_optimizer
 
@@ -153,7 +153,7 @@ def model_config(config: ml_collections.ConfigDict, model: str = "") -> tuple[st
     """(name, ModelConfig) of the policy a run of `config` trains: the preset `model`, else
     `model.path`'s config.json, else the config's tiny random model; with the config's
     numerics (dtype, remat, scanned layers, attention block) and LoRA adapters
-    (`model.lora.*`, as components.load_policy adds them)."""
+    (`model.lora.*`, as policy_io.load_policy adds them)."""
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.dtype, remat=m.remat,
                     scan_layers=m.scan_layers, attention_block=m.attention_block,
@@ -164,8 +164,8 @@ def model_config(config: ml_collections.ConfigDict, model: str = "") -> tuple[st
         name, cfg = m.path, hf.read_config(m.path, **numerics)
     else:
         name, cfg = "tiny", tiny_config(m.tiny_arch, m.tiny_vocab,
-                                        **components.tiny_shape(config), **numerics)
-    return name, cfg.replace(lora=components.lora_config(config))
+                                        **policy_io.tiny_shape(config), **numerics)
+    return name, cfg.replace(lora=policy_io.lora_config(config))
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh, rules=parallel.DEFAULT_RULES, module=None):
@@ -203,7 +203,7 @@ def _nbytes(tree) -> int:
 
 
 def trainable(params, heads: tuple[str, ...] = ()) -> Optional[frozenset]:
-    """What a TrainState of `params` trains, as components.new_state picks it: with LoRA
+    """What a TrainState of `params` trains, as train_states.new_state picks it: with LoRA
     adapters in `params`, the adapters (and `heads`, e.g. a critic's value head); else all."""
     return frozenset(lora.ADAPTER_KEYS + heads) if lora.has_adapters(params) else None
 
@@ -211,7 +211,7 @@ def trainable(params, heads: tuple[str, ...] = ()) -> Optional[frozenset]:
 def sync_of(params) -> str:
     """What one weight sync to the sampler moves for `params` (global, abstract): the adapters
     alone when they hold adapters (the sampler copies the frozen base once), else every
-    param in its dtype (components.engine_weights)."""
+    param in its dtype (engines.engine_weights)."""
     if not lora.has_adapters(params):
         dtypes = sorted({str(jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)})
         return f"{_size(_nbytes(params))} (every param, {'/'.join(dtypes)})"
@@ -257,7 +257,7 @@ def _bucket(n: int, floor: int) -> int:
 @dataclasses.dataclass
 class Plan:
     """What `check` compiles for a config on a topology, worked out as the trainer works it out
-    on that slice: the learner's and the sampler's devices (components.split_devices: an
+    on that slice: the learner's and the sampler's devices (placement.split_devices: an
     asynchronous run's embedded sampler takes rollout.sampler_devices of each host's chips, 0 =
     half, and the learner the rest), the learner on its mesh, and one step's global rows
     (recipes/shapes.step_rows: fresh, replayed and self-play's rows, padded to the learner's
@@ -290,9 +290,9 @@ def plan(config: ml_collections.ConfigDict, topology: str, cfg: Optional[ModelCo
     state (nothing allocated, nothing compiled)."""
     devices = topology_devices(topology)[0] if devices is None else devices
     cfg = model_config(config)[1] if cfg is None else cfg
-    learner_devices, sampler_devices = components.split_devices(
+    learner_devices, sampler_devices = placement.split_devices(
         config, devices, devices[0].process_index)
-    mesh = components.make_mesh(config, learner_devices)
+    mesh = placement.make_mesh(config, learner_devices)
     learner, params = _abstract_learner(config, cfg, mesh)
     t = config.train
     hosts = len({d.process_index for d in learner_devices})
@@ -309,7 +309,7 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
     algo = config.algo
     model = Transformer(cfg, mesh=mesh)
     params = abstract_params(cfg, mesh)
-    tx = make_optimizer(components.rl_optim_config(config, config.optim.lr))
+    tx = make_optimizer(train_states.rl_optim_config(config, config.optim.lr))
     state = abstract_state(params, tx, trainable(params))
     update_cfg = algorithms.update_config(config)
     loss_cfg = algorithms.loss_config(algo, config.env.max_new_tokens)
@@ -321,7 +321,7 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
         # take the splash kernel, which refuses it
         critic_params = abstract_params(cfg, mesh, module=ValueModel(cfg))
         critic = abstract_state(critic_params,
-                                make_optimizer(components.rl_optim_config(config, algo.value_lr)),
+                                make_optimizer(train_states.rl_optim_config(config, algo.value_lr)),
                                 trainable(critic_params, heads=("head",)))
     # the KL reference: the initial params (LoRA: its adapters, on the policy's base); held_by
     reference = lora.adapters(params) if cfg.lora is not None else params
@@ -382,7 +382,7 @@ _HOST_SHAPES = {"2d": {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4"},
 
 def sampler_slice(topology: str, devices: list, sampler: list) -> list:
     """The abstract chips to compile the embedded sampler for: its devices `sampler` (one
-    host's, from components.split_devices) among the topology's `devices`; when they are not
+    host's, from placement.split_devices) among the topology's `devices`; when they are not
     the whole topology, a one-host slice of as many chips of the same kind, else (no such
     slice: v5p's 2 chips) `sampler` itself."""
     if len(sampler) == len(devices):

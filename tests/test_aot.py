@@ -194,7 +194,7 @@ def test_compile_check_compiles_the_replayed_rows_too():
 @pytest.mark.slow
 def test_compile_check_gives_an_asynchronous_sampler_half_of_each_host():
     # v5p:2x2x4, 4 hosts of 4 chips: the sampler compiles for 2 chips, the learner for the
-    # other 8 (components.split_devices, as the trainer splits them)
+    # other 8 (placement.split_devices, as the trainer splits them)
     out = _compile_check("--config", "configs/babyai_cpu.py:smoke", "--topology", "v5p:2x2x4",
                          "--programs", "score,sampler_decode", "--config.rollout.max_staleness=1",
                          "--config.train.tasks_per_step=8")

@@ -99,20 +99,21 @@ def test_the_cause_of_a_failed_write_is_read_from_tensorstore_or_the_os():
 
 def test_a_final_export_the_disk_refuses_is_one_line_naming_the_path(tmp_path):
     from rl_tpu.persistence.checkpoint_errors import RunWriteError
-    from rl_tpu.models import tiny
-    from rl_tpu.recipes import components
+    from rl_tpu.models import hf, tiny
+    from rl_tpu.models.tokenizer import load_tokenizer
+    from rl_tpu.recipes import policy_io
 
     model_dir = tmp_path / "model"
     tiny.write_tiny_model(str(model_dir))
-    cfg, params = components.hf.load(str(model_dir))
-    tokenizer = components.load_tokenizer(str(model_dir))
+    cfg, params = hf.load(str(model_dir))
+    tokenizer = load_tokenizer(str(model_dir))
     (tmp_path / "blocked").write_text("a file where the export's parent directory would be")
     target = tmp_path / "blocked" / "final_hf"
     with pytest.raises(RunWriteError) as e:
-        components.export_hf(str(target), cfg, params, tokenizer)
+        policy_io.export_hf(str(target), cfg, params, tokenizer)
     assert str(e.value).startswith(f"cannot write the final HF export to {target}: Not a "
                                    "directory; ")
     assert str(e.value).endswith("the checkpoints are intact: rerun the same command to "
                                  "export again")
-    components.export_hf(str(tmp_path / "final_hf"), cfg, params, tokenizer)  # the good path
+    policy_io.export_hf(str(tmp_path / "final_hf"), cfg, params, tokenizer)  # the good path
     assert (tmp_path / "final_hf" / "config.json").is_file()

@@ -15,7 +15,7 @@ import launch
 from rl_tpu.persistence import workdir_lock
 from rl_tpu.env_serving.server import make_server
 from rl_tpu.models import hf, tiny
-from rl_tpu.recipes import algorithms, components, evaluate, resume, rl
+from rl_tpu.recipes import algorithms, env_factory, evaluate, input_checks, resume, rl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TYPO = "no_such_workdir"  # under each test's tmp_path
@@ -183,7 +183,7 @@ def test_algo_name_on_the_command_line_brings_that_algorithms_defaults():
 
 def test_env_kwargs_are_settable_from_the_command_line():
     c = finish("--config", "configs/quickstart.py:smoke", "--config.env.kwargs.num_items=3")
-    env = components.make_env_factory(c)()
+    env = env_factory.make_env_factory(c)()
     assert len(env.tasks().get("eval", 0).data["numbers"]) == 3
 
 
@@ -257,10 +257,10 @@ def test_a_model_dir_that_cannot_load_is_named_before_anything_is_written(models
                                                                           message):
     c = finish("--config", "configs/quickstart.py:smoke", f"--config.model.path={models / name}")
     with pytest.raises(hf.CheckpointError, match=message):
-        components.check_inputs(c)
+        input_checks.check_inputs(c)
     with pytest.raises(hf.CheckpointError, match=message.replace("model.path", "--model_path")):
         evaluate.run(c, model_path=str(models / name))  # launch.eval --model_path
-    components.check_inputs(finish(  # the good one passes
+    input_checks.check_inputs(finish(  # the good one passes
         "--config", "configs/quickstart.py:smoke", f"--config.model.path={models / 'good'}"))
 
 
@@ -282,25 +282,25 @@ def test_a_data_path_that_is_not_there_is_named_before_anything_is_written(tmp_p
     c = finish("--config", "configs/quickstart.py:smoke", "--config.sft.steps=2",
                override.format(tmp=tmp_path))
     with pytest.raises(FileNotFoundError, match=message):
-        components.check_inputs(c)
+        input_checks.check_inputs(c)
 
 
 def test_env_servers_are_probed_before_anything_is_written(countdown_server):
     c = finish("--config", "configs/countdown_grpo.py:smoke",
                f"--config.env.remote_url={countdown_server}")
-    components.check_inputs(c)  # up, and serving env.name
+    input_checks.check_inputs(c)  # up, and serving env.name
     c = finish("--config", "configs/quickstart.py:smoke",
                f"--config.env.remote_url={countdown_server}")
     with pytest.raises(ValueError, match=rf"the env server at {countdown_server} serves "
                                          r"'countdown', but env.name is 'largest'; point "
                                          r"env.remote_url at a server of 'largest'"):
-        components.check_inputs(c)
+        input_checks.check_inputs(c)
     dead = dead_url()
     c = finish("--config", "configs/quickstart.py:smoke", f"--config.env.remote_url={dead}")
     with pytest.raises(ValueError, match=rf"env.remote_url: no env server answers at {dead} "
                                          r"within 5s \(ConnectError: .*\); start it with "
                                          r"`python -m launch.serve_env --env largest"):
-        components.check_inputs(c)
+        input_checks.check_inputs(c)
 
 
 def test_the_env_server_probe_sends_the_runs_key(monkeypatch):
@@ -311,12 +311,12 @@ def test_the_env_server_probe_sends_the_runs_key(monkeypatch):
         monkeypatch.delenv("RL_TPU_ENV_API_KEY", raising=False)
         with pytest.raises(ValueError, match=rf"the env server at {url} wants an API key: set "
                                              r"RL_TPU_ENV_API_KEY"):
-            components.check_inputs(c)
+            input_checks.check_inputs(c)
         monkeypatch.setenv("RL_TPU_ENV_API_KEY", "open")
         with pytest.raises(ValueError, match="refused the key in RL_TPU_ENV_API_KEY"):
-            components.check_inputs(c)
+            input_checks.check_inputs(c)
         monkeypatch.setenv("RL_TPU_ENV_API_KEY", "sesame")
-        components.check_inputs(c)
+        input_checks.check_inputs(c)
     finally:
         server.shutdown()
 

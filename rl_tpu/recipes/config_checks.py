@@ -266,7 +266,7 @@ LORA_SAMPLER_MODES = ("merge", "lowrank")
 
 def _check_lora(config: ml_collections.ConfigDict) -> None:
     """model.lora.*: the sampler's mode (every recipe trains adapters; the adapters' own
-    fields are checked where they are built: components.lora_config)."""
+    fields are checked where they are built: policy_io.lora_config)."""
     b = config.model.lora
     if b.rank <= 0:
         return

@@ -29,7 +29,8 @@ import ml_collections
 from rl_tpu import parallel
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.heartbeat import Heartbeat
-from rl_tpu.recipes import components
+from rl_tpu.recipes import (engines, env_factory, eval_suite, input_checks, placement, policy_io,
+                            train_states)
 from rl_tpu.recipes.config import check
 
 EVALS_DIR = "evals"  # W/evals/: one file an eval
@@ -45,11 +46,11 @@ def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     if ckpt.latest_step() is None:
         raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints; train first or "
                                 "pass --model_path to an HF directory")
-    target = {"policy": components.new_state(
-        params, components.rl_optim_config(config, config.optim.lr))}
+    target = {"policy": train_states.new_state(
+        params, train_states.rl_optim_config(config, config.optim.lr))}
     if algorithms.uses_critic(config.algo):
-        target["critic"] = components.new_critic_state(config, target["policy"].params,
-                                                       model_cfg, mesh)
+        target["critic"] = train_states.new_critic_state(config, target["policy"].params,
+                                                         model_cfg, mesh)
     step, restored, _ = ckpt.restore({k: v.checkpoint_view() for k, v in target.items()})
     ckpt.close()
     return step, target["policy"].from_checkpoint(restored["policy"]).params
@@ -72,25 +73,25 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     if not model_path and not _has_checkpoint(workdir):  # before anything is written there
         raise FileNotFoundError(f"no checkpoint in {workdir}: pass --model_path (an HF "
                                 "directory) or the workdir of a training run")
-    components.check_inputs(config, model_path)  # before a compile or a write
+    input_checks.check_inputs(config, model_path)  # before a compile or a write
     parallel.maybe_initialize_distributed()
-    mesh = components.make_mesh(config)
-    path = model_path or components.model_path(config, workdir)
-    model_cfg, _, params, tokenizer = components.load_policy(config, path, mesh)
+    mesh = placement.make_mesh(config)
+    path = model_path or policy_io.model_path(config, workdir)
+    model_cfg, _, params, tokenizer = policy_io.load_policy(config, path, mesh)
     step = None
     if not model_path:
         step, params = _checkpoint_params(config, workdir, model_cfg, params, mesh)
-    make_env = components.make_env_factory(config)
-    components.check_call_format(make_env, tokenizer)
-    source = components.task_source(config, make_env)
+    make_env = env_factory.make_env_factory(config)
+    env_factory.check_call_format(make_env, tokenizer)
+    source = env_factory.task_source(config, make_env)
     tasks = [t for _, t in eval_tasks(source, config.env.eval_split, config.eval.num_tasks)]
     # an HF export for SGLang servers goes under the workdir, else a fresh temporary dir
     sync_root = workdir or tempfile.mkdtemp(prefix="rl_tpu_eval_")
-    engine = components.make_engine(config, model_cfg, params, tokenizer, sync_root,
-                                    version=str(step or 0))
+    engine = engines.make_engine(config, model_cfg, params, tokenizer, sync_root,
+                                 version=str(step or 0))
     with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
                    enabled=jax.process_index() == 0):
-        result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
+        result = eval_suite.evaluate_policy(config, engine, make_env, tasks, tokenizer,
                                             config.seed)
     result = dict(result, checkpoint_step=-1 if step is None else step)
     if jax.process_index() != 0:

@@ -24,7 +24,7 @@ import ml_collections
 from rl_tpu.agent import run_episodes
 from rl_tpu.agent.program import player_for
 from rl_tpu.core.env import Task
-from rl_tpu.recipes import components
+from rl_tpu.recipes import rollout_settings
 from rl_tpu.core.trajectory import Trajectory
 
 Example = tuple[list[int], list[bool]]  # (ids, loss mask), as recipes/sft.py trains on
@@ -148,6 +148,6 @@ def sample(config: ml_collections.ConfigDict, engine, make_env, tasks: Sequence[
     return play(engine, make_env, list(tasks), tokenizer=tokenizer,
                 max_turns=env.max_turns, max_new_tokens_per_turn=env.max_new_tokens,
                 max_context_tokens=env.max_context_tokens,
-                sampling=components.sampling_params(config, seed),
+                sampling=rollout_settings.sampling_params(config, seed),
                 samples_per_task=samples_per_task, step_timeout_s=env.step_timeout_s,
                 reward_reduce=env.reward_reduce, group_id_offset=first_position)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from rl_tpu.recipes import components
+from rl_tpu.recipes import rollout_settings
 from rl_tpu.recipes.experience import ExpertSet, read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
 
@@ -54,7 +54,7 @@ def sample_round(chain: PolicyChain, r: int, params) -> ExpertSet:
     if mine is None:
         offset, tasks = chain.host_tasks(r, loop.tasks_per_round)
         trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
-                              loop.samples_per_task, components.step_seed(config.seed, r, 20),
+                              loop.samples_per_task, rollout_settings.step_seed(config.seed, r, 20),
                               first_position=offset)
         found = ExpertSet(loop.reward_threshold)
         found.add(trajectories)

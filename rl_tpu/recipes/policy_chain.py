@@ -36,7 +36,8 @@ from rl_tpu.core.shared_weights import wait_for_shared_weights
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.heartbeat import Heartbeat
 from rl_tpu.models import hf
-from rl_tpu.recipes import components, run_summary, sft
+from rl_tpu.recipes import (engines, env_factory, eval_suite, placement, policy_io,
+                            rollout_settings, run_summary, sft)
 from rl_tpu.recipes.config import check
 from rl_tpu.recipes.experience import read_json, write_json
 
@@ -59,12 +60,12 @@ class PolicyChain:
         os.makedirs(workdir, exist_ok=True)
         self.config, self.workdir = config, workdir
         self.is_chief = jax.process_index() == 0
-        self.mesh = components.make_mesh(config)
-        self.base_path = components.model_path(config, workdir)
-        self.model_cfg, self.model, params, self.tokenizer = components.load_policy(
+        self.mesh = placement.make_mesh(config)
+        self.base_path = policy_io.model_path(config, workdir)
+        self.model_cfg, self.model, params, self.tokenizer = policy_io.load_policy(
             config, self.base_path, self.mesh)
-        self.make_env = components.make_env_factory(config)
-        self.source = components.task_source(config, self.make_env)
+        self.make_env = env_factory.make_env_factory(config)
+        self.source = env_factory.task_source(config, self.make_env)
         self.eval_list = [t for _, t in eval_tasks(self.source, config.env.eval_split,
                                                    config.eval.num_tasks)]
         self.rounds_done = 0
@@ -118,14 +119,14 @@ class PolicyChain:
         gives it on a resume, so a resumed loop repeats the uninterrupted one."""
         if self.model_cfg.lora is None:
             return params
-        return self.adapted(components.merged(self.model_cfg, params)[1], r + 1)
+        return self.adapted(policy_io.merged(self.model_cfg, params)[1], r + 1)
 
     def adapted(self, base, r: int):
         """`base` as `self.model` reads it: with round r's fresh adapters in a LoRA loop."""
         if self.model_cfg.lora is None:
             return base
-        return components.with_fresh_adapters(
-            self.model, base, self.mesh, components.step_seed(self.config.seed, r, 40))
+        return policy_io.with_fresh_adapters(
+            self.model, base, self.mesh, rollout_settings.step_seed(self.config.seed, r, 40))
 
     def _make_start(self) -> None:
         """P_0: the initial model, fine-tuned on the warm-start demonstrations when sft.steps
@@ -133,13 +134,13 @@ class PolicyChain:
         config = self.config
         # as self.model reads it: in a LoRA loop with model.lora.path's adapter or fresh ones,
         # which the warm start trains and P_0 has merged in
-        _, _, params, _ = components.load_policy(config, self.base_path, self.mesh)
+        _, _, params, _ = policy_io.load_policy(config, self.base_path, self.mesh)
         record: dict[str, float] = {}
         if config.sft.steps > 0:
             if not config.sft.data_path:
                 record["eval/teacher_success"] = sft.teacher_success(
                     self.make_env, self.eval_list, config.sft.teacher_skill, config.seed,
-                    max_turns=components.eval_horizon(config))
+                    max_turns=eval_suite.eval_horizon(config))
             params = sft.warm_start(
                 config, params, self.model, self.mesh, self.tokenizer, self.make_env,
                 lambda _: _NoWriter(),
@@ -153,7 +154,7 @@ class PolicyChain:
     def _save_policy(self, r: int, params) -> None:
         """P_r's HF dir, written by process 0 into the workdir every host shares (as orbax's
         checkpoints need); every host waits for it, so none reads it half-written."""
-        cfg, params = components.merged(self.model_cfg, params)
+        cfg, params = policy_io.merged(self.model_cfg, params)
         hf.save(self.policy_path(r), cfg, params, tokenizer=self.tokenizer.hf)
         parallel.sync_hosts(f"policy_{r}")
 
@@ -181,10 +182,10 @@ class PolicyChain:
     def engine(self, params, version: str):
         """The rollout engine, serving `params` as `version` (made once, then re-pointed).
         A LoRA policy is served merged: each round has a new base, so the engine holds none."""
-        cfg, params = components.merged(self.model_cfg, params)
+        cfg, params = policy_io.merged(self.model_cfg, params)
         if self._engine is None:
-            self._engine = components.make_engine(self.config, cfg, params,
-                                                  self.tokenizer, self.workdir, version=version)
+            self._engine = engines.make_engine(self.config, cfg, params,
+                                               self.tokenizer, self.workdir, version=version)
         else:
             self._engine.update_weights(parallel.host_copies(params), version)
             wait_for_shared_weights(self._engine, version)
@@ -195,7 +196,7 @@ class PolicyChain:
         engine = self.engine(params, version)
         with Heartbeat(f"eval of {version}: {len(self.eval_list)} tasks",
                        every_s=self.config.log.every_s, enabled=self.is_chief):
-            result = components.evaluate_policy(self.config, engine, self.make_env,
+            result = eval_suite.evaluate_policy(self.config, engine, self.make_env,
                                                 self.eval_list, self.tokenizer, self.config.seed)
         return {f"eval/{k}": v for k, v in result.items()} | {
             "time/eval_s": time.time() - started}

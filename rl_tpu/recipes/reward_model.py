@@ -50,7 +50,7 @@ from rl_tpu.data.jsonl import split_rows
 from rl_tpu.data.pairs import read_preference_pairs
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.models import reward_model
-from rl_tpu.recipes import components, sft
+from rl_tpu.recipes import placement, policy_io, rollout_settings, sft, train_states
 from rl_tpu.recipes.dpo import Pair, PairBatches, online_pairs
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
@@ -92,7 +92,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             record |= trained | held_out_metrics(chain, params, head, held_out)
             _finish_round(chain, r, params, head, record)
             if chain.model_cfg.lora is not None:  # as a resume starts round r+1 (_load_rm)
-                params = _adapted(chain, model, components.merged(chain.model_cfg, params)[1],
+                params = _adapted(chain, model, policy_io.merged(chain.model_cfg, params)[1],
                                   r + 1)
         if chain.rounds_done and not os.path.isdir(os.path.join(workdir, RM_DIR)):
             _publish_final(chain)
@@ -155,7 +155,7 @@ def sampled_pairs(chain: PolicyChain, policy, name: str, offset: int, tasks: Seq
     if mine is None:
         trajectories = sample(config, engine, chain.make_env, tasks, chain.tokenizer,
                               config.loop.samples_per_task,
-                              components.step_seed(config.seed, 0, 40 + seed_slot),
+                              rollout_settings.step_seed(config.seed, 0, 40 + seed_slot),
                               first_position=offset)
         pairs, unscored = online_pairs(trajectories)
         mine = {"pairs": pairs, "unscored": unscored}
@@ -201,13 +201,13 @@ def optimise(chain: PolicyChain, r: int, model, params, pairs: Sequence) -> tupl
         raise ValueError("no preference pairs to train the reward model on: every task's "
                          "replies tied (raise loop.samples_per_task or reward_model.prompts, "
                          "or give reward_model.data_path)")
-    if rm.batch_size % components.data_parallel_size(chain.mesh):
+    if rm.batch_size % placement.data_parallel_size(chain.mesh):
         raise ValueError(f"reward_model.batch_size={rm.batch_size} must divide by the "
-                         f"data-parallel size {components.data_parallel_size(chain.mesh)}")
+                         f"data-parallel size {placement.data_parallel_size(chain.mesh)}")
     num_steps = (max(1, math.ceil(rm.epochs * len(pairs) / rm.batch_size)) if rm.epochs > 0
                  else rm.steps)
-    optim = components.optim_config(rm.lr, config, num_steps, warmup_steps=0)
-    state = components.new_state(params, optim, heads=("score",))  # LoRA: adapters + head
+    optim = train_states.optim_config(rm.lr, config, num_steps, warmup_steps=0)
+    state = train_states.new_state(params, optim, heads=("score",))  # LoRA: adapters + head
     extras = {"margin": np.asarray([p[2] for p in pairs], np.float32),
               "weight": np.ones((len(pairs),), np.float32)}
     longest = max(max(len(p[0][0]), len(p[1][0])) for p in pairs)
@@ -259,8 +259,8 @@ def _adapted(chain: PolicyChain, model, params, r: int):
     rounds do), or `params` as they are."""
     if chain.model_cfg.lora is None:
         return params
-    return components.with_fresh_adapters(model, params, chain.mesh,
-                                          components.step_seed(chain.config.seed, r, 41))
+    return policy_io.with_fresh_adapters(model, params, chain.mesh,
+                                         rollout_settings.step_seed(chain.config.seed, r, 41))
 
 
 def _load_rm(chain: PolicyChain, r: int):
@@ -271,7 +271,7 @@ def _load_rm(chain: PolicyChain, r: int):
 
 def _finish_round(chain: PolicyChain, r: int, params, head, record: dict) -> None:
     """Writes round r's reward model, logs the round at step r, marks it done."""
-    cfg, params = components.merged(chain.model_cfg, params)  # a plain HF classifier
+    cfg, params = policy_io.merged(chain.model_cfg, params)  # a plain HF classifier
     reward_model.save(_rm_path(chain, r), cfg, params, head, tokenizer=chain.tokenizer.hf)
     parallel.sync_hosts(f"reward_model_{r}")
     chain.writer.write(r + 1, record)  # step 0 is P_0's eval

@@ -56,7 +56,8 @@ from rl_tpu.agent.evaluation import episode_stats, oldest_version_over_hosts
 from rl_tpu.models import lora
 from rl_tpu.models.value import ValueModel
 from rl_tpu.persistence.preemption import PreemptionGuard, stop_here
-from rl_tpu.recipes import algorithms, components, resume, run_summary, sft, shapes
+from rl_tpu.recipes import (algorithms, engines, env_factory, eval_suite, placement, policy_io,
+                            resume, rollout_settings, run_summary, sft, shapes, train_states)
 from rl_tpu.recipes.config import check
 from rl_tpu.rewards.mix import RewardMix, source_metrics
 from rl_tpu.offpolicy.producer import (AsyncProducer, PartialRollouts, SyncProducer,
@@ -146,18 +147,18 @@ class Trainer:
         self.step_log = metrics_lib.StepLog(config.train.steps, every_s=config.log.every_s,
                                             enabled=self.is_chief)
         self.asynchronous = config.rollout.max_staleness > 0
-        components.check_hosts(config)
-        learner_devices, sampler_devices = components.split_devices(config, jax.devices())
-        self.mesh = components.make_mesh(config, learner_devices)
-        path = components.model_path(config, workdir)
-        self.model_cfg, model, params, self.tokenizer = components.load_policy(
+        placement.check_hosts(config)
+        learner_devices, sampler_devices = placement.split_devices(config, jax.devices())
+        self.mesh = placement.make_mesh(config, learner_devices)
+        path = policy_io.model_path(config, workdir)
+        self.model_cfg, model, params, self.tokenizer = policy_io.load_policy(
             config, path, self.mesh)
-        self.make_env = components.make_env_factory(config)
+        self.make_env = env_factory.make_env_factory(config)
         # every episode failing, step after step, stops the run (and W/env_errors.log)
         self.env_failures = EnvFailureWatch(workdir, config.env.max_failed_steps,
                                             jax.process_index())
-        components.check_call_format(self.make_env, self.tokenizer)
-        source = components.task_source(config, self.make_env)
+        env_factory.check_call_format(self.make_env, self.tokenizer)
+        source = env_factory.task_source(config, self.make_env)
         env_cfg, algo = config.env, config.algo
 
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
@@ -185,7 +186,7 @@ class Trainer:
             if not config.sft.data_path:
                 start_metrics["eval/teacher_success"] = sft.teacher_success(
                     self.make_env, self.eval_list, config.sft.teacher_skill, config.seed,
-                    max_turns=components.eval_horizon(config))
+                    max_turns=eval_suite.eval_horizon(config))
             # checkpointed, so SIGTERM / SIGINT stop it at a step (Preempted) and the rerun
             # resumes there, rather than the signal waiting for RL's first step
             try:
@@ -208,10 +209,10 @@ class Trainer:
         critic, value_model = None, None
         if algorithms.uses_critic(algo):
             value_model = ValueModel(self.model_cfg, mesh=self.mesh)
-            critic = components.new_critic_state(config, params, self.model_cfg, self.mesh)
-        policy_optim = components.rl_optim_config(config, config.optim.lr)
+            critic = train_states.new_critic_state(config, params, self.model_cfg, self.mesh)
+        policy_optim = train_states.rl_optim_config(config, config.optim.lr)
         self.lr_at = step_schedule(policy_optim)  # lr of an RL step, for the log
-        policy = components.new_state(params, policy_optim)
+        policy = train_states.new_state(params, policy_optim)
         del params  # donated into the state
         self.learner = Learner(model, policy, self.mesh,
                                algorithms.loss_config(algo, env_cfg.max_new_tokens), update_cfg,
@@ -246,16 +247,16 @@ class Trainer:
         self.ckpt.prepare(self._checkpoint_state())  # the first save then compiles nothing
 
         # --- engines and the producer ---------------------------------------------------
-        self.engine = components.make_engine(config, self.model_cfg, self.learner.policy.params,
-                                             self.tokenizer, workdir, version=str(self.start),
-                                             devices=sampler_devices)
+        self.engine = engines.make_engine(config, self.model_cfg, self.learner.policy.params,
+                                          self.tokenizer, workdir, version=str(self.start),
+                                          devices=sampler_devices)
         # Asynchronous, the producer's engine lags the learner: eval samples from the
         # learner's own params, with an engine on this host's learner devices (each host
         # plays its own eval tasks, as a sampler does: no program spans hosts).
         self.eval_engine = self.engine
         if self.asynchronous and config.rollout.engine == "jax":
             here = [d for d in learner_devices if d.process_index == jax.process_index()]
-            self.eval_engine = components.make_engine(
+            self.eval_engine = engines.make_engine(
                 config, self.model_cfg, self.learner.policy.params, self.tokenizer, workdir,
                 version=str(self.start), devices=here)
         # Learned rewards beside the env's (reward.*: a reward model, a judge): scored where
@@ -361,7 +362,8 @@ class Trainer:
             # was sampled with: a [B] array in the batch, so one compiled update serves every
             # budget, and a stale row keeps the budget of the chunk that sampled it.
             arrays["length_normalizer"] = rollout_batch.sampled_budgets(
-                trajectories, len(host["tokens"]), components.budget_at(self.config, step - 1))
+                trajectories, len(host["tokens"]),
+                rollout_settings.budget_at(self.config, step - 1))
         return parallel.host_to_global(arrays, self.mesh)
 
     def score(self, batch: dict) -> dict:
@@ -387,17 +389,17 @@ class Trainer:
         started = time.time()
         params = self.learner.policy.params
         if self.eval_engine is not self.engine:  # the asynchronous embedded sampler's own
-            self.eval_engine.update_weights(components.engine_weights(params), str(step))
+            self.eval_engine.update_weights(engines.engine_weights(params), str(step))
             serving = contextlib.nullcontext(self.eval_engine)
         else:  # shared with the producer: serving `step`, not a version behind it
             serving = self.producer.engine_at(params, step)
         beat = Heartbeat(f"eval at step {step}: {len(self.eval_list)} tasks",
                          every_s=self.config.log.every_s, enabled=self.is_chief)
         with serving as engine, beat:
-            result = components.evaluate_policy(self.config, engine, self.make_env,
-                                                self.eval_list, self.tokenizer,
-                                                components.step_seed(self.config.seed, step, 1),
-                                                failures=self.env_failures, step=step)
+            result = eval_suite.evaluate_policy(
+                self.config, engine, self.make_env, self.eval_list, self.tokenizer,
+                rollout_settings.step_seed(self.config.seed, step, 1),
+                failures=self.env_failures, step=step)
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 
@@ -445,12 +447,12 @@ class Trainer:
         self.learner.check_finite(self.config.train.steps, self.ckpt.latest_step)
         lora_run = self.model_cfg.lora is not None
         if self.config.checkpoint.export_hf:
-            components.export_hf(os.path.join(self.workdir, "final_hf"), self.model_cfg,
-                                 self.learner.policy.params, self.tokenizer)
+            policy_io.export_hf(os.path.join(self.workdir, "final_hf"), self.model_cfg,
+                                self.learner.policy.params, self.tokenizer)
             if lora_run:  # the adapters alone as well, in PEFT's format
-                components.export_adapter(os.path.join(self.workdir, "final_adapter"),
-                                          self.model_cfg, self.learner.policy.params,
-                                          components.model_path(self.config, self.workdir))
+                policy_io.export_adapter(os.path.join(self.workdir, "final_adapter"),
+                                         self.model_cfg, self.learner.policy.params,
+                                         policy_io.model_path(self.config, self.workdir))
         outputs = [metrics_lib.METRICS_FILE]
         if self.is_chief and self.config.log.plot:
             metrics_lib.plot_curves(self.workdir, self.curve_keys)
@@ -499,7 +501,7 @@ class Trainer:
         def select(played, play_more, any_host):
             return algorithms.select_groups(played, per_host, g, algo, play_more, any_host)
 
-        to_engine = components.engine_weights
+        to_engine = engines.engine_weights
         if not self.asynchronous:
             return SyncProducer(self._play, select, self.stream, self.engine, to_engine,
                                 lambda flag: parallel.across_hosts(flag, "any"))
@@ -521,12 +523,12 @@ class Trainer:
         later a free-running producer's rows are trained on."""
         config, env_cfg = self.config, self.config.env
         return dict(
-            tokenizer=self.tokenizer, max_turns=components.horizon_at(config, chunk - 1),
+            tokenizer=self.tokenizer, max_turns=rollout_settings.horizon_at(config, chunk - 1),
             group_ids=[p for p, _ in tasks],
-            max_new_tokens_per_turn=components.budget_at(config, chunk - 1),
+            max_new_tokens_per_turn=rollout_settings.budget_at(config, chunk - 1),
             max_context_tokens=env_cfg.max_context_tokens,
-            sampling=components.sampling_params(
-                config, components.step_seed(config.seed, chunk, 10 + round_index)),
+            sampling=rollout_settings.sampling_params(
+                config, rollout_settings.step_seed(config.seed, chunk, 10 + round_index)),
             samples_per_task=config.train.samples_per_task,
             step_timeout_s=env_cfg.step_timeout_s, reward_reduce=env_cfg.reward_reduce)
 
@@ -592,10 +594,11 @@ class Trainer:
             "rollout/context_limit_frac": stats["context_limits"] / n,
             # the schedules at this step (what chunk `step` is sampled with), and the budget
             # the rows trained on were sampled with (earlier chunks' in free-running mode)
-            "train/horizon": components.horizon_at(self.config, step - 1),
-            "train/max_new_tokens": components.budget_at(self.config, step - 1),
+            "train/horizon": rollout_settings.horizon_at(self.config, step - 1),
+            "train/max_new_tokens": rollout_settings.budget_at(self.config, step - 1),
             "rollout/max_new_tokens": float(np.mean(rollout_batch.sampled_budgets(
-                trajectories, len(trajectories), components.budget_at(self.config, step - 1))))}
+                trajectories, len(trajectories),
+                rollout_settings.budget_at(self.config, step - 1))))}
 
     def _prefill_metrics(self) -> dict[str, float]:
         """The embedded sampler's prompt tokens since the last call (eval's included): those

@@ -39,7 +39,7 @@ import numpy as np
 from rl_tpu.agent import run_episodes
 from rl_tpu.core.env import Task
 from rl_tpu.envs.selfplay import solve_task
-from rl_tpu.recipes import components, shapes
+from rl_tpu.recipes import rollout_settings, shapes
 from rl_tpu.recipes.rl import Trainer, run as run_trainer
 from rl_tpu.train.rollout_batch import NO_LOSS
 from rl_tpu.core.trajectory import Trajectory
@@ -98,8 +98,9 @@ class SelfPlayTrainer(Trainer):
                                # unique over hosts and steps: the slot's stream position
                                group_ids=[SOLVER_GROUPS + tasks[i // g][0] * g + i % g
                                           for i, _ in valid],
-                               sampling=components.sampling_params(
-                                   config, components.step_seed(config.seed, chunk, 50 + round_index)))
+                               sampling=rollout_settings.sampling_params(
+                                   config, rollout_settings.step_seed(config.seed, chunk,
+                                                                      50 + round_index)))
             solutions = run_episodes(self.engine, self.make_env, solver_tasks, **solver_args)
         for traj in solutions:
             traj.info["role"] = "solve"

@@ -30,7 +30,8 @@ from rl_tpu.persistence import preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.core.env import Env, Task
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.recipes import components, run_summary
+from rl_tpu.recipes import (engines, env_factory, eval_suite, placement, policy_io, run_summary,
+                            train_states)
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.state import TrainState
@@ -253,9 +254,9 @@ def train(state: TrainState, model, mesh, data: Iterator[dict], *, num_steps: in
 def example_batches(config: ml_collections.ConfigDict, examples: Sequence[Example], mesh,
                     batch_size: int, max_length: int) -> ExampleBatches:
     """The config's SFT batches of `examples` for this host (sft.group_by_length, seed)."""
-    if batch_size % components.data_parallel_size(mesh):
+    if batch_size % placement.data_parallel_size(mesh):
         raise ValueError(f"the SFT batch size {batch_size} must divide by the data-parallel "
-                         f"size {components.data_parallel_size(mesh)}")
+                         f"size {placement.data_parallel_size(mesh)}")
     return ExampleBatches(examples, batch_size, bucket_lengths(config, max_length), config.seed,
                           host=(jax.process_index(), jax.process_count()),
                           group_by_length=config.sft.group_by_length)
@@ -326,8 +327,8 @@ def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
     fresh) before the first step, on_metrics(step, metrics) after each."""
     from rl_tpu.persistence.checkpoint import Checkpointer
 
-    optim = components.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
-    state = components.new_state(params, optim)
+    optim = train_states.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
+    state = train_states.new_state(params, optim)
     data = example_batches(config, examples, mesh, batch_size, config.sft.max_length)
     if checkpoint_dir is None:
         if on_start is not None:
@@ -359,7 +360,7 @@ def demonstrations(config: ml_collections.ConfigDict, make_env: Callable[[], Env
     s = config.sft
     if s.data_path:
         return chat_examples(s.data_path, tokenizer)
-    source = components.task_source(config, make_env)
+    source = env_factory.task_source(config, make_env)
     tasks = [source.get(config.env.train_split, i) for i in range(s.num_demos)]
     return teacher_examples(make_env, tasks, tokenizer, s.teacher_skill, config.seed,
                             max_turns=config.env.max_turns)
@@ -429,16 +430,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     parallel.maybe_initialize_distributed()
     metrics_lib.announce_start(config, workdir, config.sft.steps, "SFT steps",
                                what=f"sft (on {config.env.name})")
-    mesh = components.make_mesh(config)
-    path = components.model_path(config, workdir)
-    model_cfg, model, params, tokenizer = components.load_policy(config, path, mesh)
+    mesh = placement.make_mesh(config)
+    path = policy_io.model_path(config, workdir)
+    model_cfg, model, params, tokenizer = policy_io.load_policy(config, path, mesh)
     run_summary.announce(config, path, model_cfg, params,
                          f"n/a (the run itself is {config.sft.steps} SFT steps)")
-    make_env = components.make_env_factory(config)
+    make_env = env_factory.make_env_factory(config)
     s = config.sft
     examples = demonstrations(config, make_env, tokenizer)
-    optim = components.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
-    state = components.new_state(params, optim)
+    optim = train_states.optim_config(s.lr, config, s.steps, warmup_steps=s.warmup_steps)
+    state = train_states.new_state(params, optim)
     del params  # donated into the state
     data = example_batches(config, examples, mesh, s.batch_size, s.max_length)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
@@ -468,20 +469,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         state = train(state, model, mesh, data, num_steps=s.steps, start_step=start,
                       on_step=after)
         ckpt.wait()
-        engine = components.make_engine(config, model_cfg, state.params, tokenizer, workdir)
-        source = components.task_source(config, make_env)
+        engine = engines.make_engine(config, model_cfg, state.params, tokenizer, workdir)
+        source = env_factory.task_source(config, make_env)
         tasks = [t for _, t in eval_tasks(source, config.env.eval_split,
                                           config.eval.num_tasks)]
         with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
                        enabled=jax.process_index() == 0):
-            result = components.evaluate_policy(config, engine, make_env, tasks, tokenizer,
+            result = eval_suite.evaluate_policy(config, engine, make_env, tasks, tokenizer,
                                                 config.seed)
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
-        components.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
-                             tokenizer)
+        policy_io.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
+                            tokenizer)
         if model_cfg.lora is not None:  # the adapters alone as well, in PEFT's format
-            components.export_adapter(os.path.join(workdir, "final_adapter"), model_cfg,
-                                      state.params, path)
+            policy_io.export_adapter(os.path.join(workdir, "final_adapter"), model_cfg,
+                                     state.params, path)
     finally:
         try:
             ckpt.close()

@@ -14,7 +14,7 @@ One host's step is `tasks_per_step // hosts` task slots:
             `trajectories_to_batch`)
 and the global batch is every host's rows. launch.compile_check (rl_tpu/aot.py) compiles the
 learner at `step_rows`; tests/recipes/test_shapes.py checks the trainer's pieces give the same.
-Where the learner's and the sampler's devices are is components.split_devices.
+Where the learner's and the sampler's devices are is placement.split_devices.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from rl_tpu.env_serving.remote import RemoteEnvFactory
 from rl_tpu.env_serving.server import make_server
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
-from rl_tpu.recipes.components import check_call_format
+from rl_tpu.recipes.env_factory import check_call_format
 from rl_tpu.recipes.config import CALCULATOR_ARITHMETIC
 
 pytestmark = pytest.mark.slow  # a real uvicorn server on 127.0.0.1

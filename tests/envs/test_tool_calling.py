@@ -10,7 +10,7 @@ from rl_tpu.core.env import make
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import sft
-from rl_tpu.recipes.components import check_call_format
+from rl_tpu.recipes.env_factory import check_call_format
 from rl_tpu.recipes.config import CALCULATOR_ARITHMETIC
 from rl_tpu.tools.calls import CALL_FORMATS, ToolCall, parse_tool_calls
 

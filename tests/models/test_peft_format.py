@@ -147,7 +147,7 @@ def test_load_places_adapters_in_their_shardings(base_dir, tmp_path):
 
 
 def test_merged_export_matches_peft_merge(base_dir, base, ids, tmp_path):
-    from rl_tpu.recipes import components
+    from rl_tpu.recipes import policy_io
 
     cfg, params = base
     cfg_l, params_l = random_adapters(cfg, params, lora.LoraConfig(rank=4, alpha=12.0), seed=1)
@@ -155,7 +155,7 @@ def test_merged_export_matches_peft_merge(base_dir, base, ids, tmp_path):
     peft_format.save_adapter(adapter, cfg_l, params_l)
     merged = peft_model(base_dir, adapter).merge_and_unload()
     exported = str(tmp_path / "merged")
-    components.export_hf(exported, cfg_l, params_l, load_tokenizer(base_dir))
+    policy_io.export_hf(exported, cfg_l, params_l, load_tokenizer(base_dir))
     ours = torch_logits(hf_model(exported), ids)
     assert_moved(ours, logits(cfg, params, ids))
     np.testing.assert_allclose(ours, torch_logits(merged, ids), atol=TOL, rtol=0)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from rl_tpu.core import env as envs
-from rl_tpu.recipes import components
+from rl_tpu.recipes import env_factory, placement
 from rl_tpu.recipes.config import base_config, check, set_algo, set_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +43,7 @@ def test_every_config_loads_and_its_smoke_env_builds(name, variant):
             c.env.kwargs.path = "problems.jsonl"
     check(c)
     if "smoke" in variant:
-        components.make_env_factory(c)().close()
+        env_factory.make_env_factory(c)().close()
 
 
 def test_env_kwargs_are_the_envs_own_with_their_types():
@@ -231,20 +231,20 @@ def test_an_asynchronous_run_on_one_device_shares_it_between_sampler_and_learner
     c = load("bapo_offpolicy", "smoke")
     assert c.rollout.max_staleness == 2 and c.rollout.engine == "jax"
     one = jax.devices()[:1]
-    assert components.split_devices(c, one, 0) == (one, one)
+    assert placement.split_devices(c, one, 0) == (one, one)
     c.rollout.sampler_devices = 1
-    assert components.split_devices(c, one, 0) == (one, one)
+    assert placement.split_devices(c, one, 0) == (one, one)
     c.rollout.sampler_devices = 2
     with pytest.raises(ValueError, match=r"rollout.sampler_devices=2, but this host has 1 "
                                          r"device\(s\).* Set rollout.sampler_devices to 0 "):
-        components.split_devices(c, one, 0)
+        placement.split_devices(c, one, 0)
     c.rollout.sampler_devices = 0  # two or more devices: each gets its own, as before
-    learner, sampler = components.split_devices(c, jax.devices()[:2], 0)
+    learner, sampler = placement.split_devices(c, jax.devices()[:2], 0)
     assert [d.id for d in sampler] == [0] and [d.id for d in learner] == [1]
     c.rollout.sampler_devices = 2
     with pytest.raises(ValueError, match=r"Set rollout.sampler_devices to 0 \(half of them\) "
                                          r"or 1 <= rollout.sampler_devices < 2"):
-        components.split_devices(c, jax.devices()[:2], 0)
+        placement.split_devices(c, jax.devices()[:2], 0)
 
 
 def test_presets_and_the_smoke_shrinker_by_hand():

@@ -5,7 +5,7 @@ table of the metrics. A real eval of a tiny model from its HF directory."""
 import json
 import os
 
-from rl_tpu.recipes import components, evaluate
+from rl_tpu.recipes import evaluate, policy_io
 from test_config import load
 
 
@@ -13,7 +13,7 @@ def test_each_eval_gets_its_own_file_and_eval_json_is_the_latest(tmp_path, capsy
     config = load("quickstart", "smoke")
     config.eval.num_tasks = 4
     config.log.every_s = 0.01  # the eval's heartbeat: a line every 10 ms
-    model = components.model_path(config, str(tmp_path / "model"))  # a tiny HF dir
+    model = policy_io.model_path(config, str(tmp_path / "model"))  # a tiny HF dir
     workdir = str(tmp_path / "run")
     first = evaluate.run(config, workdir, model_path=model)
     again = evaluate.run(config, workdir, model_path=model, report=True)  # as launch.eval

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rl_tpu import parallel
-from rl_tpu.recipes import algorithms, components
+from rl_tpu.recipes import algorithms, eval_suite, train_states
 from rl_tpu.recipes.config import base_config, check
 from rl_tpu.rl.advantages import compute_advantages
 from rl_tpu.train import rollout_batch
@@ -40,7 +40,7 @@ def test_lr_schedule_counts_rl_steps_not_optimizer_updates():
     c = base_config("grpo")
     c.train.steps, c.train.minibatches, c.train.epochs = 10, 4, 2
     c.optim.schedule, c.optim.warmup_steps = "cosine", 2
-    optim = components.rl_optim_config(c, 1e-3)
+    optim = train_states.rl_optim_config(c, 1e-3)
     assert optim.updates_per_step == 8 and optim.total_steps == 10
     per_update, per_step = learning_rate_schedule(optim), step_schedule(optim)
     # RL step k's 8 updates (counts 8k .. 8k+7) all use the lr of step k: warm-up 1e-3 * k/2,
@@ -51,7 +51,7 @@ def test_lr_schedule_counts_rl_steps_not_optimizer_updates():
     np.testing.assert_allclose(per_step(1), 5e-4, rtol=1e-6)
     np.testing.assert_allclose(per_step(6), 1e-3 * (0.9 * 0.5 + 0.1), rtol=1e-5)  # halfway
     # the critic's schedule is stretched the same way
-    critic = components.rl_optim_config(c, c.algo.value_lr)
+    critic = train_states.rl_optim_config(c, c.algo.value_lr)
     assert critic.updates_per_step == 8
 
 
@@ -151,13 +151,13 @@ def test_eval_horizon_is_fixed_at_the_final_stage():
     c = base_config("grpo")
     c.env.max_turns = 30
     c.schedules.horizon_turns = (10, 20, 30)
-    assert components.eval_horizon(c) == 30
+    assert eval_suite.eval_horizon(c) == 30
     c.schedules.horizon_turns = (5, 8)
-    assert components.eval_horizon(c) == 8
+    assert eval_suite.eval_horizon(c) == 8
     c.eval.max_turns = 12
-    assert components.eval_horizon(c) == 12
+    assert eval_suite.eval_horizon(c) == 12
     c.eval.max_turns, c.schedules.horizon_turns = 0, ()
-    assert components.eval_horizon(c) == 30
+    assert eval_suite.eval_horizon(c) == 30
 
 
 def test_recompute_proximal_off_is_refused_for_stale_data_against_the_proximal():

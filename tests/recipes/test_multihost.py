@@ -293,11 +293,11 @@ def test_sft_trains_like_one_process(tmp_path):
 def shared_server(tmp_path_factory):
     """rl_tpu's own SGLang-compatible server on the math_sglang smoke's tiny model, which
     every host of a job sends its rollouts to (process 0 alone loads new weights into it)."""
-    from rl_tpu.recipes import components
+    from rl_tpu.recipes import policy_io
     from test_rl_sglang import _smoke_config  # puts tests/rollout on the path
     from sglang_server import start_rollout_server
     config = _smoke_config()
-    model_dir = components.model_path(config, str(tmp_path_factory.mktemp("shared")))
+    model_dir = policy_io.model_path(config, str(tmp_path_factory.mktemp("shared")))
     server = start_rollout_server(model_dir)
     yield model_dir, server.url
     server.stop()
@@ -331,10 +331,10 @@ def test_hosts_sharing_servers_sample_the_version_each_step_names(tmp_path, shar
 def shared_lora_server(tmp_path):
     """As `shared_server`, with LoRA adapters on (rank 4; 2 versions kept + 1 loading + 1 a
     host may still name)."""
-    from rl_tpu.recipes import components
+    from rl_tpu.recipes import policy_io
     from test_rl_sglang import _smoke_config  # puts tests/rollout on the path
     from sglang_server import start_rollout_server
-    model_dir = components.model_path(_smoke_config(), str(tmp_path / "shared"))
+    model_dir = policy_io.model_path(_smoke_config(), str(tmp_path / "shared"))
     server = start_rollout_server(model_dir, "--enable_lora", "--max_lora_rank=4",
                                   "--max_loaded_loras=4")
     yield model_dir, server.url

@@ -14,7 +14,7 @@ from rl_tpu.metrics import read_metrics
 from rl_tpu.models import lora
 from rl_tpu.models.logprobs import token_logprobs
 from rl_tpu.models.transformer import Transformer
-from rl_tpu.recipes import components, rl
+from rl_tpu.recipes import policy_io, rl
 from test_rl import REPO, _cpu_env, _final_params, _finite, config, kill_mid_run, resumed_from
 
 # with a KL term, so the run's reference (the start's adapters on the base) is saved and
@@ -156,13 +156,13 @@ def test_a_lora_checkpoint_saves_adapters_and_moments_only(tmp_path, sft_base):
     # the PEFT export starts the next run: model.lora.path loads the trained adapters
     adapter_dir = str(tmp_path / "final_adapter")
     c.model.lora.path = adapter_dir
-    cfg, _, params, _ = components.load_policy(c, sft_base, trainer.mesh)
+    cfg, _, params, _ = policy_io.load_policy(c, sft_base, trainer.mesh)
     assert cfg.lora == trainer.model_cfg.lora
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, lora.adapters(params)),
                  jax.tree.map(np.asarray, lora.adapters(trainer.learner.policy.params)))
     c.model.lora.rank = 8
     with pytest.raises(ValueError, match=r"model.lora.rank=8 \(the adapter: 4\)"):
-        components.load_policy(c, sft_base, trainer.mesh)
+        policy_io.load_policy(c, sft_base, trainer.mesh)
 
 
 def _lora_command(workdir, base):

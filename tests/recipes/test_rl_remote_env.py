@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from rl_tpu.metrics import read_metrics
-from rl_tpu.recipes import components, rl
+from rl_tpu.recipes import env_factory, rl
 
 pytest.importorskip("minigrid")
 
@@ -80,7 +80,7 @@ def test_a_server_that_does_not_answer_is_named():
     c.env.remote_url = f"{url}"
     c.env.remote_retries, c.env.remote_backoff_s = 1, 0.01
     with pytest.raises(ValueError, match=rf"env.remote_url: the env server at {url} does not"):
-        components.make_env_factory(c)
+        env_factory.make_env_factory(c)
 
 
 # --- end to end -------------------------------------------------------------------------------

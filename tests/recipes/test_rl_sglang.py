@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rl_tpu.metrics import read_metrics
-from rl_tpu.recipes import components, rl
+from rl_tpu.recipes import policy_io, rl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "rollout"))
@@ -32,7 +32,7 @@ def _smoke_config():
 def test_math_sglang_smoke_trains_two_steps_with_weight_sync(tmp_path, backend):
     # The policy and the server start from the same HF dir, as a user's would.
     config = _smoke_config()
-    model_dir = components.model_path(config, str(tmp_path))
+    model_dir = policy_io.model_path(config, str(tmp_path))
     config.model.path = model_dir
     start = start_sglang_server if backend == "sglang" else start_rollout_server
     server = start(model_dir)
@@ -57,7 +57,7 @@ def test_async_eval_on_shared_servers_measures_the_version_it_is_labelled_with(
     between two chunks, the producer's own put back after; free-running: once the publisher
     has loaded it), never the version the producer happens to hold."""
     config = _smoke_config()
-    config.model.path = components.model_path(config, str(tmp_path))
+    config.model.path = policy_io.model_path(config, str(tmp_path))
     config.train.steps, config.eval.every = 3, 1
     config.rollout.max_staleness, config.rollout.deterministic = 1, deterministic
     server = start_rollout_server(config.model.path)

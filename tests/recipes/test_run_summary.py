@@ -5,13 +5,14 @@ and LoRA said to be on or off in words (configs/lora_largest.py:smoke trains LoR
 import jax
 import pytest
 
-from rl_tpu.recipes import components, run_summary
+from rl_tpu.models import lora
+from rl_tpu.recipes import placement, policy_io, run_summary
 from test_config import load
 
 
 def _loaded(config, workdir):
-    path = components.model_path(config, str(workdir))
-    model_cfg, _, params, _ = components.load_policy(config, path, components.make_mesh(config))
+    path = policy_io.model_path(config, str(workdir))
+    model_cfg, _, params, _ = policy_io.load_policy(config, path, placement.make_mesh(config))
     return path, model_cfg, params
 
 
@@ -29,7 +30,7 @@ def test_lora_largest_smoke_trains_lora_and_its_summary_says_the_rank(tmp_path, 
     assert line == (
         f"run: recipe rl, algorithm grpo, model {path} ({model_cfg.arch}, "
         f"{run_summary.short_count(base)} params), LoRA rank 8 "
-        f"({run_summary.short_count(components.lora.adapter_count(params))} trainable), "
+        f"({run_summary.short_count(lora.adapter_count(params))} trainable), "
         f"engine jax sampler, env largest, devices {n} x {kind} on 1 host, "
         f"warm start 4 SFT steps on {config.sft.num_demos} teacher demos")
 

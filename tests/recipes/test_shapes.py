@@ -1,5 +1,5 @@
 """A step's rows and the learner / sampler device split, as launch.compile_check plans them
-(rl_tpu/aot.py `plan`) and as the trainer runs them (recipes/shapes.py, components.split_devices):
+(rl_tpu/aot.py `plan`) and as the trainer runs them (recipes/shapes.py, placement.split_devices):
 by hand for the configs whose shapes differ from tasks x samples (replay, self-play,
 asynchronous), for every shipped config against the shared functions, and the shared row
 functions against the trainer's own pieces (the replay buffer, the batcher, self-play's game).
@@ -15,7 +15,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as launch.compile_ch
 
 from rl_tpu import aot  # noqa: E402
 from rl_tpu.core.env import Task  # noqa: E402
-from rl_tpu.recipes import components, shapes  # noqa: E402
+from rl_tpu.recipes import env_factory, placement, shapes  # noqa: E402
 from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig  # noqa: E402
 from rl_tpu.train.rollout_batch import trajectories_to_batch  # noqa: E402
 from rl_tpu.core.trajectory import Trajectory  # noqa: E402
@@ -101,7 +101,7 @@ def test_compile_check_plans_every_config_as_the_trainer_runs_it(name, variant):
     topology = "v5p:2x2x4" if config.train.tasks_per_step % 4 == 0 else "v5e:2x2"
     devices = _devices(topology)
     p = aot.plan(config, topology, devices=devices)
-    learner, sampler = components.split_devices(config, devices, 0)  # the trainer's call
+    learner, sampler = placement.split_devices(config, devices, 0)  # the trainer's call
     assert p.learner_devices == learner and p.sampler_devices == sampler
     assert p.rows == shapes.step_rows(config, p.learner.row_multiple(), p.hosts)
     assert p.rows % p.row_multiple == 0
@@ -117,9 +117,9 @@ def test_the_trainer_splits_its_own_devices_by_the_same_function():
     # 8 fake CPU devices, one process: the default is jax.devices() and this host
     config = load("textcraft_bapo", "")
     import jax
-    learner, sampler = components.split_devices(config)
+    learner, sampler = placement.split_devices(config)
     assert [d.id for d in sampler] == [0, 1, 2, 3] and [d.id for d in learner] == [4, 5, 6, 7]
-    assert components.split_devices(config, jax.devices()) == (learner, sampler)
+    assert placement.split_devices(config, jax.devices()) == (learner, sampler)
 
 
 # ----------------------------------------------------------------------------- the trainer's pieces
@@ -175,7 +175,7 @@ def test_selfplay_plays_the_planned_rows_whatever_share_of_proposals_is_valid():
         return next(proposals) if "Write a new arithmetic problem." in text else "7"
 
     trainer = object.__new__(SelfPlayTrainer)  # the game needs no model, learner or mesh
-    trainer.config, trainer.make_env = config, components.make_env_factory(config)
+    trainer.config, trainer.make_env = config, env_factory.make_env_factory(config)
     trainer.tokenizer = ChatTokenizer(build_tokenizer(512))
     trainer.engine = ScriptedEngine(trainer.tokenizer, policy)
     tasks = [(i, Task(f"propose/{i}", {"role": "propose"})) for i in range(3)]

@@ -20,7 +20,7 @@ from rl_tpu.models import reward_model as rm
 from rl_tpu.models import tiny
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import load_tokenizer
-from rl_tpu.recipes import components, config_checks
+from rl_tpu.recipes import config_checks, input_checks
 from rl_tpu.recipes.config import base_config
 from rl_tpu.rewards import remote
 from rl_tpu.rewards.mix import RewardMix
@@ -266,7 +266,7 @@ def test_reward_urls_pay_what_the_local_scorer_pays(server, tmp_path):
     config.reward.urls = server["url"]
     config.reward.rule_weight, config.reward.model_weight = 0.5, 2.0
     config_checks.check(config)
-    components.check_inputs(config)  # probes the server: up, a reward model
+    input_checks.check_inputs(config)  # probes the server: up, a reward model
     seqs = sequences([6, 20, 3], seed=3)
     remote_trajs = [trajectory(s, r) for s, r in zip(seqs, (1.0, 0.0, 1.0))]
     local_trajs = [trajectory(s, r) for s, r in zip(seqs, (1.0, 0.0, 1.0))]
@@ -284,7 +284,7 @@ def test_reward_urls_pay_what_the_local_scorer_pays(server, tmp_path):
         config_checks.check(config)
     config.reward.urls = dead_url()
     with pytest.raises(ValueError, match="reward.urls: no reward server answers at"):
-        components.check_inputs(config)
+        input_checks.check_inputs(config)
 
 
 class GatedScorer:
