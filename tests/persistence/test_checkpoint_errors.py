@@ -19,7 +19,7 @@ from rl_tpu.persistence.checkpoint import Checkpointer
 from rl_tpu.persistence.checkpoint_errors import (CheckpointWriteError, is_storage_error,
                                                   storage_cause)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Step 2 is written under a file-size limit (RLIMIT_FSIZE, no root needed): the OS refuses its
 # data file (EFBIG) inside orbax's background threads, a real write failure like a full disk's.
