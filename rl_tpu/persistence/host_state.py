@@ -48,6 +48,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rl_tpu.core.env import StepResult, Task
+from rl_tpu.core.trajectory import Trajectory
+
 MAGIC = b"rl_tpu host state 1\n"
 SUFFIX = ".hoststate"
 PICKLE_SUFFIX = ".pkl"  # what rl_tpu wrote before this format: refused, never read
@@ -88,10 +91,15 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# The names the built-in classes were written under before they moved to rl_tpu/core: a
+# checkpoint saved then still resumes (tests/persistence/data/before_core.hoststate).
+FORMER_NAMES = {"rl_tpu.agent.trajectory.Trajectory": "rl_tpu.core.trajectory.Trajectory",
+                "rl_tpu.envs.base.Task": "rl_tpu.core.env.Task",
+                "rl_tpu.envs.base.StepResult": "rl_tpu.core.env.StepResult"}
+
+
 def _registry() -> dict[str, type]:
-    if not _REGISTRY:  # imported here: rl_tpu.envs' package import is not free
-        from rl_tpu.core.env import StepResult, Task
-        from rl_tpu.core.trajectory import Trajectory
+    if not _REGISTRY:
         for cls in (Trajectory, Task, StepResult):
             register(cls)
     return _REGISTRY
@@ -164,7 +172,7 @@ def _decode(node: Any, arrays: dict, what: str) -> Any:
     if tag == "$dict":
         return {_decode(k, arrays, what): _decode(v, arrays, what) for k, v in node[tag]}
     if tag == "$dataclass":
-        cls = _registry().get(node[tag])
+        cls = _registry().get(FORMER_NAMES.get(node[tag], node[tag]))
         if cls is None:
             raise HostStateError(f"{what} holds a {node[tag]}, which is not a registered "
                                  "host-state dataclass; read it with the rl_tpu version that "

@@ -6,12 +6,13 @@ import hashlib
 import io
 import json
 import math
+import os
 
 import numpy as np
 import pytest
 
 from rl_tpu.persistence import host_state
-from rl_tpu.core.env import Task
+from rl_tpu.core.env import StepResult, Task
 from rl_tpu.core.trajectory import Trajectory
 
 
@@ -141,6 +142,26 @@ def test_an_unregistered_dataclass_in_a_file_is_not_rebuilt():
     with pytest.raises(host_state.HostStateError,
                        match="subprocess.Popen, which is not a registered host-state dataclass"):
         host_state.decode(forged)
+
+
+# Written by rl_tpu before the contracts moved to rl_tpu/core (commit 826fa83), when Trajectory
+# was rl_tpu.agent.trajectory's and Task, StepResult rl_tpu.envs.base's: the names in the file.
+BEFORE_CORE = os.path.join(os.path.dirname(__file__), "data", "before_core.hoststate")
+
+
+def test_a_file_written_before_the_move_to_core_reads_back():
+    with open(BEFORE_CORE, "rb") as f:
+        assert b"rl_tpu.agent.trajectory.Trajectory" in f.read()  # zip members are stored
+    tree = host_state.read(BEFORE_CORE)
+    (trajectory,) = tree["pending"]
+    assert type(trajectory) is Trajectory
+    np.testing.assert_array_equal(trajectory.tokens, np.array([1, 2, 3, 4], np.int32))
+    np.testing.assert_array_equal(trajectory.behaviour_logprobs,
+                                  np.array([0, 0, -0.5, -0.25], np.float32))
+    assert (trajectory.task_id, trajectory.group_id, trajectory.weight_versions) == ("t1", 3, [7])
+    assert tree["tasks"] == [(5, Task("t1", {"question": "2 + 2?", "answer": "4"}))]
+    assert tree["tasks"][0][1].data == {"question": "2 + 2?", "answer": "4"}
+    assert tree["last_step"] == StepResult("done", 1.0, True, {"success": True})
 
 
 def test_saved_steps_prune_and_missing_but_expected(tmp_path):
