@@ -30,6 +30,9 @@ from typing import Optional
 
 from rl_tpu.core.env import Env, StepResult, Task, register
 from rl_tpu.envs import code_verdict
+from rl_tpu.envs.code_tasks import make_task_source, teacher_program
+from rl_tpu.sandbox import Limits, SandboxUnavailable, sandbox_unavailable_reason
+from rl_tpu.sandbox import shared_sandbox as process_sandbox
 
 SYSTEM_PROMPT = ("Write the Python function the task asks for. Reply with the code only, e.g.\n"
                  "def f(x):\n    return x + 1")
@@ -105,9 +108,6 @@ def shared_sandbox(mode: str, wall_seconds: float, memory_mb: int, pool_size: in
     """The process's sandbox for these settings (`rl_tpu.sandbox.shared_sandbox`); refuses a
     mode that does not work here (SandboxUnavailable, saying why) unless it is
     unsafe_no_isolation."""
-    from rl_tpu.sandbox import Limits, SandboxUnavailable, sandbox_unavailable_reason
-    from rl_tpu.sandbox import shared_sandbox as process_sandbox
-
     if mode not in SANDBOX_MODES:
         raise ValueError(f"sandbox={mode!r}; choose one of {SANDBOX_MODES}")
     reason = sandbox_unavailable_reason() if mode == "bubblewrap" else None
@@ -217,8 +217,6 @@ class CodeEnvBase(Env):
     def __init__(self, tasks: str = "functions", sandbox: str = "bubblewrap",
                  wall_seconds: float = 5.0, test_seconds: float = 2.0, memory_mb: int = 512,
                  pool_size: int = 2, max_program_chars: int = 8000, **task_kwargs):
-        from rl_tpu.envs.code_tasks import make_task_source
-
         self._tasks = make_task_source(tasks, **task_kwargs)
         self.task_family = tasks
         self.sandbox = shared_sandbox(sandbox, wall_seconds, memory_mb, pool_size)
@@ -230,8 +228,6 @@ class CodeEnvBase(Env):
 
     def teacher_reply(self, task: Task, rng, skill: float) -> str:
         """The task family's imperfect teacher (code_tasks), for SFT demonstrations."""
-        from rl_tpu.envs.code_tasks import teacher_program
-
         return teacher_program(task, rng, skill)
 
     def reset(self, task: Task) -> str:

@@ -31,7 +31,7 @@ import random
 from typing import Any, Optional
 
 from rl_tpu.core.env import Env, StepResult, Task, TaskSource, register
-from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError
+from rl_tpu.env_serving.isolated import IsolatedWorkers, WorkerError, shared_workers
 from rl_tpu.optional import require
 
 SYSTEM_PROMPT = """Solve the task. Think it through, then give only the final answer inside
@@ -160,7 +160,6 @@ class ReasoningGymEnv(Env):
         if not self.isolate:
             return score_entry(*args)
         if self._workers is None:
-            from rl_tpu.env_serving.isolated import shared_workers
             self._workers = shared_workers()
         # Building the dataset (and importing reasoning-gym) happens once per worker, outside
         # the scoring deadline.

@@ -28,12 +28,13 @@ import jax
 import ml_collections
 
 from rl_tpu import parallel
+from rl_tpu.core.engine import GenerateRequest, RolloutEngine, SamplingParams
 from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
 from rl_tpu.rewards.judge import (Verdict, pairwise_messages, parse_pairwise,
                                   parse_pointwise, pointwise_messages)
-from rl_tpu.core.engine import GenerateRequest, RolloutEngine, SamplingParams
+from rl_tpu.rollout.sampler import JaxSampler
 
 JUDGE_MODES = ("", "pointwise", "pairwise")
 
@@ -160,7 +161,6 @@ def from_config(config: ml_collections.ConfigDict, devices, policy_engine: Rollo
     if not r.judge_model_path:
         return JudgeReward(policy_engine, policy_tokenizer, r.judge_max_new_tokens, r.judge,
                            config.seed)
-    from rl_tpu.rollout.sampler import JaxSampler
     cfg = hf.read_config(r.judge_model_path)
     mesh = parallel.sampler_mesh(list(devices or jax.local_devices()), cfg.num_kv_heads)
     cfg, params = hf.load(r.judge_model_path, mesh=mesh, dtype=config.model.dtype)

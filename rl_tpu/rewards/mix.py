@@ -32,6 +32,7 @@ import numpy as np
 from rl_tpu import parallel
 from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.models.tokenizer import ChatTokenizer, load_tokenizer
+from rl_tpu.rewards import judge_reward
 from rl_tpu.rewards.scorer import RewardScorer
 from rl_tpu.rewards.tokenizer_match import check_match, fingerprint
 from rl_tpu.train.rollout_batch import NO_LOSS
@@ -72,10 +73,11 @@ class RewardMix:
         (rl_tpu/rewards/remote.py), refused if its tokenizer is not `policy_tokenizer`; its
         judge a frozen model on `devices` or the policy (`policy_engine`,
         `policy_tokenizer`)."""
-        from rl_tpu.rewards import judge_reward
         r = config.reward
         scorer = None
         if r.urls:
+            # imported here for its cost: the reward server's web stack, needed only with
+            # reward.urls
             from rl_tpu.rewards.remote import RemoteRewardScorer
             scorer = RemoteRewardScorer(r.urls)
             log.info("reward model: %d label(s) served at %s", scorer.num_labels, r.urls)

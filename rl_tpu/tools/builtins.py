@@ -23,6 +23,7 @@ import ast
 import math
 import operator
 
+from rl_tpu.sandbox import Limits, shared_sandbox
 from rl_tpu.tools.registry import Tool
 
 MAX_EXPRESSION_CHARS = 500
@@ -170,8 +171,6 @@ def python_tool(mode: str = "bubblewrap", limits=None, pool_size: int = 2) -> To
     Its runs share the process's sandbox pool for those settings (`shared_sandbox`), made on
     the first call: a registry whose model never runs code starts none, and the episodes of a
     step do not each warm a pool of their own."""
-    from rl_tpu.sandbox import Limits, shared_sandbox
-
     def python(code: str) -> str:
         execution = shared_sandbox(mode, limits or Limits(), pool_size).run(code)
         if execution.status in ("timeout", "cpu_limit"):

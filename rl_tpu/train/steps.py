@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
 from rl_tpu.models.logprobs import token_logprobs
+from rl_tpu.models.reward_model import sequence_scores
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
 from rl_tpu.rl.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate, loss_weight,
@@ -54,6 +55,7 @@ from rl_tpu.rl.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate, loss_w
 from rl_tpu.rl.masked import (Metric, combine_metrics, combine_stacked,  # noqa: F401 (API)
                               metric_values)
 from rl_tpu.rl.preference import PREFERENCE_LOSSES
+from rl_tpu.rl.reward_losses import bradley_terry_loss
 from rl_tpu.train.state import TrainState, advance_schedule, shardings_of
 
 
@@ -349,7 +351,6 @@ def _pair_rewards(model, params, micro):
 
 def sequence_rewards(model, params, batch):
     """[B] a reward model's first-label score at each row's last token (right padding)."""
-    from rl_tpu.models.reward_model import sequence_scores
     scores = model.apply({"params": params}, batch["tokens"], batch.get("positions"),
                          batch.get("segment_ids"))
     lengths = jnp.sum(batch["segment_ids"] > 0, axis=1)
@@ -361,8 +362,6 @@ def make_reward_model_step(model, centring: float = 0.0, cfg: StepConfig = StepC
     segment_ids}, rejected_{...} [B, T]; margin [B] (0 = none) and weight [B] (0 = a padding
     pair). Micro-batches are weighted by their pairs' weight, so M of them give the gradient
     of the one big batch."""
-    from rl_tpu.rl.reward_losses import bradley_terry_loss
-
     def loss_fn(params, micro):
         chosen, rejected = _pair_rewards(model, params, micro)
         value, metrics = bradley_terry_loss(chosen, rejected, margin=micro["margin"],

@@ -60,6 +60,7 @@ from typing import Optional, Sequence, Union
 
 from rl_tpu.core.agentgym_parse import parse_action
 from rl_tpu.envs.babyai import primitive
+from rl_tpu.envs.babyai_teacher import BabyAITeacher
 from rl_tpu.envs.babyai.levels import (BabyAITasks, data_idx_of, level_and_seed, level_numbers,
                                        silence_minigrid_sampling_prints)
 from rl_tpu.core.env import Env, StepResult, Task, TaskSource, invalid_action, register
@@ -249,8 +250,6 @@ class BabyAIEnv(Env):
     def teacher_reply(self, task: Task, rng: random.Random, skill: float) -> str:
         """The imperfect scripted teacher's reply in the current state (babyai_teacher.py);
         its carelessness is drawn from `rng` on the episode's first call."""
-        from rl_tpu.envs.babyai_teacher import BabyAITeacher
-
         if self._teacher is None:
             self._teacher = BabyAITeacher(rng, skill)
         return self._teacher.reply(self)
