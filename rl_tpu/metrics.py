@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from rl_tpu.metrics_wandb import WandbWriter  # wandb itself is imported when a run asks for it
 from rl_tpu.persistence.checkpoint_errors import RunWriteError
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,6 @@ class MetricsWriter:
             self._tb = SummaryWriter(logdir=os.path.join(self.workdir, TENSORBOARD_DIR),
                                      purge_step=resume_step)
         if wandb_project:
-            from rl_tpu.metrics_wandb import WandbWriter
             self._wandb = WandbWriter(self.workdir, wandb_project, wandb_config)
         self._file = open(self.path, "a", encoding="utf-8")
 

@@ -29,8 +29,9 @@ import ml_collections
 from rl_tpu import parallel
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.heartbeat import Heartbeat
-from rl_tpu.recipes import (engines, env_factory, eval_suite, input_checks, placement, policy_io,
-                            train_states)
+from rl_tpu.metrics import atomic_write_text
+from rl_tpu.recipes import (algorithms, engines, env_factory, eval_suite, input_checks,
+                            placement, policy_io, train_states)
 from rl_tpu.recipes.config import check
 
 EVALS_DIR = "evals"  # W/evals/: one file an eval
@@ -39,8 +40,8 @@ LATEST_FILE = "eval.json"  # W/eval.json: a copy of the latest
 
 def _checkpoint_params(config, workdir: str, model_cfg, params, mesh):
     """The latest checkpoint's policy params, restored into the trainer's state layout."""
+    # imported here for its cost (orbax): only an eval of a checkpoint needs it
     from rl_tpu.persistence.checkpoint import Checkpointer
-    from rl_tpu.recipes import algorithms
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     if ckpt.latest_step() is None:
@@ -112,8 +113,6 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
 def write_eval(workdir: str, name: str, result: dict) -> str:
     """W/evals/<name>.json, or <name>_2.json, _3... when an earlier eval has that name (an
     eval is never overwritten), and W/eval.json as its copy; returns the new file's path."""
-    from rl_tpu.metrics import atomic_write_text
-
     directory = os.path.join(workdir, EVALS_DIR)
     os.makedirs(directory, exist_ok=True)
     path, n = os.path.join(directory, f"{name}.json"), 1
