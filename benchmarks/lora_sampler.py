@@ -58,8 +58,10 @@ def run_mode(mode: str) -> dict:
 
     cfg = model_config(FLAGS.shape, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
     params = tiny.random_params(cfg, scale=0.1)
-    if mode != "plain":
-        cfg = cfg.replace(lora=lora.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank))
+    if mode != "plain":  # the sampler runs the adapters as their LoraConfig says
+        sampler_mode = mode if mode in lora.SAMPLER_MODES else "merge"
+        cfg = cfg.replace(lora=lora.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank,
+                                               sampler=sampler_mode))
         tokens = np.zeros((1, 1), np.int32)
         adapters = lora.adapters(nn.meta.unbox(Transformer(cfg).init(jax.random.key(0),
                                                                      tokens))["params"])
@@ -73,8 +75,7 @@ def run_mode(mode: str) -> dict:
         sampler, adapter_dir, names = _slots_sampler(cfg, params, max(batches))
         rows_slots = [sampler.adapter_slots.acquire(name) for name in names]
     else:
-        kwargs = {} if mode == "plain" else {"lora_mode": mode}
-        sampler = JaxSampler(cfg, params, max_batch=max(batches), **kwargs)
+        sampler = JaxSampler(cfg, params, max_batch=max(batches))
         rows_slots = [0]
     held = sampler.stats()["weight_bytes"]
 

@@ -30,9 +30,9 @@ programs and the learner's state beside the sampler's. A program fits when its p
 
 LoRA (`model.lora.rank` > 0) is checked as the trainer runs it: the TrainState trains the
 adapters alone (a critic: its adapters and value head: no fp32 master, moments or weight
-gradients of the frozen base), the sampler is a LoRA sampler (`model.lora.sampler`: "merge"
-holds merged kernels beside its base, "lowrank" the base once), and a weight sync moves the
-adapters alone (`Report.sync`).
+gradients of the frozen base), the sampler is a LoRA sampler (its LoraConfig's `sampler`, from
+`model.lora.sampler`: "merge" holds merged kernels beside its base, "lowrank" the base once),
+and a weight sync moves the adapters alone (`Report.sync`).
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
                                 make_optimizer(train_states.rl_optim_config(config, algo.value_lr)),
                                 trainable(critic_params, heads=("head",)))
     # the KL reference: the initial params (LoRA: its adapters, on the policy's base); held_by
-    reference = lora.adapters(params) if cfg.lora is not None else params
+    reference = lora.adapters(params) if lora.is_on(cfg) else params
     learner = Learner(model, state, mesh, loss_cfg, update_cfg, critic=critic,
                       value_model=value_model,
                       reference_params=reference if update_cfg.use_reference else None)
@@ -431,9 +431,8 @@ class SamplerWeights:
 
 
 def sampler_weights(config, cfg: ModelConfig, host: list) -> SamplerWeights:
-    """The `SamplerWeights` of policy `cfg` on one host's chips `host`."""
-    from rl_tpu.rollout import adapter_weights
-
+    """The `SamplerWeights` of policy `cfg` on one host's chips `host` (a LoRA policy's in the
+    mode its LoraConfig names, as JaxSampler reads it)."""
     r = config.rollout
     mesh = parallel.sampler_mesh(host, cfg.num_kv_heads, r.sampler_tensor)  # as make_engine
     cfg = cfg.replace(scan_layers=False, remat="none")
@@ -443,16 +442,11 @@ def sampler_weights(config, cfg: ModelConfig, host: list) -> SamplerWeights:
     if r.kv_dtype:
         cfg = cfg.replace(cache_dtype=str(jnp.dtype(r.kv_dtype)))
     base_copy = pool = 0
-    if cfg.lora is not None:
-        mode = config.model.lora.sampler
-        if mode not in adapter_weights.MODES:
-            raise ValueError(f"model.lora.sampler={mode!r}; choose one of "
-                             f"{adapter_weights.MODES}")
-        if mode == "merge":
-            cfg = cfg.replace(lora=None)
-            # AdapterWeights keeps the base and merges each sync's adapters into a new tree:
-            # every param of it a buffer of its own (jit copies the unadapted ones too)
-            base_copy = chip_bytes(abstract_params(cfg, mesh, parallel.SAMPLER_RULES))
+    if lora.is_on(cfg) and cfg.lora.sampler == "merge":
+        cfg = cfg.replace(lora=None)
+        # AdapterWeights keeps the base and merges each sync's adapters into a new tree:
+        # every param of it a buffer of its own (jit copies the unadapted ones too)
+        base_copy = chip_bytes(abstract_params(cfg, mesh, parallel.SAMPLER_RULES))
     if r.prefix_reuse and r.prefix_cache_tokens:
         pool = _prefix_pool_bytes(cfg, mesh, r.prefix_cache_tokens)
     return SamplerWeights(cfg, mesh, Transformer(cfg, mesh=mesh, rules=parallel.SAMPLER_RULES),
@@ -551,7 +545,7 @@ def _model_name(name: str, cfg: ModelConfig, params) -> str:
     """E.g. "qwen2.5-7b (7.62B params) + LoRA rank 8 on 7 projections (20.2M adapter params)"."""
     n = cfg.num_params()
     name = f"{name} ({n / 1e9:.2f}B params)" if n >= 1e8 else f"{name} ({n / 1e6:.1f}M params)"
-    if cfg.lora is None:
+    if not lora.is_on(cfg):
         return name
     count = lora.adapter_count(params)
     count = f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e3:.1f}K"
@@ -592,7 +586,7 @@ def advice(report: Report, config: ml_collections.ConfigDict) -> list[str]:
                                               else "full"))
             if p.argument <= p.temp and report.mesh.get("fsdp", 1) < report.fsdp_chips:
                 keys.append(f"mesh.fsdp={report.fsdp_chips}")
-            if p.argument + p.held > p.temp and not config.model.lora.rank:
+            if p.argument + p.held > p.temp and policy_io.lora_config(config) is None:
                 # last: it changes what trains, not only how (docs/lora.md)
                 keys.append("model.lora.rank=8 (adapters on a frozen base: no optimizer state "
                             "or fp32 master of the base)")

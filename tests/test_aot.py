@@ -151,15 +151,17 @@ def test_a_lora_critic_trains_its_adapters_and_head_and_the_sampler_holds_its_mo
     cfg = aot.model_config(config)[1]
     host = jax.devices()[:4]
     merge = aot.sampler_weights(config, cfg, host)
-    config.model.lora.sampler = "lowrank"
-    low = aot.sampler_weights(config, cfg, host)
+    config.model.lora.sampler = "lowrank"  # the mode travels in the model config's LoraConfig
+    low_cfg = aot.model_config(config)[1]
+    assert (cfg.lora.sampler, low_cfg.lora.sampler) == ("merge", "lowrank")
+    low = aot.sampler_weights(config, low_cfg, host)
     assert merge.cfg.lora is None and not lora.has_adapters(merge.params)
-    assert low.cfg.lora == cfg.lora and lora.has_adapters(low.params)
+    assert low.cfg.lora == low_cfg.lora and lora.has_adapters(low.params)
     # the base it merges from, beside the merged tree; the same prefix pool in both
     assert merge.held - low.held == aot.chip_bytes(merge.params) > 0
     config.model.lora.sampler = "fused"
-    with pytest.raises(ValueError, match="model.lora.sampler='fused'.*merge"):
-        aot.sampler_weights(config, cfg, host)
+    with pytest.raises(ValueError, match="model.lora: lora sampler='fused'.*merge"):
+        aot.model_config(config)
 
 
 def _compile_check(*args, timeout=900):

@@ -44,12 +44,19 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 INITS = ("default", "gaussian")
 ADAPTER_KEYS = ("lora_a", "lora_b")
 ADAPTER_DTYPE = jnp.float32
+# How the embedded sampler runs a LoRA policy (rollout/adapter_weights.py): "merge" folds each
+# sync's adapters into a copy of the adapted kernels and runs the plain model; "lowrank" runs
+# the adapters beside the frozen base, holding it once.
+SAMPLER_MODES = ("merge", "lowrank")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """PEFT's `LoraConfig` fields that change the math: r, lora_alpha, lora_dropout,
-    target_modules, init_lora_weights, use_rslora. Hashable (part of ModelConfig)."""
+    target_modules, init_lora_weights, use_rslora; and how the embedded sampler runs the
+    adapters (`sampler`, one of SAMPLER_MODES: the run config's `model.lora.sampler`), which
+    travels with them so that whoever builds a sampler reads it from the model config.
+    Hashable (part of ModelConfig). Whether a model config has LoRA on: `is_on`."""
 
     rank: int = 8
     alpha: float = 8.0
@@ -60,6 +67,7 @@ class LoraConfig:
     # > 0: a serving model's K adapter slots (adapter_slots.py): lora_a [K, in..., r] and
     # lora_b [K, r, out...], each row of a batch computing with the slot `adapter_rows` names
     slots: int = 0
+    sampler: str = "merge"  # SAMPLER_MODES; changes no training math
 
     def __post_init__(self):
         if self.rank < 1:
@@ -75,10 +83,20 @@ class LoraConfig:
             raise ValueError(f"lora init={self.init!r}; choose one of {INITS}")
         if self.slots < 0:
             raise ValueError(f"lora slots={self.slots} must be >= 0 (0: one adapter)")
+        if self.sampler not in SAMPLER_MODES:
+            raise ValueError(f"lora sampler={self.sampler!r}; choose one of {SAMPLER_MODES}")
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def is_on(model_cfg) -> bool:
+    """Whether LoRA is on for `model_cfg` (a ModelConfig: its `lora` is set): the one question
+    to ask of a config. A run config turns it on with `model.lora.rank` > 0, read in one place
+    only, where that block becomes a LoraConfig (recipes/policy_io.lora_config). Of a params
+    tree, ask `has_adapters`."""
+    return model_cfg.lora is not None
 
 
 def init_a(key, shape, dtype, cfg: LoraConfig, in_ndim: int):
@@ -193,6 +211,9 @@ def adapters(params) -> dict:
 
 
 def has_adapters(params) -> bool:
+    """Whether the params tree `params` holds adapter leaves (lora_a, lora_b): the question for
+    code handed a tree without its model config (a weight sync, a TrainState's trainable set),
+    or checking that a tree is what its config says. Of a config, ask `is_on`."""
     return any(is_adapter_path(p) for p in flat_paths(params))
 
 

@@ -152,7 +152,7 @@ def save_adapter(path: str, cfg: ModelConfig, params, base_model_path: str = "")
     adapter. Non-finite adapters are refused (ValueError naming the param) and nothing is
     written. `base_model_path` goes to `base_model_name_or_path`.
     """
-    if cfg.lora is None:
+    if not lora.is_on(cfg):
         raise ValueError("save_adapter: cfg.lora is None (a model without adapters); export "
                          "it with hf.save, or set model.lora.rank > 0")
     modules, flat = adapted_modules(cfg), lora.flat_paths(params)

@@ -31,7 +31,7 @@ from rl_tpu import parallel
 from rl_tpu.models.blocked_attention import segment_causal_attention
 from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
-from rl_tpu.models.lora import LoraConfig, LoraDenseGeneral
+from rl_tpu.models.lora import LoraConfig, LoraDenseGeneral, is_on as lora_is_on
 from rl_tpu.models.recompute import after
 
 Array = jax.Array
@@ -295,7 +295,7 @@ def _dense(features, axis, kernel_axes, cfg: ModelConfig, name: str, use_bias=Fa
     bias, over the output dims, carries the trailing names. A projection `cfg.lora` targets
     (by this name: q_proj, ..., down_proj) gets its adapters (lora.py)."""
     out_dims = len(features) if isinstance(features, tuple) else 1
-    lora = cfg.lora if cfg.lora is not None and name in cfg.lora.targets else None
+    lora = cfg.lora if lora_is_on(cfg) and name in cfg.lora.targets else None
     return LoraDenseGeneral(
         features=features, axis=axis, use_bias=use_bias, name=name,
         dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, dot_general=dense_dot_general,

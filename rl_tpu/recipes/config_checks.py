@@ -13,6 +13,7 @@ from rl_tpu.agent import branching, program
 from rl_tpu.core import env as envs
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
+from rl_tpu.recipes.policy_io import lora_config
 
 
 # Keys whose defaults differ between algorithms: the ones a bare rename of algo.name leaves stale.
@@ -261,17 +262,11 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
                          "room for a verdict like [[YES]]")
 
 
-LORA_SAMPLER_MODES = ("merge", "lowrank")
-
-
 def _check_lora(config: ml_collections.ConfigDict) -> None:
-    """model.lora.*: the sampler's mode (every recipe trains adapters; the adapters' own
-    fields are checked where they are built: policy_io.lora_config)."""
-    b = config.model.lora
-    if b.rank <= 0:
-        return
-    if b.sampler not in LORA_SAMPLER_MODES:
-        raise ValueError(f"model.lora.sampler={b.sampler!r}; choose one of {LORA_SAMPLER_MODES}")
+    """model.lora.*: every field (the sampler's mode too), built into the LoraConfig the
+    recipes will build from it, so that a bad one fails before anything compiles; nothing
+    with rank 0 (LoRA off)."""
+    lora_config(config)
 
 
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:

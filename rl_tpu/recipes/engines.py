@@ -26,13 +26,14 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
                 devices=None) -> RolloutEngine:
     """The rollout engine the config names, serving `params` as `version` (one weight sync:
     the sampler's own copy, or one HF export the servers load). The embedded sampler runs on
-    `devices` (default: `rollout.sampler_devices` of this host's)."""
+    `devices` (default: `rollout.sampler_devices` of this host's), a LoRA policy's adapters
+    as its LoraConfig says (`model_cfg.lora.sampler`)."""
     r = config.rollout
     if r.engine == "sglang":
         urls = [u.strip() for u in r.urls.split(",") if u.strip()]
         weights_dir = r.weights_dir or os.path.join(workdir, "sync")
         kwargs = {}
-        if model_cfg.lora is not None:  # versions in flight: up to max_staleness behind
+        if lora.is_on(model_cfg):  # versions in flight: up to max_staleness behind
             # the adapters' names carry the run (adapter_versions.py): process 0's id on
             # every host, which may see the workdir under another path
             run_id = parallel.across_hosts_bytes(run_id_of(weights_dir).encode())[0].decode()
@@ -58,8 +59,6 @@ def make_engine(config: ml_collections.ConfigDict, model_cfg: ModelConfig, param
         kwargs["dtype"] = config.model.sampler_dtype
     if r.kv_dtype:
         kwargs["kv_dtype"] = r.kv_dtype
-    if model_cfg.lora is not None:
-        kwargs["lora_mode"] = config.model.lora.sampler
     sampler = JaxSampler(model_cfg, parallel.host_copies(params), mesh=mesh,
                          tokenizer=tokenizer, max_batch=r.max_batch,
                          kv_tokens=r.kv_tokens_per_device * len(devices), seed=config.seed,

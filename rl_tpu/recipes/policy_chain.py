@@ -35,7 +35,7 @@ from rl_tpu import parallel
 from rl_tpu.core.shared_weights import wait_for_shared_weights
 from rl_tpu.data.tasks import TaskStream, eval_tasks
 from rl_tpu.heartbeat import Heartbeat
-from rl_tpu.models import hf
+from rl_tpu.models import hf, lora
 from rl_tpu.recipes import (engines, env_factory, eval_suite, placement, policy_io,
                             rollout_settings, run_summary, sft)
 from rl_tpu.recipes.config import check
@@ -117,13 +117,13 @@ class PolicyChain:
         """What round r+1 starts from after round r ended with `params`: those themselves, or
         in a LoRA loop P_{r+1} (merged) with round r+1's fresh adapters, as `load(r + 1)`
         gives it on a resume, so a resumed loop repeats the uninterrupted one."""
-        if self.model_cfg.lora is None:
+        if not lora.is_on(self.model_cfg):
             return params
         return self.adapted(policy_io.merged(self.model_cfg, params)[1], r + 1)
 
     def adapted(self, base, r: int):
         """`base` as `self.model` reads it: with round r's fresh adapters in a LoRA loop."""
-        if self.model_cfg.lora is None:
+        if not lora.is_on(self.model_cfg):
             return base
         return policy_io.with_fresh_adapters(
             self.model, base, self.mesh, rollout_settings.step_seed(self.config.seed, r, 40))

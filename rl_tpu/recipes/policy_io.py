@@ -52,7 +52,10 @@ def tiny_shape(config: ml_collections.ConfigDict) -> dict:
 
 
 def lora_config(config: ml_collections.ConfigDict) -> Optional[lora.LoraConfig]:
-    """The adapters `model.lora.*` describe, or None for full fine-tuning (rank 0)."""
+    """The adapters `model.lora.*` describe, with the embedded sampler's mode
+    (`model.lora.sampler`), or None for full fine-tuning (rank 0): the one place a run config's
+    LoRA block is read; after it, `lora.is_on(model_cfg)` says whether LoRA is on. Raises
+    ValueError naming `model.lora` for a field LoraConfig refuses."""
     b = config.model.lora
     if b.rank <= 0:
         return None
@@ -60,7 +63,7 @@ def lora_config(config: ml_collections.ConfigDict) -> Optional[lora.LoraConfig]:
                else tuple(t.strip() for t in b.targets.split(",") if t.strip()))
     try:
         return lora.LoraConfig(rank=b.rank, alpha=b.alpha, dropout=b.dropout, targets=targets,
-                               init=b.init, rslora=b.rslora)
+                               init=b.init, rslora=b.rslora, sampler=b.sampler)
     except ValueError as e:
         raise ValueError(f"model.lora: {e}") from None
 
@@ -91,7 +94,9 @@ def load_policy(config: ml_collections.ConfigDict, path: str, mesh: Mesh
     if adapter is not None and m.lora.path:  # a PEFT adapter to start from
         cfg, params = peft_format.load_adapter(m.lora.path, cfg, params, mesh=mesh)
         check_adapter_matches(cfg.lora, adapter, m.lora.path)
-        cfg = cfg.replace(lora=dataclasses.replace(cfg.lora, dropout=adapter.dropout))
+        # what PEFT's file does not hold: the training dropout and the sampler's mode
+        cfg = cfg.replace(lora=dataclasses.replace(cfg.lora, dropout=adapter.dropout,
+                                                   sampler=adapter.sampler))
     elif adapter is not None:  # fresh adapters on the loaded (frozen) base
         cfg = cfg.replace(lora=adapter)
         params = with_fresh_adapters(Transformer(cfg, mesh=mesh), params, mesh, config.seed)
@@ -116,7 +121,7 @@ def merged(model_cfg: ModelConfig, params) -> tuple[ModelConfig, dict]:
     """(config, params) of the plain model computing what a LoRA policy computes: every
     adapter merged into its kernel, on device in the kernels' shardings. A model without
     adapters is returned as it is."""
-    if model_cfg.lora is None:
+    if not lora.is_on(model_cfg):
         return model_cfg, params
     return model_cfg.replace(lora=None), _merge_fn(model_cfg.lora)(params)
 

@@ -49,7 +49,7 @@ from rl_tpu import parallel
 from rl_tpu.data.jsonl import split_rows
 from rl_tpu.data.pairs import read_preference_pairs
 from rl_tpu.data.tasks import eval_tasks
-from rl_tpu.models import reward_model
+from rl_tpu.models import lora, reward_model
 from rl_tpu.recipes import placement, policy_io, rollout_settings, sft, train_states
 from rl_tpu.recipes.dpo import Pair, PairBatches, online_pairs
 from rl_tpu.recipes.experience import read_json, sample, write_json
@@ -91,7 +91,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             params, trained = optimise(chain, r, model, params, train)
             record |= trained | held_out_metrics(chain, params, head, held_out)
             _finish_round(chain, r, params, head, record)
-            if chain.model_cfg.lora is not None:  # as a resume starts round r+1 (_load_rm)
+            if lora.is_on(chain.model_cfg):  # as a resume starts round r+1 (_load_rm)
                 params = _adapted(chain, model, policy_io.merged(chain.model_cfg, params)[1],
                                   r + 1)
         if chain.rounds_done and not os.path.isdir(os.path.join(workdir, RM_DIR)):
@@ -257,7 +257,7 @@ def _adapted(chain: PolicyChain, model, params, r: int):
     """A merged reward model with round r's fresh adapters on its trunk (a LoRA run: each
     round trains new adapters on the last round's model, merged, as policy_chain.py's
     rounds do), or `params` as they are."""
-    if chain.model_cfg.lora is None:
+    if not lora.is_on(chain.model_cfg):
         return params
     return policy_io.with_fresh_adapters(model, params, chain.mesh,
                                          rollout_settings.step_seed(chain.config.seed, r, 41))

@@ -204,7 +204,7 @@ class Trainer:
         update_cfg = algorithms.update_config(config)
         # the KL reference: the start's params; a LoRA policy's start adapters alone, which the
         # learner puts on the policy's frozen base (Learner.reference)
-        reference = jax.tree.map(jnp.copy, lora.adapters(params) if self.model_cfg.lora
+        reference = jax.tree.map(jnp.copy, lora.adapters(params) if lora.is_on(self.model_cfg)
                                  else params) if update_cfg.use_reference else None
         critic, value_model = None, None
         if algorithms.uses_critic(algo):
@@ -445,7 +445,7 @@ class Trainer:
         Non-finite params are never exported (nor is the run marked finished)."""
         self.ckpt.wait()
         self.learner.check_finite(self.config.train.steps, self.ckpt.latest_step)
-        lora_run = self.model_cfg.lora is not None
+        lora_run = lora.is_on(self.model_cfg)
         if self.config.checkpoint.export_hf:
             policy_io.export_hf(os.path.join(self.workdir, "final_hf"), self.model_cfg,
                                 self.learner.policy.params, self.tokenizer)

@@ -73,9 +73,9 @@ def describe(config: ml_collections.ConfigDict, model_path: str, model_cfg, para
              warm_start: str) -> str:
     """The run's summary line (module docstring). `params`: the policy as it trains (with its
     adapters, under LoRA); `warm_start`: what the SFT warm start will do, in words."""
-    adapters = lora.adapter_count(params) if model_cfg.lora is not None else 0
+    adapters = lora.adapter_count(params) if lora.is_on(model_cfg) else 0
     total = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))) - adapters
-    if model_cfg.lora is not None:
+    if lora.is_on(model_cfg):
         tuning = f"LoRA rank {model_cfg.lora.rank} ({short_count(adapters)} trainable)"
     else:
         tuning = "full fine-tuning (LoRA off: model.lora.rank=0)"

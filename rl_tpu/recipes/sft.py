@@ -29,6 +29,7 @@ from rl_tpu import parallel
 from rl_tpu.persistence import preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.core.env import Env, Task
+from rl_tpu.models import lora
 from rl_tpu.models.tokenizer import ChatTokenizer
 from rl_tpu.recipes import (engines, env_factory, eval_suite, placement, policy_io, run_summary,
                             train_states)
@@ -480,7 +481,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
         policy_io.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                             tokenizer)
-        if model_cfg.lora is not None:  # the adapters alone as well, in PEFT's format
+        if lora.is_on(model_cfg):  # the adapters alone as well, in PEFT's format
             policy_io.export_adapter(os.path.join(workdir, "final_adapter"), model_cfg,
                                      state.params, path)
     finally:

@@ -11,8 +11,9 @@ rank 8, ~20M parameters against 7B). What the sampler then samples with is one o
     scale * (x A) B in prefill and decode (two thin matmuls a projection), and the sampler holds
     the base once.
 
-benchmarks/lora_sampler.py measures both (tokens/s and update time by shape); the config's
-`model.lora.sampler` picks one (docs/lora.md gives the numbers).
+benchmarks/lora_sampler.py measures both (tokens/s and update time by shape); the policy's
+LoraConfig carries the choice (`sampler`, from the config's `model.lora.sampler`; docs/lora.md
+gives the numbers).
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from rl_tpu import parallel
 from rl_tpu.models import lora
 from rl_tpu.models.transformer import ModelConfig, Transformer, unstack_layers
 
-MODES = ("merge", "lowrank")
-
-
 def _owned(tree, num_layers: int):
     """Unstacked (scanned layers) fp32 adapters in buffers of their own (see sampler.py's
     `_owned_copy` in own_copy.py: an output is never the input itself)."""
@@ -44,14 +42,12 @@ class AdapterWeights:
     (layout checks, unstacking, dtype, shardings); `base_shardings` its shardings, which
     the merged kernels take too."""
 
-    def __init__(self, cfg: ModelConfig, mesh, rules, mode: str, copy_base: Callable,
-                 base_shardings):
-        if cfg.lora is None:
+    def __init__(self, cfg: ModelConfig, mesh, rules, copy_base: Callable, base_shardings):
+        if not lora.is_on(cfg):
             raise ValueError("AdapterWeights needs a ModelConfig with lora set")
-        if mode not in MODES:
-            raise ValueError(f"lora sampler mode {mode!r}; choose one of {MODES}")
-        self.cfg, self.mode, self._copy_base = cfg, mode, copy_base
-        self.model_cfg = cfg.replace(lora=None) if mode == "merge" else cfg
+        # the LoraConfig says how (lora.SAMPLER_MODES), validated where it was built
+        self.cfg, self.mode, self._copy_base = cfg, cfg.lora.sampler, copy_base
+        self.model_cfg = cfg.replace(lora=None) if self.mode == "merge" else cfg
         abstract, names = parallel.logical_axes_of(Transformer(cfg), np.zeros((1, 1), np.int32))
         shardings = lora.adapters(parallel.param_shardings(abstract, names, mesh, rules))
         self._adapter_abstract = lora.adapters(abstract)

@@ -50,7 +50,7 @@ class JaxSampler(RolloutEngine):
     state), and nothing but `update_weights` changes what the sampler samples with. The price
     is one params-sized copy per update (benchmarks/weight_copy.py) and the memory of a
     second set of weights. A LoRA policy (`cfg.lora`) copies its frozen base once and then only
-    its adapters, merged into the kernels or applied as they are (`lora_mode`,
+    its adapters, merged into the kernels or applied as they are (`cfg.lora.sampler`,
     adapter_weights.py), and a batch keeps the adapters it started with to its end (its
     samples report one version), as SGLang's per-request `lora_path` does.
 
@@ -89,7 +89,7 @@ class JaxSampler(RolloutEngine):
                  seed: int = 0, version: str = "0", dtype: Optional[str] = None,
                  kv_dtype: Optional[str] = None, prefill_chunk: int = 0,
                  prefix_cache_tokens: int = 65536, prefix_page_size: int = 16,
-                 keep_prefix_cache_on_update: bool = False, lora_mode: str = "merge"):
+                 keep_prefix_cache_on_update: bool = False):
         # Decoding always runs unrolled layers, whatever the trainer uses: each layer's cache
         # is then its own buffer, updated in place, where a scan would slice the stacked cache
         # in and out every step. Scanned params are unstacked on the way in.
@@ -110,9 +110,9 @@ class JaxSampler(RolloutEngine):
                                    None if dtype is None else cfg.param_dtype)
         # a serving model's adapter slots (cfg.lora.slots: adapter_slots.py), loaded by name
         self.adapter_slots = AdapterSlots(cfg, self.mesh, rules) if (
-            cfg.lora is not None and cfg.lora.slots) else None
-        self._adapters = None if cfg.lora is None or self.adapter_slots else AdapterWeights(
-            cfg, self.mesh, rules, lora_mode, self._copy_plain, self._copy_plain.shardings)
+            lora.is_on(cfg) and cfg.lora.slots) else None
+        self._adapters = None if not lora.is_on(cfg) or self.adapter_slots else AdapterWeights(
+            cfg, self.mesh, rules, self._copy_plain, self._copy_plain.shardings)
         model_cfg = cfg if self._adapters is None else self._adapters.model_cfg
         self.model = Transformer(model_cfg, mesh=self.mesh, rules=rules)
         self.tokenizer = tokenizer

@@ -75,6 +75,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 
+from rl_tpu.models import lora
 from rl_tpu.models.transformer import ModelConfig
 from rl_tpu.rollout import logprob_probe
 from rl_tpu.core.engine import (FINISH_REASONS, GenerateRequest, GenerateResult,
@@ -251,7 +252,7 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def _lora(self) -> bool:
-        return self.model_config is not None and self.model_config.lora is not None
+        return self.model_config is not None and lora.is_on(self.model_config)
 
     def _vocab_size(self) -> Optional[int]:
         """Rows of the embedding table: the trainer's config, else what a server serves."""

@@ -307,7 +307,7 @@ class DiskWeightSync:
             raise ValueError("update_weights needs SGLangEngine(model_config=..., weights_dir=...)"
                              ": the trainer's ModelConfig and a directory every server can read")
         self.last_sync_bytes = 0
-        if self.model_config.lora is not None:
+        if lora.is_on(self.model_config):
             return self._update_adapters(params, version)
         cfg = self.model_config
         _refuse_mismatches("params do not match model_config", params_mismatches(cfg, params))

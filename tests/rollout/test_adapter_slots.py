@@ -3,6 +3,7 @@ with its own slot exactly as a model of that adapter alone, the prefix cache nev
 across adapters, a slot stays its adapter's while a request holds it, and rl_tpu's own server
 speaks SGLang's LoRA endpoints."""
 
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -60,8 +61,11 @@ def adapters(tmp_path_factory):
 
 
 def _alone(cfg, params, sampling):
-    """What a sampler of that one model (its adapter applied as is) gives for PROMPT."""
-    sampler = JaxSampler(cfg, params, prefix_cache_tokens=0, lora_mode="lowrank")
+    """What a sampler of that one model (its adapter, if any, applied as is) gives for
+    PROMPT."""
+    if lora.is_on(cfg):
+        cfg = cfg.replace(lora=dataclasses.replace(cfg.lora, sampler="lowrank"))
+    sampler = JaxSampler(cfg, params, prefix_cache_tokens=0)
     return sampler.generate([GenerateRequest(PROMPT, sampling, "alone")])[0]
 
 

@@ -1,6 +1,9 @@
 """The embedded sampler with a LoRA policy (rollout/adapter_weights.py): both modes sample
 what the trainer scores, a sync moves the adapters alone once the base is held, and a batch
-keeps the adapters it started with."""
+keeps the adapters it started with. The mode travels with the adapters: the policy's
+LoraConfig names it (`sampler`), and the sampler runs what it names."""
+
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -36,6 +39,11 @@ def trainer_logprobs(cfg, params, prompt, output):
     return np.asarray(lp)[0, len(prompt):]
 
 
+def in_mode(cfg, mode: str):
+    """`cfg` whose adapters the embedded sampler runs in `mode`."""
+    return cfg.replace(lora=dataclasses.replace(cfg.lora, sampler=mode))
+
+
 def request(n=12, seed=5):
     return GenerateRequest(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed))
 
@@ -43,7 +51,9 @@ def request(n=12, seed=5):
 @pytest.mark.parametrize("mode", ["merge", "lowrank"])
 def test_both_modes_sample_the_adapted_policy_and_sync_only_adapters(mode):
     params = adapted(1)
-    sampler = JaxSampler(CFG, params, lora_mode=mode, prefix_cache_tokens=0)
+    sampler = JaxSampler(in_mode(CFG, mode), params, prefix_cache_tokens=0)
+    # the mode the LoraConfig names: merge runs the plain model, lowrank the adapters
+    assert sampler.model.cfg.lora == (None if mode == "merge" else in_mode(CFG, mode).lora)
     full_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(lora.adapters(params)))
     assert sampler.stats()["last_sync_bytes"] == full_bytes  # base + adapters, once
@@ -67,7 +77,7 @@ def test_a_batch_keeps_the_adapters_it_started_with():
     admitted with and reports that one version (SGLang's per-request lora_path), and its
     log-probs are that version's."""
     first, second = adapted(1), adapted(2)
-    sampler = JaxSampler(CFG, first, lora_mode="lowrank", prefix_cache_tokens=0,
+    sampler = JaxSampler(in_mode(CFG, "lowrank"), first, prefix_cache_tokens=0,
                          decode_chunk=4, version="a")
     swapped = {}
     real_decode = sampler_module.decode
@@ -103,5 +113,6 @@ def test_wrong_adapters_and_a_missing_base_are_named():
         jax.random.key(0), np.zeros((1, 4), np.int32)))["params"]
     with pytest.raises(ValueError, match="rank 4"):
         sampler.update_weights(lora.adapters(rank8), "1")
-    with pytest.raises(ValueError, match="lora sampler mode"):
-        JaxSampler(CFG, params, lora_mode="fused", prefix_cache_tokens=0)
+    with pytest.raises(ValueError, match=r"lora sampler='fused'; choose one of \('merge', "
+                                         r"'lowrank'\)"):
+        in_mode(CFG, "fused")  # refused where the LoraConfig is made, before any sampler
