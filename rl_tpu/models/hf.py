@@ -11,12 +11,15 @@ load.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import math
 import os
 import re
 import shutil
 import struct
+import tempfile
 from typing import Any, Optional
 
 import jax
@@ -239,8 +242,6 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
     """config.json for transformers (built by its own config class, so the format matches the
     installed version) plus the pre-v5 rope keys, so older readers (e.g. SGLang's) agree.
     `hf_fields`: more config-class arguments (a classifier's id2label, pad_token_id)."""
-    from transformers import AutoConfig
-
     rope = {"rope_type": cfg.rope_scaling.rope_type, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling.rope_type != "default":
         rope.update({f.name: getattr(cfg.rope_scaling, f.name)
@@ -248,22 +249,57 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
         if cfg.rope_scaling.rope_type == "linear":
             rope = {k: rope[k] for k in ("rope_type", "rope_theta", "factor")}
     eos = list(cfg.eos_token_ids)
-    hf_cfg = AutoConfig.for_model(
-        cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+    out = _config_class_dict(cfg.arch, dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
         bos_token_id=cfg.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
-        **hf_fields)
-    out = hf_cfg.to_dict()
+        **hf_fields))
     out["architectures"] = [a for a, name in _HEADS[head][0].items() if name == cfg.arch]
     out["torch_dtype"] = out["dtype"] = torch_dtype
     out.setdefault("rope_theta", cfg.rope_theta)
     if cfg.rope_scaling.rope_type != "default":
         out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
     return out
+
+
+
+def config_memo_dir() -> str:
+    """Where `_config_class_dict` keeps what transformers' config classes returned:
+    $RL_TPU_HF_CONFIG_CACHE, else ~/.cache/rl_tpu/hf_configs."""
+    return os.environ.get("RL_TPU_HF_CONFIG_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "rl_tpu", "hf_configs")
+
+
+def _config_class_dict(arch: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """`AutoConfig.for_model(arch, **fields).to_dict()` as JSON reads it back, remembered on
+    disk per transformers version and arguments. Building a config class imports
+    transformers' rope utilities, which import torch: seconds at the start of every run that
+    writes a model (a tiny model, an export), for a pure function of these arguments. A memo
+    that cannot be read or written is skipped: the result is the same."""
+    key = json.dumps([importlib.metadata.version("transformers"), arch, fields], sort_keys=True,
+                     default=str)
+    path = os.path.join(config_memo_dir(), hashlib.sha256(key.encode()).hexdigest() + ".json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    from transformers import AutoConfig  # import cost: transformers' config classes load torch
+
+    text = json.dumps(AutoConfig.for_model(arch, **fields).to_dict())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # whole or absent: a concurrent reader never sees half a file
+    except OSError:
+        pass
+    return json.loads(text)
 
 
 # ----------------------------------------------------------------------------- safetensors

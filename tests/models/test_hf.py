@@ -360,3 +360,27 @@ def test_check_model_dir_accepts_a_good_dir_and_names_a_missing_one(tiny_dir, tm
     assert hf.check_model_dir(tiny_dir) == hf.read_config(tiny_dir)
     with pytest.raises(hf.CheckpointError, match="no such model directory"):
         hf.check_model_dir(str(tmp_path / "nope"))
+
+
+def test_config_json_is_remembered_per_transformers_version_and_fields(tmp_path, monkeypatch):
+    """config_to_hf builds config.json with transformers' own class once per argument set and
+    version (building one imports torch), then reads it back: the same dict either way; a
+    corrupt or unwritable memo is skipped, never trusted."""
+    memo = tmp_path / "memo"
+    monkeypatch.setenv("RL_TPU_HF_CONFIG_CACHE", str(memo))
+    cfg = tiny.tiny_config("llama")
+    built = hf.config_to_hf(cfg, "float32")
+    (file,) = memo.iterdir()
+    assert built["rope_scaling"]["rope_type"] == "llama3" and built["num_hidden_layers"] == 2
+    assert hf.config_to_hf(cfg, "float32") == built  # read back
+    record = json.loads(file.read_text())
+    record["hidden_size"] = 12345  # what the memo holds is what a second call returns
+    file.write_text(json.dumps(record))
+    assert hf.config_to_hf(cfg, "float32")["hidden_size"] == 12345
+    file.write_text('{"half a')  # corrupt: rebuilt and rewritten
+    assert hf.config_to_hf(cfg, "float32") == built
+    assert json.loads(file.read_text())["hidden_size"] == cfg.hidden_size
+    other = hf.config_to_hf(tiny.tiny_config("llama", vocab_size=256), "float32")
+    assert other["vocab_size"] == 256 and len(list(memo.iterdir())) == 2  # its own entry
+    monkeypatch.setenv("RL_TPU_HF_CONFIG_CACHE", str(file))  # a file, not a dir: unwritable
+    assert hf.config_to_hf(cfg, "float32") == built
