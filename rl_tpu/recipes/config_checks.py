@@ -11,9 +11,15 @@ import ml_collections
 from rl_tpu import schedules
 from rl_tpu.agent import branching, program
 from rl_tpu.core import env as envs
+from rl_tpu.env_serving.remote import parse_urls as parse_env_urls
 from rl_tpu.models.fused_attention import SPLASH_BLOCK
+from rl_tpu.offpolicy.replay import ReplayConfig
 from rl_tpu.recipes.algorithms import ALGORITHMS, algo_config, estimator_use, loss_config
 from rl_tpu.recipes.policy_io import lora_config
+from rl_tpu.rewards.judge_reward import JUDGE_MODES
+from rl_tpu.rewards.mix import TRANSFORMS
+from rl_tpu.rollout.http_transport import normalise_url
+from rl_tpu.train.state import SCHEDULES
 
 
 # Keys whose defaults differ between algorithms: the ones a bare rename of algo.name leaves stale.
@@ -87,7 +93,6 @@ def _check_ranges(config: ml_collections.ConfigDict) -> None:
     if not isinstance(e.max_failed_steps, int) or e.max_failed_steps < 0:
         raise ValueError(f"env.max_failed_steps={e.max_failed_steps!r} must be an int >= 0 "
                          "(steps in a row whose episodes all fail before the run stops; 0 never)")
-    from rl_tpu.offpolicy.replay import ReplayConfig
     r = config.train.replay  # its own checks, here rather than after the warm start
     ReplayConfig(capacity=r.capacity, fraction=r.fraction, max_staleness=r.max_staleness)
 
@@ -134,7 +139,6 @@ def _check_rates(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"{key}={value} must be > 0 (a learning rate); e.g. {key}=1e-5")
         if key in _NOT_NEGATIVE and value < 0:
             raise ValueError(f"{key}={value} must be >= 0")
-    from rl_tpu.train.state import SCHEDULES
     if config.optim.schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule={config.optim.schedule!r}; choose one of {SCHEDULES}")
     s = config.sft
@@ -159,7 +163,6 @@ def _check_urls(config: ml_collections.ConfigDict) -> None:
     """Each URL well formed, without any network: a rollout server's http(s)://host:port (it
     always has a port), an env server's the same, or host:port. A bare word ('garbage') is a
     mistake, not a host name to look up."""
-    from rl_tpu.rollout.http_transport import normalise_url
     for url in (u.strip() for u in config.rollout.urls.split(",") if u.strip()):
         try:
             normalise_url(url)
@@ -177,8 +180,7 @@ def _check_urls(config: ml_collections.ConfigDict) -> None:
 def _check_remote_env(env: ml_collections.ConfigDict) -> None:
     if not env.remote_url:
         return
-    from rl_tpu.env_serving.remote import parse_urls
-    parse_urls(env.remote_url)  # each one http(s)://host[:port]
+    parse_env_urls(env.remote_url)  # each one http(s)://host[:port]
     if not 0 < env.remote_timeout_s <= env.step_timeout_s:
         raise ValueError(f"env.remote_timeout_s={env.remote_timeout_s} must be > 0 and <= "
                          f"env.step_timeout_s={env.step_timeout_s} (the limit on a whole env "
@@ -225,7 +227,6 @@ def _check_loop(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_reward(config: ml_collections.ConfigDict) -> None:
-    from rl_tpu.rewards.mix import TRANSFORMS
     r = config.reward
     if r.model_transform not in TRANSFORMS:
         raise ValueError(f"reward.model_transform={r.model_transform!r}; choose one of "
@@ -243,9 +244,9 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"reward.model_path={r.model_path!r} and reward.urls={r.urls!r}: the "
                          "reward model runs here or on its servers, not both; leave one empty")
     if r.urls:
+        # import cost: the reward client module loads the reward server's web stack (~2.7 s)
         from rl_tpu.rewards.remote import parse_urls
         parse_urls(r.urls)  # each http(s)://host:port, none twice; names reward.urls
-    from rl_tpu.rewards.judge_reward import JUDGE_MODES
     if r.judge not in JUDGE_MODES:
         raise ValueError(f"reward.judge={r.judge!r}; choose one of {JUDGE_MODES} (\"\" = none)")
     if r.judge and config.recipe != "rl":
@@ -350,7 +351,6 @@ def check(config: ml_collections.ConfigDict) -> None:
         if config.rollout.engine != "sglang":
             raise ValueError("rollout.router_url needs rollout.engine='sglang' and rollout.urls "
                              "(the router's workers, which get weight updates directly)")
-        from rl_tpu.rollout.http_transport import normalise_url
         try:
             normalise_url(config.rollout.router_url)
         except ValueError as e:

@@ -25,14 +25,20 @@ import jax
 import ml_collections
 import numpy as np
 
+from rl_tpu import metrics as metrics_lib
 from rl_tpu import parallel
-from rl_tpu.persistence import preemption
 from rl_tpu.agent import conversation_start, env_tools, observation_messages
 from rl_tpu.core.env import Env, Task
+from rl_tpu.data.tasks import eval_tasks
+from rl_tpu.heartbeat import Heartbeat
+from rl_tpu.metrics import StepLog, progress
 from rl_tpu.models import lora
 from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.persistence import preemption
+from rl_tpu.persistence.checkpoint import Checkpointer
 from rl_tpu.recipes import (engines, env_factory, eval_suite, placement, policy_io, run_summary,
                             train_states)
+from rl_tpu.recipes.config_checks import check
 from rl_tpu.train import steps
 from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.state import TrainState
@@ -242,7 +248,6 @@ def train(state: TrainState, model, mesh, data: Iterator[dict], *, num_steps: in
     """SFT steps `start_step + 1 .. num_steps` on `data` (this host's rows of each global
     batch); on_step(step, state, host metrics) after each (to log, or to checkpoint)."""
     step_fn = steps.compile_step(steps.make_sft_step(model), state, mesh)
-    from rl_tpu.metrics import progress
 
     for i in progress(range(start_step, num_steps), "SFT steps",
                       enabled=jax.process_index() == 0):
@@ -301,7 +306,6 @@ def checkpointed_steps(config: ml_collections.ConfigDict, checkpoint_dir: str,
     every checkpoint.every steps with the data position and resumed from it (a killed run
     started again repeats the uninterrupted one); (the state, the last step's metrics as
     {prefix/name: value}). DPO's and the reward model's optimisers run on it."""
-    from rl_tpu.persistence.checkpoint import Checkpointer
 
     last: dict[str, float] = {}
     with Checkpointer(checkpoint_dir, keep=config.checkpoint.keep,
@@ -326,7 +330,6 @@ def fine_tune(config: ml_collections.ConfigDict, params, model, mesh,
     rl_tpu/persistence/preemption.py); returns the new params. The sampling loops (expert iteration,
     RLoop) call this for each round's fine-tune; on_start(the step it resumes from, 0 when
     fresh) before the first step, on_metrics(step, metrics) after each."""
-    from rl_tpu.persistence.checkpoint import Checkpointer
 
     optim = train_states.optim_config(lr, config, steps, warmup_steps=config.sft.warmup_steps)
     state = train_states.new_state(params, optim)
@@ -376,7 +379,6 @@ def warm_start(config: ml_collections.ConfigDict, params, model, mesh, tokenizer
     (k: the SFT step resumed from, 0 when fresh; it is opened then, so that a resumed log keeps
     exactly the lines before it) at step `step_offset + sft_step` (the RL recipe logs them at
     negative steps, before RL's step 0)."""
-    from rl_tpu.metrics import StepLog
 
     s = config.sft
     examples = demonstrations(config, make_env, tokenizer)
@@ -420,11 +422,6 @@ def bucket_lengths(config, max_length: int) -> tuple[int, ...]:
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """SFT on its own: sft.steps steps, checkpointed in W/checkpoints (rerunning the command
     resumes), then a greedy eval on the eval split and an HF export to W/final_hf."""
-    from rl_tpu import metrics as metrics_lib
-    from rl_tpu.persistence.checkpoint import Checkpointer
-    from rl_tpu.data.tasks import eval_tasks
-    from rl_tpu.heartbeat import Heartbeat
-    from rl_tpu.recipes.config import check
 
     check(config)
     os.makedirs(workdir, exist_ok=True)
