@@ -56,7 +56,8 @@ from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.recipes import algorithms, engines, placement, policy_io, shapes, train_states
-from rl_tpu.train.learner import Learner, abstract_batch
+from rl_tpu.core.batch import RolloutBatch, abstract_batch
+from rl_tpu.train.learner import Learner
 from rl_tpu.train.state import abstract_state, make_optimizer
 
 GIB = 2 ** 30
@@ -220,8 +221,9 @@ def sync_of(params) -> str:
             f"{_size(_nbytes(base))} base once, at the first sync)")
 
 
-def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> dict:
-    """An RL batch of `rows` x `length` as the trainer builds it, sharded on rows."""
+def rollout_batch(rows: int, length: int, mesh: Mesh, keys) -> RolloutBatch:
+    """An RL batch of `rows` x `length` carrying the fields `keys` as the trainer builds it
+    (core.batch declares their dtypes and shapes), sharded on rows."""
     return abstract_batch(rows, length, NamedSharding(mesh, parallel.batch_spec(1)), keys)
 
 
@@ -351,12 +353,8 @@ def learner_programs(planned: Plan, beside: int = 0) -> list[ProgramMemory]:
     """policy_update and score (and critic_update, values) at the plan's batch shape; `beside`:
     bytes a learner chip holds besides the learner's own (a synchronous run's sampler)."""
     learner, rows, length = planned.learner, planned.rows, planned.length
-    batch_keys = ["behaviour_logprobs"]
-    if learner.cfg.use_reference:
-        batch_keys.append("ref_logprobs")
-    if learner.loss_cfg.fixed_normalizer is not None:
-        batch_keys.append("length_normalizer")
-    lower = functools.partial(learner.lower, rows=rows, length=length, batch_keys=batch_keys)
+    lower = functools.partial(learner.lower, rows=rows, length=length,
+                              batch_keys=learner.carried_fields())
     policy, critic = learner.policy, learner.critic
     out = [_memory("policy_update", lower("policy_update"), chip_bytes(policy)),
            _memory("score", lower("logprobs"), chip_bytes(policy.params))]

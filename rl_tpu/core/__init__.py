@@ -5,7 +5,9 @@
 - `engine`: the rollout-engine interface (SamplingParams, GenerateRequest/Result,
   RolloutEngine, RolloutError);
 - `shared_weights`: waiting until servers shared by every host hold a weight version;
-- `trajectory`: what one episode leaves behind (Trajectory, EpisodeStats).
+- `trajectory`: what one episode leaves behind (Trajectory, EpisodeStats);
+- `batch`: the rollout batch the learner takes (RolloutBatch), each array's dtype, shape and
+  readers declared once (FIELDS).
 
 This package imports no other rl_tpu package (tests/test_package_layers.py checks it): an
 env, an engine or a consumer of trajectories can be written against it alone. Import the

@@ -45,7 +45,8 @@ import numpy as np
 from rl_tpu import agent
 
 from rl_tpu.agent import branching
-from rl_tpu.rl.advantages import ADVANTAGES
+from rl_tpu.core.batch import FIELDS, LEARNER, REQUIRED, ROLLOUT
+from rl_tpu.rl.advantages import ADVANTAGES, estimator_inputs
 from rl_tpu.rl.bapo import BapoConfig
 from rl_tpu.rl.importance import LOGPROB_GAP_THRESHOLD
 from rl_tpu.rl.losses import POLICY_LOSSES, PolicyLossConfig
@@ -126,8 +127,7 @@ class EstimatorUse:
     episode_player(algo, seed) -> player, or None for `agent.run_episodes`: how a step's
         episodes are played (same arguments as agent.run_episodes).
     batch_arrays(host, trajectories, algo) -> {name: array}, or None: host arrays it adds to
-        (or replaces in) the batch built from `trajectories`.
-    batch_keys: the extra rollout arrays the learner must get for it.
+        (or replaces in) the batch built from `trajectories` (rollout batch fields).
     partial_rollouts: whether its episodes can be paused and resumed (rollout.
         partial_token_budget); a player of its own (branching) cannot be.
     """
@@ -137,8 +137,7 @@ class EstimatorUse:
     critic: bool = False
     reward_kl: bool = False
     episode_player: Optional[Callable[[Any, int], Callable[..., list[Trajectory]]]] = None
-    batch_arrays: Optional[Callable[[dict, Sequence[Trajectory], Any], dict]] = None
-    batch_keys: tuple[str, ...] = ()
+    batch_arrays: Optional[Callable[[Any, Sequence[Trajectory], Any], dict]] = None
     partial_rollouts: bool = True
 
 
@@ -198,7 +197,7 @@ def _tl_grpo_player(algo, seed: int):
     return functools.partial(branching.run_branching_episodes, plan=plan)
 
 
-def _tl_grpo_arrays(host: dict, trajectories: Sequence[Trajectory], algo) -> dict:
+def _tl_grpo_arrays(host, trajectories: Sequence[Trajectory], algo) -> dict:
     # The branch groups' turn slots and the loss mask without the shared prefix.
     return branching.turn_arrays(trajectories, host["loss_mask"], host["group_ids"],
                                  num_slots=algo.branch_turn + 1)
@@ -215,8 +214,7 @@ register_estimator_use("dr_grpo", EstimatorUse(group_based=True))
 register_estimator_use("rloo", EstimatorUse(group_based=True))
 register_estimator_use("tl_grpo", EstimatorUse(
     options=lambda a: {"ddof": a.std_ddof, "carry_forward": True}, group_based=True,
-    episode_player=_tl_grpo_player, batch_arrays=_tl_grpo_arrays,
-    batch_keys=("turn_rewards", "turn_group_ids"), partial_rollouts=False))
+    episode_player=_tl_grpo_player, batch_arrays=_tl_grpo_arrays, partial_rollouts=False))
 
 _SEQ_MEAN = {"aggregation": "seq_mean_token_mean"}
 register_algorithm(Algorithm("ppo", "gae", defaults={"lam": 0.95, "whiten_advantages": True}))
@@ -353,7 +351,7 @@ def episode_player(algo, seed: int) -> Callable[..., list[Trajectory]]:
     return agent.run_episodes if make is None else make(algo, seed)
 
 
-def batch_arrays(host: dict, trajectories: Sequence[Trajectory], algo) -> dict:
+def batch_arrays(host, trajectories: Sequence[Trajectory], algo) -> dict:
     """Host arrays the estimator adds to (or replaces in) the batch built from
     `trajectories`: for TL-GRPO the branch groups' turn slots and the loss mask without the
     shared prefix (`branching.turn_arrays`); nothing for the others."""
@@ -404,17 +402,23 @@ def select_groups(played: list[Trajectory], wanted: int, samples_per_task: int, 
 
 
 def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
-    """The rollout arrays the learner gets: always the tokens and rewards; the engine's
-    behaviour log-probs when they are of the full distribution (docs/architecture.md,
-    logprob conventions). Renormalised top-p / top-k log-probs differ by -log(kept mass) per
-    token and would bias IS weights, BAPO's Eq. 8 weights and a ratio against behaviour:
-    needed but truncated is a clear error; not needed, they are left out."""
-    keys = ["tokens", "positions", "segment_ids", "loss_mask", "token_rewards", "rewards",
-            "group_ids", "turn_ids"]
-    keys += list(estimator_use(algo.advantage).batch_keys)
+    """The rollout batch fields the learner gets: those every batch carries (core.batch
+    REQUIRED), those the advantage estimator reads (its arguments, less what the learner
+    makes), and those of trajectories_to_batch an update reads (FIELDS' read_by), the
+    engine's behaviour log-probs among them only when they are of the full distribution
+    (docs/architecture.md, logprob conventions). The one place the log-prob convention is
+    checked: renormalised top-p / top-k log-probs differ by -log(kept mass) per token and
+    would bias IS weights, BAPO's Eq. 8 weights, a ratio against behaviour and the proximal
+    they stand in for: needed but truncated is a clear error; not needed, they are left out
+    (and the learner refuses a batch that lacks them where it needs them)."""
+    estimator_use(algo.advantage)  # an unknown estimator: the error that lists them
+    reads = [k for k in estimator_inputs(algo.advantage)
+             if k in FIELDS and FIELDS[k].made_by != LEARNER]
+    updates = [k for k, spec in FIELDS.items() if spec.made_by == ROLLOUT and spec.read_by]
+    keys = list(dict.fromkeys([*REQUIRED, *reads, *updates]))
     truncated = any(t.logprob_convention != "full" for t in trajectories)
     if not truncated:
-        return keys + ["behaviour_logprobs"]
+        return keys
     needs = [what for what, needed in (
         (f"algo.behaviour_is={algo.behaviour_is!r}", algo.behaviour_is != "none"),
         ("BAPO's Eq. 8 weights", algo.loss == "bapo" and algo.bapo.variant == "paper"),
@@ -426,4 +430,4 @@ def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
             f"{', '.join(needs)} need log-probs of the full distribution. Sample without "
             "truncation (rollout.top_p=1, rollout.top_k=-1), use an engine that reports full "
             "log-probs, or turn those off")
-    return keys
+    return [k for k in keys if k != "behaviour_logprobs"]

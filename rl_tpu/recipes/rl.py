@@ -67,6 +67,7 @@ from rl_tpu.train.batching import bucket_length
 from rl_tpu.train.learner import Learner
 from rl_tpu.offpolicy.replay import ReplayBuffer, ReplayConfig
 from rl_tpu.train.state import step_schedule
+from rl_tpu.core.batch import RolloutBatch
 from rl_tpu.core.trajectory import Trajectory, groups_of
 
 log = logging.getLogger(__name__)
@@ -343,7 +344,7 @@ class Trainer:
         # the producer's and the replay buffer's per-host counts over every host, in one go
         return trajectories, metrics_over_hosts(metrics)
 
-    def batch(self, trajectories: list[Trajectory], step: int) -> dict:
+    def batch(self, trajectories: list[Trajectory], step: int) -> RolloutBatch:
         """Trajectories -> the global padded batch the learner takes."""
         buckets = self.config.train.length_buckets
         host = rollout_batch.trajectories_to_batch(
@@ -351,28 +352,27 @@ class Trainer:
             length=_agreed_length(trajectories, buckets))
         if self.config.rollout.mask_stale_tokens:
             # partial rollouts: tokens sampled more than k versions ago carry no loss
-            versions = host["token_versions"]
-            host["loss_mask"] &= ~((versions >= 0) & (
-                step - 1 - versions > self.config.rollout.max_staleness))
-        host.update(algorithms.batch_arrays(host, trajectories, self.config.algo))
-        keys = algorithms.batch_keys(trajectories, self.config.algo)
-        arrays = {k: host[k] for k in keys}
-        if self.learner.loss_cfg.aggregation == "fixed_normalizer":
+            versions = host.token_versions
+            host = host.replace(loss_mask=host.loss_mask & ~((versions >= 0) & (
+                step - 1 - versions > self.config.rollout.max_staleness)))
+        host = host.replace(**algorithms.batch_arrays(host, trajectories, self.config.algo))
+        arrays = host.only(algorithms.batch_keys(trajectories, self.config.algo))
+        if "length_normalizer" in self.learner.carried_fields():
             # Dr.GRPO's constant normaliser is the generation budget (SIRI moves it) each row
             # was sampled with: a [B] array in the batch, so one compiled update serves every
             # budget, and a stale row keeps the budget of the chunk that sampled it.
-            arrays["length_normalizer"] = rollout_batch.sampled_budgets(
-                trajectories, len(host["tokens"]),
-                rollout_settings.budget_at(self.config, step - 1))
-        return parallel.host_to_global(arrays, self.mesh)
+            arrays = arrays.replace(length_normalizer=rollout_batch.sampled_budgets(
+                trajectories, len(host.tokens),
+                rollout_settings.budget_at(self.config, step - 1)))
+        return parallel.host_to_global(arrays.check(), self.mesh)
 
-    def score(self, batch: dict) -> dict:
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
         """Proximal / reference log-probs and values, then the advantages."""
         batch = self.learner.advantages(self.learner.score(batch))
         jax.block_until_ready(batch["advantages"])
         return batch
 
-    def update(self, batch: dict, step: int) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """The learner's update; a run whose params it made non-finite stops here, before
         they are synced, evaluated or checkpointed (so every checkpoint holds finite ones)."""
         metrics = self.learner.update(batch, step)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
+from rl_tpu.core.batch import FIELDS, shape_of
 from rl_tpu.rl.masked import masked_whiten
 from rl_tpu.rl.registry import Registry
 
@@ -39,18 +40,10 @@ Array = jax.Array
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 
-# The batch keys an estimator may read, each with the shape it must have (for error messages).
-BATCH_KEYS = {
-    "token_rewards": "[B, T]",
-    "rewards": "[B]",
-    "values": "[B, T]",
-    "loss_mask": "[B, T]",
-    "group_ids": "[B]",
-    "turn_rewards": "[B, M]",
-    "turn_group_ids": "[B, M]",
-    "turn_ids": "[B, T]",
-    "kl": "[B, T]",
-}
+# The batch keys an estimator may read, each with the shape it must have (for error messages):
+# any rollout batch field (rl_tpu/core/batch.py), and the KL the learner derives for a
+# KL-shaped reward.
+BATCH_KEYS = {**{name: shape_of(name) for name in FIELDS}, "kl": "[B, T]"}
 
 
 def _check_ndim(estimator: str, **arrays: Any) -> None:
@@ -299,6 +292,13 @@ def turn_level_grpo(turn_rewards: Array, turn_group_ids: Array, turn_ids: Array,
 
 
 # ------------------------------------------------------------------------------- dispatch --
+
+
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """The batch arrays the estimator registered as `name` reads: its arguments named like a
+    batch key (required or not)."""
+    return tuple(p for p in inspect.signature(ADVANTAGES.get(name)).parameters
+                 if p in BATCH_KEYS)
 
 
 def compute_advantages(name: str, batch: Mapping[str, Array], **options: Any

@@ -2,6 +2,9 @@
 
 Shape letters: B rows, T length bucket, E epochs, N minibatches.
 
+Each phase takes and returns a `RolloutBatch` (rl_tpu/core/batch.py, where every array's dtype,
+shape and reader is declared); a mapping of arrays by field name is taken as one, checked.
+
 `Learner` holds what the update changes (the policy's TrainState, the critic's for PPO), the
 frozen reference policy when a KL term needs it, and one compiled function per phase:
 
@@ -39,6 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
+from rl_tpu.core.batch import (MODEL_INPUTS, POLICY, VALUE, RolloutBatch, abstract_batch,
+                               update_fields)
 from rl_tpu.models import lora
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
@@ -214,54 +219,57 @@ class Learner:
                 and POLICY_LOSSES.get(self.loss_cfg.kind).batch_statistics is None
                 and not cfg.reward_kl_coef and not steps.lora_dropout(self.model))
 
-    def score(self, batch: dict) -> dict:
+    def score(self, batch) -> RolloutBatch:
         """Adds old_logprobs (unless `proximal_from_step`; and ref_logprobs, values) to a
-        global batch."""
+        global batch. Without a proximal pass (`recompute_proximal=False`) the batch must
+        carry behaviour_logprobs, which the recipe puts in only when they are of the full
+        distribution (recipes/algorithms.py, `batch_keys`)."""
         self._join_ahead()
-        inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
-        shape = batch["tokens"].shape
-        out = dict(batch)
+        needs = () if self.cfg.recompute_proximal else ("behaviour_logprobs",)
+        batch = RolloutBatch.of(batch).check(needs, why="recompute_proximal=False: the "
+                                             "engine's log-probs stand in for the proximal")
+        inputs = {k: batch[k] for k in MODEL_INPUTS}
+        shape = batch.tokens.shape
+        out = {}
         if self.proximal_from_step:
             pass
         elif self.cfg.recompute_proximal:
             logprobs = self.program("logprobs", *shape)
             out["old_logprobs"], _ = logprobs(self.policy.params, inputs)
-        elif "behaviour_logprobs" in batch:
-            out["old_logprobs"] = batch["behaviour_logprobs"]
         else:
-            raise ValueError("recompute_proximal=False needs the engine's behaviour log-probs "
-                             "(full-distribution) in the batch")
+            out["old_logprobs"] = batch.behaviour_logprobs
         if self.reference_params is not None:
             out["ref_logprobs"], _ = self.program("ref_logprobs", *shape)(
                 self.reference(), inputs)
         if self.critic is not None:
             out["values"] = self.program("values", *shape)(self.critic.params, inputs)
-        return out
+        return batch.replace(**out)
 
-    def advantages(self, batch: dict) -> dict:
+    def advantages(self, batch) -> RolloutBatch:
         """Adds advantages and returns [B, T] (global statistics over all rows)."""
+        batch = RolloutBatch.of(batch)
         advantages, returns = self._advantages(batch)
-        return dict(batch, advantages=advantages, returns=returns)
+        return batch.replace(advantages=advantages, returns=returns)
 
-    def update(self, batch: dict, step: int = 0) -> dict[str, float]:
+    def update(self, batch, step: int = 0) -> dict[str, float]:
         """E epochs x N minibatches of the policy step (then the value step); host metrics.
         `step` (the RL step) seeds the minibatch permutations."""
         self._join_ahead()
+        batch = RolloutBatch.of(batch)
         keys = self.update_keys(batch)
+        batch.check(keys)
         key = jax.random.fold_in(jax.random.key(self.cfg.shuffle_seed), step)
-        shape = batch["tokens"].shape
+        shape = batch.tokens.shape
         self.policy, stacked = self.program("policy_update", *shape)(
-            self.policy, {k: batch[k] for k in keys}, key)
+            self.policy, batch.only(keys), key)
         metrics = {f"train/{k}": v for k, v in reduce_metrics(jax.device_get(stacked)).items()
                    if self.cfg.recompute_proximal or not k.startswith("logprob_gap_")}
         # (without a proximal pass the behaviour log-probs stand in for it: a gap of 0 would
         # claim an agreement nobody measured, so it is not logged)
         metrics["train/micro_batches"] = float(self.update_micro_batches(*shape))
         if self.critic is not None:
-            value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
-                                                 "loss_mask", "values", "returns")}
             self.critic, stacked = self.program("value_update", *shape)(
-                self.critic, value_batch, key)
+                self.critic, batch.only(update_fields(VALUE)), key)
             metrics.update({f"critic/{k}": v
                             for k, v in reduce_metrics(jax.device_get(stacked)).items()})
         return metrics
@@ -287,11 +295,22 @@ class Learner:
     # -- compiling ahead ------------------------------------------------------------------
 
     def update_keys(self, batch_keys) -> list[str]:
-        """The batch arrays the policy update reads, given the keys a batch carries."""
-        keys = ["tokens", "positions", "segment_ids", "loss_mask", "advantages"]
-        if not self.proximal_from_step:
-            keys.append("old_logprobs")
-        return keys + [k for k in OPTIONAL_UPDATE_KEYS if k in batch_keys]
+        """The batch fields the policy update reads, given the fields a batch carries: those
+        FIELDS says it reads (always, or when present), old_logprobs only when no step takes
+        its own (`proximal_from_step`)."""
+        keys = update_fields(POLICY, batch_keys)
+        return [k for k in keys if not (k == "old_logprobs" and self.proximal_from_step)]
+
+    def carried_fields(self, behaviour: bool = True) -> list[str]:
+        """The fields a trainer's batch brings to this learner's update beyond those it always
+        reads: ref_logprobs (its score pass adds them with a KL reference), Dr.GRPO's
+        length_normalizer (the fixed_normalizer aggregation divides by it) and, with
+        `behaviour` (the engine reports full-distribution log-probs), behaviour_logprobs."""
+        fields = ["behaviour_logprobs"] if behaviour else []
+        fields += ["ref_logprobs"] if self.reference_params is not None else []
+        fields += (["length_normalizer"] if self.loss_cfg.aggregation == "fixed_normalizer"
+                   else [])
+        return fields
 
     def phases(self) -> list[str]:
         """The programs `score` and `update` run, in the order they run them."""
@@ -302,29 +321,27 @@ class Learner:
 
     def lower(self, phase: str, rows: int, length: int, batch_keys: Sequence[str] = ()):
         """`phase`'s program (see `program`) for a [rows, length] batch carrying `batch_keys`
-        (of OPTIONAL_UPDATE_KEYS) as trajectories_to_batch makes it, lowered against
-        ShapeDtypeStructs of its inputs: nothing runs and nothing is allocated. What
-        aot.check measures on a TPU topology and `compile_ahead` compiles here."""
-        batch = abstract_batch(rows, length, self._batch_sharding, (
-            "tokens", "positions", "segment_ids", "loss_mask", "advantages", "old_logprobs",
-            "behaviour_logprobs", "ref_logprobs", "values", "returns", "length_normalizer"))
-        inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
+        (the fields the update reads when present, e.g. behaviour_logprobs) as the trainer
+        builds it, lowered against ShapeDtypeStructs of its inputs (core.batch.abstract_batch):
+        nothing runs and nothing is allocated. What aot.check measures on a TPU topology and
+        `compile_ahead` compiles here."""
+        sharding = self._batch_sharding
+        inputs = dict(abstract_batch(rows, length, sharding, MODEL_INPUTS))
         # the key as `update` passes it: uncommitted (a committed replicated one is another
         # jit cache entry, so the program compiled ahead would go unused)
         key = jax.eval_shape(lambda: jax.random.key(0))
         program = self.program(phase, rows, length)
         if phase == "policy_update":
-            keys = self.update_keys(batch_keys)
-            return program.lower(_abstract(self.policy), {k: batch[k] for k in keys}, key)
+            batch = abstract_batch(rows, length, sharding, self.update_keys(batch_keys))
+            return program.lower(_abstract(self.policy), batch, key)
         if phase in ("logprobs", "ref_logprobs"):
             params = self.policy.params if phase == "logprobs" else self.reference()
             return program.lower(_abstract(params), inputs)
         if phase == "values":
             return program.lower(_abstract(self.critic.params), inputs)
         if phase == "value_update":
-            value_batch = {k: batch[k] for k in ("tokens", "positions", "segment_ids",
-                                                 "loss_mask", "values", "returns")}
-            return program.lower(_abstract(self.critic), value_batch, key)
+            batch = abstract_batch(rows, length, sharding, update_fields(VALUE))
+            return program.lower(_abstract(self.critic), batch, key)
         raise ValueError(f"unknown learner phase {phase!r}")
 
     def compile_ahead(self, rows: int, length: int,
@@ -398,24 +415,9 @@ class Learner:
                        out_shardings=(state_shardings, self._replicated), donate_argnums=0)
 
 
-# Batch arrays the policy update reads when a batch carries them (besides the ones it always
-# reads), and the batch's dtypes other than float32 (as rollout_batch.trajectories_to_batch
-# makes them).
-OPTIONAL_UPDATE_KEYS = ("behaviour_logprobs", "ref_logprobs", "length_normalizer")
-_BATCH_DTYPES = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32,
-                     loss_mask=jnp.bool_)
-_ROW_KEYS = ("length_normalizer",)  # [B]: one value a row; every other key is [B, T]
 # One thread: compiles ahead queue behind each other rather than take both cores from a
 # sampler that is running its own.
 _AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl_tpu-compile-ahead")
-
-
-def abstract_batch(rows: int, length: int, sharding, keys) -> dict:
-    """ShapeDtypeStructs of an RL batch's `keys` as the trainer builds it: [rows, length]
-    arrays (a [rows] one for length_normalizer) in their dtypes, sharded by `sharding`."""
-    return {k: jax.ShapeDtypeStruct((rows,) if k in _ROW_KEYS else (rows, length),
-                                    _BATCH_DTYPES.get(k, jnp.float32), sharding=sharding)
-            for k in keys}
 
 
 def _abstract(tree):

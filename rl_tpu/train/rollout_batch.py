@@ -1,8 +1,9 @@
-"""Trajectories -> Batch: ragged host-side episodes stacked into one padded `[B, T]` batch.
+"""Trajectories -> RolloutBatch: ragged host-side episodes stacked into one padded `[B, T]` batch.
 
 Shape letters: B rows (trajectories + padding rows), T length bucket.
 
-What the trainer needs from a rollout, and how each array is made:
+What the trainer needs from a rollout, and how each array is made (dtypes and shapes:
+rl_tpu/core/batch.py FIELDS):
 - `tokens`, `loss_mask`, `behaviour_logprobs`, `turn_ids` [B, T]: the trajectory's own arrays,
   right-padded to the length bucket (the smallest bucket that holds the longest row).
 - `token_rewards` [B, T]: turn k's reward on the LAST policy token of turn k, so token-level
@@ -26,6 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from rl_tpu.core.batch import FIELDS, TOKEN, RolloutBatch
 from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.train.batching import bucket_length
 
@@ -40,13 +42,14 @@ def round_up(n: int, multiple: int) -> int:
 
 def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets: Sequence[int],
                           row_multiple: int = 1, group_ids: Optional[Sequence[int]] = None,
-                          length: Optional[int] = None) -> dict[str, np.ndarray]:
+                          length: Optional[int] = None) -> RolloutBatch:
     """Stack `trajectories` into a padded host batch (numpy).
 
     group_ids: one per trajectory (default: each trajectory's own `group_id`). length: the T to
     pad to (default: the bucket of the longest row); multi-host callers pass the bucket all
-    hosts agreed on. Returns tokens, positions, segment_ids, loss_mask, behaviour_logprobs,
-    turn_ids, token_versions, token_rewards [B, T] and rewards, group_ids, valid [B].
+    hosts agreed on. Returns a RolloutBatch of tokens, positions, segment_ids, loss_mask,
+    behaviour_logprobs, turn_ids, token_versions, token_rewards [B, T] and rewards, group_ids,
+    valid [B].
     """
     if not trajectories:
         raise ValueError("no trajectories to batch: the rollout produced nothing")
@@ -60,16 +63,14 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
         raise ValueError(f"a trajectory of {longest} tokens does not fit length {t_len}")
     b = round_up(n, row_multiple)
 
-    tokens = np.zeros((b, t_len), np.int32)
-    loss_mask = np.zeros((b, t_len), bool)
-    behaviour = np.zeros((b, t_len), np.float32)
-    turn_ids = np.full((b, t_len), -1, np.int32)
-    versions = np.full((b, t_len), -1, np.int32)
-    token_rewards = np.zeros((b, t_len), np.float32)
-    segment_ids = np.zeros((b, t_len), np.int32)
-    rewards = np.zeros((b,), np.float32)
-    out_ids = np.full((b,), -1, np.int32)
-    valid = np.zeros((b,), bool)
+    def full(name: str, fill=0):  # in the field's declared dtype; [B, T] or [B] by its kind
+        shape = (b, t_len) if FIELDS[name].kind == TOKEN else (b,)
+        return np.full(shape, fill, FIELDS[name].dtype)
+
+    tokens, loss_mask, behaviour = full("tokens"), full("loss_mask"), full("behaviour_logprobs")
+    turn_ids, versions = full("turn_ids", -1), full("token_versions", -1)
+    token_rewards, segment_ids = full("token_rewards"), full("segment_ids")
+    rewards, out_ids, valid = full("rewards"), full("group_ids", -1), full("valid")
 
     for i, (traj, gid) in enumerate(zip(trajectories, ids)):
         length_i = len(traj)
@@ -86,23 +87,24 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
         loss_mask[i, :length_i] = traj.loss_mask
         _place_turn_rewards(token_rewards[i], traj)
 
-    positions = np.broadcast_to(np.arange(t_len, dtype=np.int32), (b, t_len)).copy()
-    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
-            "loss_mask": loss_mask, "behaviour_logprobs": behaviour, "turn_ids": turn_ids,
-            "token_versions": versions, "token_rewards": token_rewards, "rewards": rewards, "group_ids": out_ids,
-            "valid": valid}
+    positions = np.broadcast_to(np.arange(t_len, dtype=FIELDS["positions"].dtype),
+                                (b, t_len)).copy()
+    return RolloutBatch(tokens=tokens, positions=positions, segment_ids=segment_ids,
+                        loss_mask=loss_mask, behaviour_logprobs=behaviour, turn_ids=turn_ids,
+                        token_versions=versions, token_rewards=token_rewards, rewards=rewards,
+                        group_ids=out_ids, valid=valid)
 
 
 def sampled_budgets(trajectories: Sequence[Trajectory], rows: int, default: int) -> np.ndarray:
-    """float32[rows]: the per-turn generation budget each trajectory was sampled with (the
-    agent loop's `info["max_new_tokens_per_turn"]`; `default` for one without it, e.g. from a
-    checkpoint written before it was recorded), padding rows `default`. Dr.GRPO's constant
-    normaliser per row: a free-running producer samples a step's rows under earlier steps'
-    budgets, and each row is normalised by its own."""
+    """The batch's `length_normalizer` [rows]: the per-turn generation budget each trajectory
+    was sampled with (the agent loop's `info["max_new_tokens_per_turn"]`; `default` for one
+    without it, e.g. from a checkpoint written before it was recorded), padding rows
+    `default`. Dr.GRPO's constant normaliser per row: a free-running producer samples a
+    step's rows under earlier steps' budgets, and each row is normalised by its own."""
     if default < 1 or rows < len(trajectories):
         raise ValueError(f"default budget {default} must be >= 1 and rows {rows} >= "
                          f"{len(trajectories)} trajectories")
-    out = np.full((rows,), default, np.float32)
+    out = np.full((rows,), default, FIELDS["length_normalizer"].dtype)
     out[:len(trajectories)] = [t.info.get("max_new_tokens_per_turn", default)
                                for t in trajectories]
     return out

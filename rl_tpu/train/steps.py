@@ -6,9 +6,10 @@ static configuration (model, loss config, micro-batches) and `compile_step` jits
 explicit in/out shardings and the state donated; a new batch *shape* (a new length bucket)
 compiles again, nothing else does.
 
-Batches are dicts of arrays, `[B, T]` (tokens, positions, segment_ids, loss_mask, old_logprobs,
-behaviour_logprobs, ref_logprobs, advantages, returns, values) or `[B]`, sharded on the batch
-dim over the data-parallel mesh axes.
+Batches are mappings of arrays read by name, sharded on the batch dim over the data-parallel
+mesh axes: the RL steps get a `RolloutBatch` (rl_tpu/core/batch.py declares its fields, their
+dtypes and shapes, and which of them the policy and value steps read), the SFT, preference and
+reward-model steps dicts of their own arrays.
 
 Gradient accumulation is exact: micro-batch k's loss is weighted by its share of the whole
 batch's normaliser (its masked tokens for a token mean, its sequences for a sequence mean), so

@@ -261,7 +261,7 @@ def test_branching_batch_and_advantages_by_hand():
     algo = algorithms.algo_config("tl_grpo")
     algo.branch_turn = 1  # turn slots 0 and 1
     host = trajectories_to_batch(rows, length_buckets=(10,), row_multiple=2)  # 5 rows + 1 pad
-    host.update(algorithms.batch_arrays(host, rows, algo))
+    host = host.replace(**algorithms.batch_arrays(host, rows, algo))
     # Slot f of each row holds (branch reward, group id); every other slot is unused (-1).
     np.testing.assert_array_equal(host["turn_group_ids"],
                                   [[-1, 10], [-1, 10], [-1, 10], [11, -1], [11, -1], [-1, -1]])

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from rl_tpu import parallel
+from rl_tpu.core.batch import POLICY, update_fields
 from rl_tpu.models import lora, tiny
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel, value_params_from
@@ -158,6 +159,25 @@ def test_the_logprob_gap_is_logged_only_when_a_proximal_pass_measured_it():
     metrics = given.update(given.score(dict(batch, behaviour_logprobs=behaviour)))
     assert not any(k.startswith("train/logprob_gap") for k in metrics)
     assert metrics["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_update_takes_the_fields_the_batch_declaration_names():
+    """Learner.update_keys is core.batch's update_fields (less old_logprobs when the step
+    takes its own); a batch without a field the learner needs, or with a field of the wrong
+    dtype, is refused by name before anything compiles."""
+    scored = _learner(epochs=2)
+    carried = ["behaviour_logprobs", "rewards", "ref_logprobs"]
+    assert scored.update_keys(carried) == update_fields(POLICY, carried)
+    assert _learner().update_keys(carried) == [
+        k for k in update_fields(POLICY, carried) if k != "old_logprobs"]
+    assert scored.carried_fields() == ["behaviour_logprobs"]
+    assert scored.carried_fields(behaviour=False) == []
+    with pytest.raises(ValueError, match=r"lacks \['behaviour_logprobs'\] "
+                                         r"\(recompute_proximal=False"):
+        _learner(recompute_proximal=False).score(_batch(16))
+    batch = _batch(16)
+    with pytest.raises(ValueError, match="'advantages' is int32; it must be float32"):
+        _learner().update(dict(batch, advantages=np.zeros((ROWS, 16), np.int32)))
 
 
 def test_value_pass_in_micro_batches_equals_one_pass():
