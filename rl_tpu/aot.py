@@ -51,12 +51,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
+from rl_tpu.core.batch import RolloutBatch, abstract_batch
 from rl_tpu.models import hf, lora
 from rl_tpu.models.presets import preset_config
 from rl_tpu.models.tiny import tiny_config
 from rl_tpu.models.transformer import ModelConfig, Transformer
-from rl_tpu.recipes import algorithms, engines, placement, policy_io, shapes, train_states
-from rl_tpu.core.batch import RolloutBatch, abstract_batch
+from rl_tpu.models.value import ValueModel
+from rl_tpu.recipes import algorithms, placement, policy_io, shapes, train_states
+from rl_tpu.rollout import decoding as sampling
 from rl_tpu.train.learner import Learner
 from rl_tpu.train.state import abstract_state, make_optimizer
 
@@ -317,7 +319,6 @@ def _abstract_learner(config, cfg: ModelConfig, mesh: Mesh) -> tuple[Learner, di
     loss_cfg = algorithms.loss_config(algo, config.env.max_new_tokens)
     critic = value_model = None
     if algorithms.uses_critic(algo):
-        from rl_tpu.models.value import ValueModel
         value_model = ValueModel(cfg, mesh=mesh)
         # its shapes traced off the mesh, as the policy's: on a TPU mesh a 1-token trace would
         # take the splash kernel, which refuses it
@@ -467,7 +468,6 @@ def sampler_programs(config, cfg: ModelConfig, host: list,
     """The embedded sampler's prefill and one decode chunk on one host's chips (`host`), at
     rollout.max_batch rows of the longest prompt bucket (as `JaxSampler` pads them); `beside`:
     bytes a sampler chip holds besides the sampler's own (a synchronous run's learner)."""
-    from rl_tpu.rollout import decoding as sampling
 
     r, env = config.rollout, config.env
     weights = sampler_weights(config, cfg, host)

@@ -162,12 +162,6 @@ def core_reaching_out(root: str) -> list[str]:
     return found
 
 
-# Files whose imports inside functions predate the rule below and are still to be looked at
-# one by one (issue 48): each import either moves to module level or says why it stays. A
-# file leaves this set when that is done; none joins it.
-UNREVIEWED = {"rl_tpu/aot.py"}
-
-
 def unexplained_function_imports(root: str, exempt=frozenset()) -> list[str]:
     """'file:line: module' for each rl_tpu import inside a function without a comment saying
     why it is not at module level (an optional dependency, its import cost, a cycle inside a
@@ -211,7 +205,7 @@ def test_core_imports_no_other_package():
 
 
 def test_an_import_inside_a_function_says_why_it_is_there():
-    assert unexplained_function_imports(ROOT, UNREVIEWED) == []
+    assert unexplained_function_imports(ROOT) == []
 
 
 def _public_definitions(module) -> list[str]:
