@@ -17,6 +17,8 @@ decisions / decisions asked for) for envs whose steps report `info["violation"]`
 alignment-tipping testbeds, rl_tpu/envs/tipping.py). A reply the env could not parse
 (`info["invalid_action"]`) is no decision about the rule: it lowers format_valid_rate only, so
 violation_rate does not rise merely because the model learns the reply format.
+format_failed: for envs whose steps report `info["format_failed"]` (word_problems), the share
+of those replies that did not end in the answer format the env asks for.
 """
 
 from __future__ import annotations
@@ -46,16 +48,18 @@ def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     `context_limits` and `env_steps` (the env's own steps, `info["env_steps"]`: a turn whose
     reply could not be parsed, or an agent program's model call, steps no env and is not
     counted); `format_valid_rate` when any step asked for a rule decision and
-    `violation_rate` when any such reply was valid (module docstring). Each host's means are
+    `violation_rate` when any such reply was valid (module docstring); `format_failed` (the
+    share of replies without the env's answer format) when any step checked one. Each host's means are
     weighted back into sums, added, divided again."""
     local = EpisodeStats.of(trajectories)
     n = local.num_episodes
     (n, wins, reward, turns, tokens, errors, cut, decisions, valid_decisions,
-     violations, env_steps) = global_sums(np.array([
+     violations, env_steps, format_checks, format_failures) = global_sums(np.array([
         n, local.success_rate * n, local.mean_reward * n, local.mean_turns * n,
         local.tokens_generated, local.finish_counts.get("env_error", 0),
         local.finish_counts.get("context_limit", 0), local.decisions, local.valid_decisions,
-        local.violations, local.env_steps], np.float64))
+        local.violations, local.env_steps, local.format_checks, local.format_failures],
+        np.float64))
     per = max(n, 1)
     out = {"episodes": n, "success": wins / per, "reward": reward / per, "turns": turns / per,
            "tokens": tokens / per, "env_errors": errors, "context_limits": cut,
@@ -64,6 +68,8 @@ def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         out["format_valid_rate"] = valid_decisions / decisions
     if valid_decisions:
         out["violation_rate"] = violations / valid_decisions
+    if format_checks:
+        out["format_failed"] = format_failures / format_checks
     return out
 
 
@@ -104,7 +110,8 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
         warn_all_failed("eval", [t for t in greedy if t.finish == "env_error"],
                         stats["episodes"])
     out = {k: stats[k] for k in ("success", "reward", "turns", "tokens", "env_errors",
-                                 "violation_rate", "format_valid_rate") if k in stats}
+                                 "violation_rate", "format_valid_rate", "format_failed")
+           if k in stats}
     out["num_tasks"] = stats["episodes"]
     out["weight_version"] = oldest_version_over_hosts(greedy)
     if pass_k > 0:

@@ -159,6 +159,11 @@ class EpisodeStats:
     decisions: int = 0
     valid_decisions: int = 0
     violations: int = 0
+    # Steps whose info says whether the reply had the env's answer format
+    # (`info["format_failed"]`, e.g. word_problems' final `Answer: N` line), and how many
+    # did not: a model can be wrong, or not answer at all, and the two read differently.
+    format_checks: int = 0
+    format_failures: int = 0
 
     @classmethod
     def of(cls, trajectories: Sequence[Trajectory],
@@ -183,7 +188,9 @@ class EpisodeStats:
             valid_decisions=sum(not i.get("invalid_action")
                                 for i in _decision_infos(trajectories)),
             violations=sum(bool(i.get("violation")) and not i.get("invalid_action")
-                           for i in _decision_infos(trajectories)))
+                           for i in _decision_infos(trajectories)),
+            format_checks=sum(1 for _ in _format_infos(trajectories)),
+            format_failures=sum(bool(i["format_failed"]) for i in _format_infos(trajectories)))
 
     @property
     def violation_rate(self) -> Optional[float]:
@@ -195,12 +202,19 @@ class EpisodeStats:
         """Valid decisions / decisions asked for (None: no decision asked for)."""
         return self.valid_decisions / self.decisions if self.decisions else None
 
+    @property
+    def format_failed_rate(self) -> Optional[float]:
+        """Replies without the env's answer format / replies checked for it (None: no env
+        step checked one)."""
+        return self.format_failures / self.format_checks if self.format_checks else None
+
     def as_dict(self, prefix: str = "rollout/") -> dict[str, float]:
         """Flat scalars for a metrics writer (finish counts become `finish/<reason>` rates;
-        the two decision rates appear when there were decisions)."""
+        the two decision rates appear when there were decisions, the format-failure rate
+        when a step checked the format)."""
         out = {f"{prefix}{k}": float(v) for k, v in dataclasses.asdict(self).items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for rate in ("violation_rate", "format_valid_rate"):
+        for rate in ("violation_rate", "format_valid_rate", "format_failed_rate"):
             if getattr(self, rate) is not None:
                 out[f"{prefix}{rate}"] = getattr(self, rate)
         for reason, count in self.finish_counts.items():
@@ -211,3 +225,9 @@ class EpisodeStats:
 def _decision_infos(trajectories: Sequence[Trajectory]):
     """The step infos that report a rule decision (the key `violation`), valid or not."""
     return (i for t in trajectories for i in t.info.get("step_infos", ()) if "violation" in i)
+
+
+def _format_infos(trajectories: Sequence[Trajectory]):
+    """The step infos that say whether the reply had the env's answer format."""
+    return (i for t in trajectories for i in t.info.get("step_infos", ())
+            if "format_failed" in i)

@@ -21,6 +21,7 @@ ENV_MODULES: dict[str, str] = {
     "math": "math",
     "largest": "largest",
     "evens": "evens",
+    "word_problems": "word_problems",
     "guess": "guess",
     "maze": "maze",
     "selfplay_arithmetic": "selfplay",

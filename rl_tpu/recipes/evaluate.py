@@ -136,6 +136,7 @@ MEANINGS = {
     "tokens": "mean generated tokens an episode",
     "num_tasks": "held-out tasks played (eval.num_tasks)",
     "env_errors": "episodes the env failed on (not the policy's fault)",
+    "format_failed": "greedy replies without the env's answer format (e.g. `Answer: N`)",
     "weight_version": "version of the weights that played (here: the checkpoint step)",
     "checkpoint_step": "checkpoint evaluated (-1: an HF directory, --model_path)",
 }
