@@ -577,8 +577,9 @@ class Trainer:
         stats, out = stats or episode_stats(trajectories), {}
         n = max(stats["episodes"], 1)
         # an env that reports rule decisions (envs/tipping.py): the rate of rule-breaking
-        # among valid replies, and the share of replies that were valid, apart
-        for rate in ("violation_rate", "format_valid_rate"):
+        # among valid replies, and the share of replies that were valid, apart; an env that
+        # checks an answer format (envs/word_problems.py): the share of replies without it
+        for rate in ("violation_rate", "format_valid_rate", "format_failed"):
             if rate in stats:
                 out[f"rollout/{rate}"] = stats[rate]
         out |= source_metrics(trajectories, self.reward_mix.sources if self.reward_mix else ())

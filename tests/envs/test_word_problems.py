@@ -4,6 +4,7 @@ rate reaching the eval's metrics."""
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,8 @@ from rl_tpu.envs.word_problems import (TEMPLATES, WordProblemTasks, make_problem
                                        split_of, teacher_reply)
 from rl_tpu.models.tiny_tokenizer import build_tokenizer
 from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.recipes.config import base_config
+from rl_tpu.recipes.rl import Trainer
 from rl_tpu.rollout.scripted import ScriptedEngine
 
 
@@ -187,7 +190,7 @@ def test_the_teacher_works_the_chain_and_misses_by_one_at_its_skill():
 
 def test_the_format_failure_rate_reaches_the_eval_metrics():
     """Four held-out problems answered right, wrong, in no format, and in unicode digits:
-    greedy success 1/4, eval format_failed 2/4; the rollout stats carry the same rate."""
+    greedy success 1/4, eval format_failed 2/4; the rollout metrics carry the same rate."""
     env = make("word_problems")
     tasks = [env.tasks().get("eval", i) for i in range(4)]
     golds = [t.data["answer"] for t in tasks]
@@ -207,6 +210,10 @@ def test_the_format_failure_rate_reaches_the_eval_metrics():
     stats = EpisodeStats.of(played)
     assert (stats.format_checks, stats.format_failures) == (4, 2)
     assert stats.as_dict()["rollout/format_failed_rate"] == 0.5
+    # and the trainer logs it with each step's rollouts (_rollout_metrics reads only the
+    # config's schedules and the reward mix)
+    trainer = SimpleNamespace(config=base_config(), reward_mix=None)
+    assert Trainer._rollout_metrics(trainer, played, step=1)["rollout/format_failed"] == 0.5
     # an env that does not check a format reports no rate (not 0)
     evens = make("evens")
     assert "format_failed" not in evaluate(
