@@ -18,7 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VARIANTS = {"agentgym": ["babyai", "babyai,smoke", "textcraft,smoke", "sciworld,smoke",
                          "searchqa,smoke"],
             "bapo_offpolicy": ["", "smoke"], "quickstart": ["", "smoke", "sft_only"],
-            "lora_largest": ["", "smoke", "full,lr3,seed1,smoke"]}
+            "lora_largest": ["", "smoke", "full,lr3,seed1,smoke"],
+            "real_gsm": ["", "smoke", "lora", "expert_iteration,smoke"]}
 
 
 def load(name, variant):
@@ -44,6 +45,14 @@ def test_every_config_loads_and_its_smoke_env_builds(name, variant):
     check(c)
     if "smoke" in variant:
         env_factory.make_env_factory(c)().close()
+
+
+def test_real_gsm_trains_the_directory_get_model_writes():
+    """configs/real_gsm.py names SmolLM2-135M-Instruct where `launch.get_model
+    smollm2-135m-instruct` leaves it (the suite's real-model tests fetch it once a machine)."""
+    from real_model import smollm2_dir
+    assert load("real_gsm", "").model.path == smollm2_dir()
+    assert load("real_gsm", "lora").model.lora.rank == 16
 
 
 def test_env_kwargs_are_the_envs_own_with_their_types():
