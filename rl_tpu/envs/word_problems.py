@@ -19,9 +19,16 @@ The reply is scored by its LAST line holding `Answer:` (any case): the rest of t
 one integer (commas as thousands separators, a leading `$` or `-`, a trailing period, `*` of
 markdown bold around it); it is right when it equals the answer exactly. No such line, or a
 line that holds something else, is a format failure: reward 0, `info["format_failed"]` True (the
-eval reports the rate as eval/format_failed). Only ASCII digits count. A reply is model output:
-any length, any characters; the scan is linear and never converts a number to an int (a number
-of 10^5 digits compares as text), so it costs milliseconds a megabyte and never raises.
+eval reports the rate as eval/format_failed). Only ASCII digits count.
+
+`lenient=True` also scores a reply without that line by its last "the answer is N" (units may
+follow), still counting it a format failure: SmolLM2-135M-Instruct, asked for the line, often
+ends "The answer is 40 km." instead, and the strict checker alone would pay it nothing.
+
+A reply is model output: any length, any characters. The scan is linear (no pattern holds two
+optional runs of spaces side by side, which backtrack quadratically) and never converts a
+number to an int (a number of 10^5 digits compares as text), so it costs milliseconds a
+megabyte and never raises.
 
 Split: a problem belongs to eval when a stable hash (SHA-256) of its text falls in the eval
 share (`eval_share`), else to train; task i of a split draws from `Random(split_seed + i)` until
@@ -183,8 +190,10 @@ class WordProblemTasks(SeededTasks):
 
 
 # The reply's final line: an integer alone (commas between groups of three, a leading $ or -,
-# a trailing period, markdown bold around it). Only ASCII digits.
-_NUMBER = re.compile(r"\**\s*(-?)\s*\$?\s*(-?)([0-9]+(?:,[0-9]{3})*)\.?\s*\**", re.ASCII)
+# a trailing period, markdown bold around it). Only ASCII digits. No whitespace inside the
+# pattern: two optional runs of it side by side would backtrack quadratically on a line of
+# megabytes of spaces (the line is stripped first instead).
+_NUMBER = re.compile(r"(-?)\$?(-?)([0-9]+(?:,[0-9]{3})*)", re.ASCII)
 _MARKER = "answer:"
 INFO_CHARS = 40  # a parsed answer kept in info (and logs) at most this long
 
@@ -197,14 +206,41 @@ def parse_answer(reply: str) -> Optional[str]:
     at = reply.lower().rfind(_MARKER)
     if at < 0:
         return None
-    rest = reply[at + len(_MARKER):]
-    end = rest.find("\n")
-    line = rest if end < 0 else rest[:end]
-    match = _NUMBER.fullmatch(line.strip())
+    line = _line_after(reply, at + len(_MARKER))
+    core = line.strip().strip("*").strip().rstrip(".").rstrip("*").strip()
+    match = _NUMBER.fullmatch(core)
     if match is None or (match.group(1) and match.group(2)):
         return None
-    digits = match.group(3).replace(",", "").lstrip("0") or "0"
-    return ("-" if (match.group(1) or match.group(2)) and digits != "0" else "") + digits
+    return _canonical(bool(match.group(1) or match.group(2)), match.group(3))
+
+
+# `lenient`'s fallback: "the answer is 40 km." (the number, then anything but more of a number)
+_PHRASE = "answer is"
+_PHRASE_NUMBER = re.compile(r"(-?)\$?([0-9]+(?:,[0-9]{3})*)(?![0-9]|[.,][0-9])", re.ASCII)
+
+
+def parse_answer_phrase(reply: str) -> Optional[str]:
+    """The integer after the reply's last "answer is" (any case; units or words may follow on
+    its line), as `parse_answer` gives it; None when that phrase is not followed by one."""
+    if not isinstance(reply, str):
+        return None
+    at = reply.lower().rfind(_PHRASE)
+    if at < 0:
+        return None
+    match = _PHRASE_NUMBER.match(_line_after(reply, at + len(_PHRASE)).lstrip().lstrip("*"))
+    return None if match is None else _canonical(bool(match.group(1)), match.group(2))
+
+
+def _line_after(reply: str, start: int) -> str:
+    """The rest of the line that `start` is on."""
+    end = reply.find("\n", start)
+    return reply[start:end if end >= 0 else len(reply)]
+
+
+def _canonical(negative: bool, digits: str) -> str:
+    """An integer's text without commas or leading zeros ("-0" is "0")."""
+    digits = digits.replace(",", "").lstrip("0") or "0"
+    return ("-" if negative and digits != "0" else "") + digits
 
 
 def worked_solution(task: Task, answer: Optional[int] = None) -> str:
@@ -237,7 +273,8 @@ class WordProblemsEnv(OneReplyEnv):
                  max_operand: int = 20, max_factor: int = 5,
                  templates: tuple = tuple(TEMPLATES), eval_share: float = 0.1,
                  train_seed: int = 1_000_000, eval_seed: int = 0, train_size: int = 1_000_000,
-                 eval_size: int = 500):
+                 eval_size: int = 500, lenient: bool = False):
+        self.lenient = lenient
         self._tasks = WordProblemTasks(min_steps, max_steps, min_operand, max_operand,
                                        max_factor, tuple(templates), eval_share, train_seed,
                                        eval_seed, train_size, eval_size)
@@ -251,13 +288,16 @@ class WordProblemsEnv(OneReplyEnv):
     def score(self, task: Task, reply: str) -> StepResult:
         gold = task.data["answer"]
         parsed = parse_answer(reply)
+        format_failed = parsed is None
+        if format_failed and self.lenient:
+            parsed = parse_answer_phrase(reply)
         if parsed is None:
             return StepResult("No final line `Answer: N` with a number N alone; end the reply "
                               "with one.", 0.0, True,
                               {"success": False, "answer": None, "format_failed": True,
                                "gold": gold})
         shown = parsed if len(parsed) <= INFO_CHARS else parsed[:INFO_CHARS] + "..."
-        info = {"answer": shown, "format_failed": False, "gold": gold}
+        info = {"answer": shown, "format_failed": format_failed, "gold": gold}
         if parsed == str(gold):
             return StepResult("Correct.", 1.0, True, {"success": True, **info})
         return StepResult(f"Not correct: the answer is {gold}.", 0.0, True,

@@ -157,6 +157,8 @@ def test_hostile_replies_cost_bounded_time_and_never_raise():
         huge_number, "Answer: " + "1," * 500_000 + "000",
         "Answer: " + "-" * 1_000_000 + "88", "Answer:" + " " * 1_000_000 + "88",
         "Answer: 88" + "\u0000" * 1000, "\ud800Answer: 88\n\udfff", "Answer: 8\u200b8",
+        # a pattern with two optional runs of spaces side by side backtracks quadratically here
+        "Answer: -" + " " * 1_000_000 + "x", "Answer: $" + " \t" * 500_000 + "-",
     ]
     start = time.perf_counter()
     results = []
@@ -164,14 +166,39 @@ def test_hostile_replies_cost_bounded_time_and_never_raise():
         env.reset(task)
         results.append(env.step(reply))
     assert time.perf_counter() - start < 5.0
-    assert [r.reward for r in results] == [1, 1, 0, 0, 0, 0, 1, 0, 1, 0]
+    assert [r.reward for r in results] == [1, 1, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0]
     assert results[3].info["answer"].endswith("...") and len(results[3].info["answer"]) < 50
     assert results[2].info["format_failed"] is False  # a number, just a wrong one
     assert results[5].info["format_failed"] and results[9].info["format_failed"]
+    lenient = make("word_problems", lenient=True)
+    for reply in ("the answer is" + " " * 1_000_000 + "x", "The answer is " + "8" * 100_000 + ".5",
+                  "answer is " + "1," * 500_000 + "5", "answer is 88" + "0" * 100_000):
+        lenient.reset(task)
+        assert lenient.step(reply).reward == 0.0
+    assert time.perf_counter() - start < 10.0
     rng = random.Random(3)
     kinds = ["Answer: 88", lambda r: "Answer: " + code_points(r, 0x20, 0x2FFF, 1, 40),
              lambda r: "Answer: " + "".join(r.choice("0123456789,.$- *") for _ in range(40))]
     step_through(env, garbage_actions(rng, 400, kinds), [task])
+
+
+def test_lenient_scoring_takes_the_answer_is_phrase_and_still_counts_a_format_failure():
+    """SmolLM2-135M-Instruct ends "The answer is 40 km." where the line was asked for:
+    `lenient` pays such a reply when right, and eval still sees it missed the format."""
+    strict, lenient = make("word_problems"), make("word_problems", lenient=True)
+    task = strict.tasks().get("eval", 0)  # 88
+    for reply, paid, failed in (
+            ("So, Ava is 88 km from home.\n\nThe answer is 88 km.", 1.0, True),
+            ("The answer is **88**", 1.0, True), ("The answer is $88.", 1.0, True),
+            ("The answer is 88.5 km", 0.0, True), ("The answer is 880", 0.0, True),
+            ("the answer is 88, then the answer is 87", 0.0, True),
+            ("The answer is 88.\nAnswer: 87", 0.0, False),  # the Answer line decides
+            ("Answer: 88", 1.0, False), ("It is 88.", 0.0, True)):
+        lenient.reset(task)
+        result = lenient.step(reply)
+        assert (result.reward, result.info["format_failed"]) == (paid, failed), reply
+        strict.reset(task)
+        assert strict.step(reply).reward == float(reply == "Answer: 88"), reply
 
 
 def test_the_teacher_works_the_chain_and_misses_by_one_at_its_skill():
