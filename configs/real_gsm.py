@@ -24,7 +24,9 @@ rollout/format_failed). The difficulty (env.kwargs: max_steps, max_operand, max_
 the env's default and NOT yet calibrated against this model: the issue asks for a zero-shot
 sampled success of 0.2-0.5 at temperature 1, to be measured with the zero-shot eval
 (eval.pass_k = 8 gives mean@8, the sampled success) and set with e.g.
-`--config.env.kwargs.max_steps=2`.
+`--config.env.kwargs.max_steps=2`. A first look (four greedy replies) found the model writing
+no `Answer:` line at all, often "The answer is N km." instead: if the calibration confirms it,
+`--config.env.kwargs.lenient=True` pays that phrase too (still counted a format failure).
 
 Variants (same task, prompt, completion budget of 256 tokens and eval):
   `grpo` (default): full fine-tuning, 100 steps of 16 problems x 8 samples (group 8), AdamW
