@@ -18,7 +18,11 @@ alignment-tipping testbeds, rl_tpu/envs/tipping.py). A reply the env could not p
 (`info["invalid_action"]`) is no decision about the rule: it lowers format_valid_rate only, so
 violation_rate does not rise merely because the model learns the reply format.
 format_failed: for envs whose steps report `info["format_failed"]` (word_problems), the share
-of those replies that did not end in the answer format the env asks for.
+of those replies that did not end in the answer format the env asks for (format_failed@k: the
+same over the k samples).
+
+`keep(kind, trajectories)`, when given, is handed this host's greedy episodes ("greedy") and
+its sampled ones ("sampled"): what writes the eval's replies to a file (`replies_lines`).
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
              sampling: Optional[SamplingParams] = None, seed: int = 0,
              step_timeout_s: Optional[float] = 60.0, reward_reduce="sum",
              play: Callable[..., list[Trajectory]] = run_episodes,
-             failures: Optional[EnvFailureWatch] = None, step: int = 0) -> dict[str, float]:
+             failures: Optional[EnvFailureWatch] = None, step: int = 0,
+             keep: Optional[Callable[[str, list[Trajectory]], None]] = None) -> dict[str, float]:
     """Greedy success (and pass@k with `sampling`) of `engine` on this host's `tasks`, played
     by `play` (`run_episodes`'s arguments; an agent program's player, say). Greedy episodes
     that all ended in an env error are warned about, and with `failures` (a run's watch) their
@@ -103,6 +108,8 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
                   step_timeout_s=step_timeout_s, reward_reduce=reward_reduce)
     greedy = play(engine, make_env, list(tasks),
                   sampling=SamplingParams(temperature=0.0, seed=seed), **common)
+    if keep is not None:
+        keep("greedy", greedy)
     stats = episode_stats(greedy)
     if failures is not None:
         failures.observe(step, greedy, stats["episodes"], stats["env_errors"], eval_=True)
@@ -119,6 +126,11 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
             raise ValueError("pass_k > 0 needs the sampling params to draw the k samples with")
         samples = play(engine, make_env, list(tasks), samples_per_task=pass_k,
                        sampling=dataclasses.replace(sampling, seed=seed), **common)
+        if keep is not None:
+            keep("sampled", samples)
+        sampled_stats = episode_stats(samples)
+        if "format_failed" in sampled_stats:
+            out[f"format_failed@{pass_k}"] = sampled_stats["format_failed"]
         groups = [samples[i * pass_k:(i + 1) * pass_k] for i in range(len(tasks))]
         solved = sum(any(t.success for t in group) for group in groups)
         wins = sum(t.success for t in samples)
@@ -129,6 +141,22 @@ def evaluate(engine: RolloutEngine, make_env: Callable[[], Env], tasks: Sequence
         out[f"mean@{pass_k}"] = total[1] / (per * pass_k)
         out[f"distinct@{pass_k}"] = total[2] / per
     return {k: float(v) for k, v in out.items()}
+
+
+def replies_lines(kind: str, trajectories: Sequence[Trajectory]) -> list[dict]:
+    """One JSON-ready record an episode: what a reader of an eval's replies looks for (the
+    task, the replies and the env's last word on them, success, reward, tokens, and whether
+    the answer format failed where the env checks one)."""
+    lines = []
+    for t in trajectories:
+        formats = [i["format_failed"] for i in t.info.get("step_infos", ())
+                   if isinstance(i, dict) and "format_failed" in i]
+        lines.append({"kind": kind, "task_id": t.task_id,
+                      "sample": int(t.info.get("sample_index", 0)), "success": bool(t.success),
+                      "reward": float(t.reward), "tokens": int(t.num_generated),
+                      "format_failed": any(formats) if formats else None,
+                      "finish": t.finish, "messages": t.messages})
+    return lines
 
 
 def _replies(trajectory: Trajectory) -> tuple[str, ...]:

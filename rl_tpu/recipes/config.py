@@ -274,6 +274,9 @@ def eval_block() -> ml_collections.ConfigDict:
     b.max_turns = 0  # the eval turn limit (0 = the training horizon of that step)
     # the eval's tokens a turn (0 = env.max_new_tokens: fixed, whatever the budget schedule)
     b.max_new_tokens = 0
+    # write every eval's replies (greedy and sampled) as JSON lines beside its metrics:
+    # W/evals/replies_step<k>.jsonl in a run, W/evals/<eval name>.replies.jsonl for launch.eval
+    b.save_replies = False
     return b
 
 

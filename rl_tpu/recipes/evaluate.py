@@ -34,7 +34,7 @@ from rl_tpu.recipes import (algorithms, engines, env_factory, eval_suite, input_
                             placement, policy_io, train_states)
 from rl_tpu.recipes.config import check
 
-EVALS_DIR = "evals"  # W/evals/: one file an eval
+EVALS_DIR = eval_suite.EVALS_DIR
 LATEST_FILE = "eval.json"  # W/eval.json: a copy of the latest
 
 
@@ -90,10 +90,13 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
     sync_root = workdir or tempfile.mkdtemp(prefix="rl_tpu_eval_")
     engine = engines.make_engine(config, model_cfg, params, tokenizer, sync_root,
                                  version=str(step or 0))
+    name = (f"eval_step{step}" if step is not None
+            else f"eval_{os.path.basename(os.path.normpath(model_path))}")
     with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
                    enabled=jax.process_index() == 0):
-        result = eval_suite.evaluate_policy(config, engine, make_env, tasks, tokenizer,
-                                            config.seed)
+        result = eval_suite.evaluate_policy(
+            config, engine, make_env, tasks, tokenizer, config.seed,
+            replies_path=eval_suite.replies_file(workdir, name) if workdir else None)
     result = dict(result, checkpoint_step=-1 if step is None else step)
     if jax.process_index() != 0:
         return result
@@ -102,8 +105,6 @@ def run(config: ml_collections.ConfigDict, workdir: Optional[str] = None,
         print(f"eval of {what} on {config.env.name} ({config.env.eval_split} split):\n"
               f"{table(result)}", flush=True)
     if workdir:
-        name = (f"eval_step{step}" if step is not None
-                else f"eval_{os.path.basename(os.path.normpath(model_path))}")
         path = write_eval(workdir, name, result)
         print(f"wrote {path} ({os.path.join(workdir, LATEST_FILE)}: a copy of the latest eval)",
               flush=True)
@@ -149,7 +150,8 @@ def table(result: dict) -> str:
         if k:
             return {"pass": f"a task solved by any of {k} samples",
                     "mean": f"mean success of {k} samples (pass@1 at the rollout temperature)",
-                    "distinct": f"distinct successful replies among {k} samples a task"
+                    "distinct": f"distinct successful replies among {k} samples a task",
+                    "format_failed": f"sampled replies ({k} a task) without the answer format"
                     }.get(kind, "")
         return MEANINGS.get(key, "")
 

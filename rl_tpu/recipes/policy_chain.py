@@ -196,8 +196,10 @@ class PolicyChain:
         engine = self.engine(params, version)
         with Heartbeat(f"eval of {version}: {len(self.eval_list)} tasks",
                        every_s=self.config.log.every_s, enabled=self.is_chief):
-            result = eval_suite.evaluate_policy(self.config, engine, self.make_env,
-                                                self.eval_list, self.tokenizer, self.config.seed)
+            result = eval_suite.evaluate_policy(
+                self.config, engine, self.make_env, self.eval_list, self.tokenizer,
+                self.config.seed,
+                replies_path=eval_suite.replies_file(self.workdir, f"replies_{version}"))
         return {f"eval/{k}": v for k, v in result.items()} | {
             "time/eval_s": time.time() - started}
 

@@ -399,7 +399,8 @@ class Trainer:
             result = eval_suite.evaluate_policy(
                 self.config, engine, self.make_env, self.eval_list, self.tokenizer,
                 rollout_settings.step_seed(self.config.seed, step, 1),
-                failures=self.env_failures, step=step)
+                failures=self.env_failures, step=step,
+                replies_path=eval_suite.replies_file(self.workdir, f"replies_step{step}"))
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 

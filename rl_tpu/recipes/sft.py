@@ -473,8 +473,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                           config.eval.num_tasks)]
         with Heartbeat(f"eval: {len(tasks)} tasks", every_s=config.log.every_s,
                        enabled=jax.process_index() == 0):
-            result = eval_suite.evaluate_policy(config, engine, make_env, tasks, tokenizer,
-                                                config.seed)
+            result = eval_suite.evaluate_policy(
+                config, engine, make_env, tasks, tokenizer, config.seed,
+                replies_path=eval_suite.replies_file(workdir, f"replies_step{s.steps}"))
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
         policy_io.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                             tokenizer)

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import importlib
 import io
+import json
 import os
 import random
 import re
@@ -143,11 +144,19 @@ def test_smoke_variant_trains_end_to_end(tmp_path, name):
     if name == "quickstart":
         # launch.eval's recipe, from the checkpoint and from the exported HF dir, measures
         # what the run's own final eval measured
+        # (with eval.save_replies, the eval's replies are written beside its metrics)
         from rl_tpu.recipes import evaluate
+        c.eval.save_replies = True
         from_ckpt = evaluate.run(c, workdir=str(tmp_path))
+        c.eval.save_replies = False
         from_hf = evaluate.run(c, model_path=str(tmp_path / "final_hf"))
         assert from_ckpt["checkpoint_step"] == from_ckpt["weight_version"] == 2
         assert os.path.isfile(tmp_path / "evals" / "eval_step2.json")
+        with open(tmp_path / "evals" / "eval_step2.replies.jsonl") as f:
+            replies = [json.loads(line) for line in f]
+        assert len(replies) == c.eval.num_tasks * (1 + c.eval.pass_k)
+        assert sum(r["success"] for r in replies if r["kind"] == "greedy") == round(
+            from_ckpt["success"] * c.eval.num_tasks)
         assert from_ckpt["success"] == from_hf["success"] == final_eval["eval/success"]
         assert from_ckpt["tokens"] == from_hf["tokens"] == final_eval["eval/tokens"]
         _rerun_of_a_finished_run(c, tmp_path, final_eval)
