@@ -77,13 +77,20 @@ def get_config(arg: str = ""):
     c.seed = 0
     c.model.path = cached_model_dir(MODEL)
     c.model.dtype = "float32"  # the converted checkpoint's own dtype (docs/models.md)
-    c.env.max_new_tokens = 256  # a brief chain of reasoning and the Answer line
-    c.env.max_context_tokens = 512  # system prompt + problem (~130 tokens) + the reply
-    c.train.length_buckets = (256, 512)
+    # The difficulty calibrated against this model (docstring): one step, operands 2-10
+    c.env.kwargs.max_steps = 1
+    c.env.kwargs.max_operand = 10
+    c.env.kwargs.lenient = True  # "the answer is N" paid too, still a format failure
+    c.env.max_new_tokens = 128  # replies average ~46 tokens zero-shot
+    c.env.max_context_tokens = 256  # system prompt + problem + instruction (~90) + the reply
+    c.train.length_buckets = (160, 256)
     c.train.steps = 100
     c.train.tasks_per_step = 16
     c.train.samples_per_task = 8  # the group
-    c.rollout.temperature = 1.0
+    # 8 replies a micro-batch: 64 fp32 replies of 256 tokens in one pass took over 24 GB (the
+    # logits alone are 3.2 GB), and the kernel killed the run
+    c.train.micro_batches = 16
+    c.rollout.temperature = 0.5  # at 1.0 the model's samples succeed 0.4% of the time
     c.optim.lr = 2e-6
     c.algo.log_kl = True  # train/kl: KL to the start model, with no KL term in the loss
     c.sft.steps = 0  # an instruct model: no warm start

@@ -4,7 +4,7 @@ from a seed (nothing downloaded), checked exactly, its difficulty set by constru
 
     env = make("word_problems")             # 1-3 steps of + - x, operands 2-20, factors 2-5
     env.reset(task) -> "Mia has 12 dollars. She earns 7 dollars walking dogs. ... How many
-                        dollars does Mia have now?"
+                        dollars does Mia have now?\nEnd your reply with a line `Answer: N`."
     env.step("12 + 7 = 19 ...\\nAnswer: 19")   -> reward 1.0, done, success
 
 A problem is a start value and `steps` operations on a running amount (add, take away, or
@@ -48,8 +48,12 @@ from typing import Optional
 
 from rl_tpu.core.env import OneReplyEnv, SeededTasks, StepResult, Task, register
 
-SYSTEM_PROMPT = ("Solve the math word problem. Reason briefly, step by step, then end your reply "
-                 "with a final line of the form `Answer: N`, where N is the number alone.")
+# The format is asked for twice, in the system prompt and again after the problem: measured on
+# SmolLM2-135M-Instruct (32 one-step problems, greedy), a longer "reason step by step" system
+# prompt alone gave 1 reply in 32 with the line (success 0.03, 190-token rambles), this pair
+# 6 in 32 (success 0.22 with `lenient`, 46 tokens a reply); docs/environments.md has the table.
+SYSTEM_PROMPT = "Solve the math problem. Write the final answer on the last line as `Answer: N`."
+INSTRUCTION = "End your reply with a line `Answer: N`."
 
 NAMES = (("Mia", "she", "her"), ("Ben", "he", "his"), ("Ava", "she", "her"),
          ("Leo", "he", "his"), ("Zoe", "she", "her"), ("Sam", "he", "his"),
@@ -280,7 +284,7 @@ class WordProblemsEnv(OneReplyEnv):
                                        eval_seed, train_size, eval_size)
 
     def question(self, task: Task) -> str:
-        return task.data["question"]
+        return f"{task.data['question']}\n{INSTRUCTION}"
 
     def teacher(self, task: Task, rng: random.Random, skill: float) -> str:
         return teacher_reply(task, rng, skill)

@@ -75,6 +75,10 @@ log = logging.getLogger(__name__)
 TIME_KEYS_PREFIX = "time/"  # wall-clock metrics: the only ones a resumed run may not repeat
 REFERENCE = "reference"  # the frozen reference policy: saved once per run, not every step
 FINISHED_FILE = "finished.json"  # written last by Trainer.finish: the run reached its end
+# a step still running prints `step k/N, <s> s, <phase>` every STEP_BEATS x log.every_s
+# seconds: one line a half-minute (at the default 5 s) through a real model's minutes-long
+# step on a CPU, nothing in a toy's second-long one
+STEP_BEATS = 6
 # the SFT warm start's checkpoints (fresh runs: RL's first checkpoint holds its result)
 WARM_START_DIR = os.path.join("warm_start", "checkpoints")
 
@@ -94,7 +98,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, trainer_class=None
             trainer.start_producer()
             for step in metrics_lib.progress(range(trainer.start + 1, config.train.steps + 1),
                                              "RL steps", enabled=trainer.is_chief):
-                _, record = trainer.train_step(step)      # rollout, batch, score, update, sync
+                # a step of minutes (a real model on a CPU) says which phase it is in
+                with Heartbeat(f"step {step}/{config.train.steps}",
+                               every_s=STEP_BEATS * config.log.every_s,
+                               enabled=trainer.is_chief, detail=lambda: trainer.phase):
+                    _, record = trainer.train_step(step)  # rollout, batch, score, update, sync
                 trainer.end_step(step, record)            # eval (when due), log, checkpoint
                 trainer.stop_if_signalled(step)           # pre-emption: every host agrees
             trainer.finish()
@@ -145,6 +153,7 @@ class Trainer:
         os.makedirs(workdir, exist_ok=True)
         self.config, self.workdir = config, workdir
         self.is_chief = jax.process_index() == 0
+        self.phase = "starting"  # the phase of the step running (the step's heartbeat says it)
         self.step_log = metrics_lib.StepLog(config.train.steps, every_s=config.log.every_s,
                                             enabled=self.is_chief)
         self.asynchronous = config.rollout.max_staleness > 0
@@ -292,15 +301,19 @@ class Trainer:
         """Step `step`'s phases up to the weight sync: (the trajectories it trained on, its
         record of rollout and train metrics with each phase's time)."""
         t_step = time.time()
+        self.phase = "rollout"
         trajectories, rollout_metrics = self.rollout(step)                    # rollout
         t_rollout = time.time() - t_step
         t0 = time.time()
+        self.phase = "scoring"
         batch = self.score(self.batch(trajectories, step))                    # batch, score
         t_score = time.time() - t0
         t0 = time.time()
+        self.phase = "update"
         train_metrics = self.update(batch, step)                              # update
         t_update = time.time() - t0
         t0 = time.time()
+        self.phase = "weight sync"
         self.sync(step)                                                       # sync
         t_sync = time.time() - t0
         return trajectories, {

@@ -30,7 +30,8 @@ def test_problems_match_answers_worked_by_hand():
     assert env.reset(task) == (
         "Ava walks 11 km north from home. Then she keeps walking north until she is twice as "
         "far from home as before. Then she keeps walking north until she is four times as far "
-        "from home as before. How many km from home is Ava now?")
+        "from home as before. How many km from home is Ava now?\n"
+        "End your reply with a line `Answer: N`.")  # the format asked for after the problem
     assert task.data["answer"] == 88
     # 16 x 5 = 80, + 5 = 85, - 2 = 83
     task = env.tasks().get("eval", 1)

@@ -168,14 +168,17 @@ def test_a_run_compiles_nothing_after_its_first_step(tmp_path):
     sampler's buckets, the update, the eval's programs (step 0's eval) and the checkpoint's
     checksums (compiled at start-up, not at the first save), so steps 2-4 (each with a
     checkpoint, two with an eval) compile and load nothing (time/compiles and
-    time/cache_loads are JAX's own counts)."""
+    time/cache_loads are JAX's own counts). With progress lines every 0.05 s, a step running
+    longer than 6 x that says which step and phase it is in."""
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     out = subprocess.run([sys.executable, "-m", "launch.train", "--config",
                           "configs/quickstart.py:smoke", "--workdir", str(tmp_path),
-                          "--config.train.steps=4"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          "--config.train.steps=4", "--config.log.every_s=0.05"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^step 1/4, \d+ s, (rollout|scoring|update|weight sync)$", out.stdout,
+                     re.MULTILINE), out.stdout[-2000:]
     built = {r["step"]: r["time/compiles"] + r["time/cache_loads"]
              for r in read_metrics(str(tmp_path)) if "time/compiles" in r}
     assert sorted(built) == [1, 2, 3, 4]
