@@ -48,7 +48,7 @@ Eval: greedy success on the 500 held-out problems at step 0 and every 10 steps, 
 mean@8 (8 samples at the rollout temperature), the format-failure rates and the reply length
 (eval/tokens). One such eval decodes 4,500 replies: `--config.eval.pass_k=0` or a larger
 `--config.eval.every` for a quicker run; `--config.eval.save_replies=True` keeps every reply
-(W/evals/replies_step<k>.jsonl).
+(W/evals/eval_step<k>.replies.jsonl).
 The learning rates are a starting point, not tuned; no result is claimed here.
 
 Smoke runs (the tiny random model, seconds on a CPU; `--list_variants` after the config

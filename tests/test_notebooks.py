@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
-NAMES = ("quickstart", "custom_env", "agent_rl", "algorithms")
+NAMES = ("quickstart", "custom_env", "agent_rl", "algorithms", "real_model")
 WITH_OUTPUTS = ("quickstart",)  # saved executed (full size), so it reads well on GitHub
 CELL_TIMEOUT_S = 300  # a smoke cell takes well under a minute; a hang fails with its cell
 
@@ -95,6 +95,32 @@ def test_quickstart_notebook_config_is_configs_quickstart(smoke, monkeypatch):
     spec.loader.exec_module(module)
     expected = module.get_config("smoke" if smoke else "")
     assert namespace["config"].to_dict() == expected.to_dict()
+
+
+def test_real_model_notebook_is_configs_real_gsm_at_its_own_sizes():
+    """The real-model notebook builds its config in a cell (a pip-installed rl_tpu has no
+    configs/): the task, prompt, sampling and algorithm must stay configs/real_gsm.py's; only
+    the sizes (steps, problems a step, eval) and the learning rate are the notebook's."""
+    import importlib.util
+
+    cell = next(_source(c) for c in _cells("real_model")
+                if c["cell_type"] == "code" and "config = base_config(" in _source(c))
+    namespace = {"SMOKE": False, "model_path": "/models/smollm2"}
+    exec(compile(cell, "real_model.ipynb config cell", "exec"), namespace)
+    spec = importlib.util.spec_from_file_location("real_gsm_config",
+                                                  ROOT / "configs" / "real_gsm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    expected, got = module.get_config(""), namespace["config"]
+    for block in ("env", "rollout", "algo", "sft"):
+        assert got[block].to_dict() == expected[block].to_dict(), block
+    assert got.train.samples_per_task == expected.train.samples_per_task
+    assert got.train.length_buckets == expected.train.length_buckets
+    assert got.model.path == "/models/smollm2" and got.model.lora.rank == 0
+    # micro-batches of the same 8 replies
+    assert (got.train.tasks_per_step * got.train.samples_per_task // got.train.micro_batches
+            == expected.train.tasks_per_step * expected.train.samples_per_task
+            // expected.train.micro_batches)
 
 
 def _kernel_env() -> dict:

@@ -275,7 +275,7 @@ def eval_block() -> ml_collections.ConfigDict:
     # the eval's tokens a turn (0 = env.max_new_tokens: fixed, whatever the budget schedule)
     b.max_new_tokens = 0
     # write every eval's replies (greedy and sampled) as JSON lines beside its metrics:
-    # W/evals/replies_step<k>.jsonl in a run, W/evals/<eval name>.replies.jsonl for launch.eval
+    # W/evals/eval_step<k>.replies.jsonl (launch.eval of an HF dir: eval_<dir name>.replies.jsonl)
     b.save_replies = False
     return b
 

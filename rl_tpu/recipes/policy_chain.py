@@ -199,7 +199,7 @@ class PolicyChain:
             result = eval_suite.evaluate_policy(
                 self.config, engine, self.make_env, self.eval_list, self.tokenizer,
                 self.config.seed,
-                replies_path=eval_suite.replies_file(self.workdir, f"replies_{version}"))
+                replies_path=eval_suite.replies_file(self.workdir, f"eval_{version}"))
         return {f"eval/{k}": v for k, v in result.items()} | {
             "time/eval_s": time.time() - started}
 

@@ -413,7 +413,7 @@ class Trainer:
                 self.config, engine, self.make_env, self.eval_list, self.tokenizer,
                 rollout_settings.step_seed(self.config.seed, step, 1),
                 failures=self.env_failures, step=step,
-                replies_path=eval_suite.replies_file(self.workdir, f"replies_step{step}"))
+                replies_path=eval_suite.replies_file(self.workdir, f"eval_step{step}"))
         self.last_eval = {f"eval/{k}": v for k, v in result.items()}
         return dict(self.last_eval, **{"time/eval_s": time.time() - started})
 

@@ -475,7 +475,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                        enabled=jax.process_index() == 0):
             result = eval_suite.evaluate_policy(
                 config, engine, make_env, tasks, tokenizer, config.seed,
-                replies_path=eval_suite.replies_file(workdir, f"replies_step{s.steps}"))
+                replies_path=eval_suite.replies_file(workdir, f"eval_step{s.steps}"))
         writer.write(s.steps, {f"eval/{k}": v for k, v in result.items()})
         policy_io.export_hf(os.path.join(workdir, "final_hf"), model_cfg, state.params,
                             tokenizer)
