@@ -7,12 +7,14 @@ import importlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
 import pytest
+from fake_devices import xla_flags
 
 from rl_tpu.metrics import read_metrics
 from rl_tpu.recipes import env_factory, rl
@@ -114,15 +116,23 @@ def test_smoke_trains_against_two_env_servers(tmp_path):
     assert all(h["instances"] == 0 for h in seen), seen
 
 
+def train_in_subprocess(workdir, *overrides: str, timeout: float = 900):
+    """`python -m launch.train --config configs/agentgym.py:babyai,smoke` on 2 fake devices in
+    a process of its own: a native abort in it (XLA's own message is in its stderr) fails this
+    test alone instead of taking the pytest worker, and with it the test run, down."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS=xla_flags(2))
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.train", "--config", "configs/agentgym.py:babyai,smoke",
+         "--workdir", str(workdir), *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return proc
+
+
 @pytest.mark.slow
 def test_server_killed_mid_rollout_gives_env_errors_not_a_crash(tmp_path):
     c = smoke_config()
-    c.env.remote_timeout_s, c.env.remote_retries, c.env.remote_backoff_s = 5.0, 1, 0.05
-    # Every episode fails once the server is dead: this checks the trainer lives through that
-    # to its last step; stopping a run on all-failed steps is tests/agent/test_env_failures.py's
-    c.env.max_failed_steps = 0
     server = serve_env(c.env.name)
-    c.env.remote_url = server.url
 
     # The kill lands inside the first training rollout, told from the server's side (no hook
     # into the trainer): the step-0 eval creates one instance an episode, so an instance past
@@ -148,7 +158,13 @@ def test_server_killed_mid_rollout_gives_env_errors_not_a_crash(tmp_path):
     killer = threading.Thread(target=kill_mid_rollout, daemon=True)
     killer.start()
     try:
-        result = rl.run(c, str(tmp_path))
+        # Every episode fails once the server is dead: this checks the trainer lives through
+        # that to its last step; stopping a run on all-failed steps is
+        # tests/agent/test_env_failures.py's
+        train_in_subprocess(tmp_path, f"--config.env.remote_url={server.url}",
+                            "--config.env.remote_timeout_s=5", "--config.env.remote_retries=1",
+                            "--config.env.remote_backoff_s=0.05",
+                            "--config.env.max_failed_steps=0")
     finally:
         stop.set()
         killer.join(60)
@@ -160,5 +176,7 @@ def test_server_killed_mid_rollout_gives_env_errors_not_a_crash(tmp_path):
     # Step 1 lost the episodes still in flight; by step 2 no episode could start at all.
     assert records[0]["rollout/env_error_frac"] > 0
     assert records[1]["rollout/env_error_frac"] == 1.0
-    assert result["eval/env_errors"] == c.eval.num_tasks
+    (last_eval,) = [r for r in read_metrics(str(tmp_path)) if r["step"] == 2
+                    and "eval/env_errors" in r]
+    assert last_eval["eval/env_errors"] == c.eval.num_tasks
     assert os.path.isfile(tmp_path / "final_hf" / "config.json")
