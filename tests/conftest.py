@@ -29,3 +29,40 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    # A worker that dies (a native abort) ends the run at once with its test named, unless
+    # --max-worker-restart says otherwise: pytest-xdist 3.8's loadgroup scheduler re-queues a
+    # dead worker's finished work as empty units and can wait on them forever (pytest-xdist
+    # issues 1323 and 1378), which turned one crash into a CI run that never ended.
+    if getattr(config.option, "maxworkerrestart", "") is None:  # xdist is on, the flag unset
+        config.option.maxworkerrestart = "0"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Starts real SGLang's one-time venv install (tests/rollout/sglang_server.py: ~4 min, mostly
+    download and unpacking) in the background as soon as a server test is collected, on one
+    process of the run (the first xdist worker), so that it overlaps other tests instead of
+    holding a worker when the first server test asks for it; that test waits on the install's
+    file lock and raises its error, if any."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    if not any("sglang" in item.nodeid and item.get_closest_marker("slow") for item in items):
+        return
+    import sys
+    import threading
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout"))
+    import sglang_server  # as the server tests import it
+
+    if sglang_server.venv_is_ready():
+        return
+
+    def install():
+        try:
+            sglang_server.ensure_sglang_venv()
+        except Exception:  # noqa: BLE001 - the server test's own call reports it
+            pass
+
+    threading.Thread(target=install, name="sglang-venv-install", daemon=True).start()

@@ -88,11 +88,15 @@ def _installed_version(python: str) -> Optional[str]:
     return probe.stdout.strip() if probe.returncode == 0 else None
 
 
+def venv_is_ready() -> bool:
+    return os.path.exists(os.path.join(venv_dir(), _READY))
+
+
 def ensure_sglang_venv(timeout: float = 3600.0) -> str:
     """Python of a venv with sglang==0.5.23, installing it once (file-locked); returns its path."""
     venv = venv_dir()
     python = os.path.join(venv, "bin", "python")
-    if os.path.exists(os.path.join(venv, _READY)):
+    if venv_is_ready():
         return python
     os.makedirs(os.path.dirname(os.path.abspath(venv)), exist_ok=True)
     with open(os.path.abspath(venv) + ".lock", "w") as lock:
