@@ -1,8 +1,10 @@
-"""Test-wide set-up: 8 fake CPU devices (before jax is imported), fp32-exact matmuls, and one
-persistent compilation cache for the run."""
+"""Test-wide set-up: 8 fake CPU devices (before jax is imported), fp32-exact matmuls, one
+persistent compilation cache for the run, a run that ends when a worker dies, and real
+SGLang's venv installed in the background when its tests are collected."""
 
 import os
 
+import pytest
 from fake_devices import POOL_THREADS, xla_flags
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
@@ -40,6 +42,7 @@ def pytest_configure(config):
         config.option.maxworkerrestart = "0"
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselect: only the tests that will run count
 def pytest_collection_modifyitems(config, items):
     """Starts real SGLang's one-time venv install (tests/rollout/sglang_server.py: ~4 min, mostly
     download and unpacking) in the background as soon as a server test is collected, on one
