@@ -195,6 +195,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly(tmp_path, sft_base):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_a_lora_run_on_sglang_syncs_adapters_alone(tmp_path, sft_base):
     """rollout.engine=sglang with LoRA: a real CPU SGLang server with LoRA on (its base the
     run's model.path) gets a PEFT adapter dir a version and nothing else; the run trains,

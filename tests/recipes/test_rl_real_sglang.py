@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "rollout"))
 from sglang_server import REPO, lora_flags, lora_server_env, start_sglang_server  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers"), pytest.mark.sglang_venv]
 
 LORA_RANK = 16
 # float32 on both sides, SGLang's and the trainer's log-prob of a sampled token agree to about

@@ -28,7 +28,8 @@ def _smoke_config():
     return config
 
 
-@pytest.mark.parametrize("backend", ["sglang", "jax"])
+@pytest.mark.parametrize("backend", [pytest.param("sglang", marks=pytest.mark.sglang_venv),
+                                     "jax"])
 def test_math_sglang_smoke_trains_two_steps_with_weight_sync(tmp_path, backend):
     # The policy and the server start from the same HF dir, as a user's would.
     config = _smoke_config()

@@ -37,7 +37,7 @@ from rl_tpu.rewards.scorer import RewardScorer  # noqa: E402
 
 from sglang_server import start_sglang_server  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollout_servers"), pytest.mark.sglang_venv]
 
 V, D = 320, 32
 # Both sides float32 (SGLang started with --dtype float32); they differ only in kernel order

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -94,6 +95,13 @@ def venv_is_ready() -> bool:
 
 def ensure_sglang_venv(timeout: float = 3600.0) -> str:
     """Python of a venv with sglang==0.5.23, installing it once (file-locked); returns its path."""
+    in_a_test = (os.environ.get("PYTEST_CURRENT_TEST")
+                 and threading.current_thread() is threading.main_thread())
+    if in_a_test and not os.environ.get("RL_TPU_TEST_MARKED_SGLANG_VENV"):
+        raise RuntimeError(  # tests/conftest.py's pytest_runtest_setup sets the flag
+            f"{os.environ['PYTEST_CURRENT_TEST'].split(' ')[0]} uses real SGLang without "
+            "@pytest.mark.sglang_venv: mark it, so the run installs the venv in the background "
+            "and orders the test after its group's others")
     venv = venv_dir()
     python = os.path.join(venv, "bin", "python")
     if venv_is_ready():
@@ -114,7 +122,9 @@ def ensure_sglang_venv(timeout: float = 3600.0) -> str:
                 with open(log_path, "w") as log:
                     subprocess.run([python, "-m", "pip", "install", "--upgrade", "pip"],
                                    stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-                    done = subprocess.run([python, "-m", "pip", "install",
+                    # --no-compile: byte-compiling 11 GB of packages is minutes of CPU beside
+                    # the run's tests; a server start compiles the modules it imports, once
+                    done = subprocess.run([python, "-m", "pip", "install", "--no-compile",
                                            f"sglang=={SGLANG_VERSION}"],
                                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
                 if done.returncode != 0:

@@ -13,7 +13,7 @@ import pytest
 from rl_tpu.models import tiny
 from sglang_server import ensure_sglang_venv, start_rollout_server  # noqa: E402 (on sys.path)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sglang_venv]
 
 NUM_PROMPTS = 16
 OUTPUT_LEN = 256

@@ -264,6 +264,7 @@ def test_math_sglang_smoke_trains_through_the_router(fleet, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_real_sglang_behind_the_router(tmp_path):
     """The router is built for SGLang workers: the same client calls work with a real SGLang
     0.5.23 (CPU, its own venv, installed on first use) in place of launch.serve_rollout."""

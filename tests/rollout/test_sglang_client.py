@@ -57,7 +57,8 @@ def _start(backend, model_dir):
     return (start_sglang_server if backend == "sglang" else start_rollout_server)(model_dir)
 
 
-@pytest.fixture(scope="module", params=["sglang", "jax"])
+@pytest.fixture(scope="module", params=[pytest.param("sglang", marks=pytest.mark.sglang_venv),
+                                        "jax"])
 def backend(request):
     launcher = os.path.join(REPO, "launch", "serve_rollout.py")
     if request.param == "jax" and not os.path.exists(launcher):

@@ -409,6 +409,7 @@ def _unload_all(engine):
                          ids=["greedy", "t0.8"])
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_after_a_sync_logprobs_are_rl_tpus_own_under_that_adapter(server, lora_setup, tmp_path,
                                                                  sampling):
     """(a) Adapters sent alone (as the trainer sends them), loaded as version "v1": every
@@ -443,6 +444,7 @@ def test_after_a_sync_logprobs_are_rl_tpus_own_under_that_adapter(server, lora_s
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_requests_keep_the_version_they_started_with(server, lora_setup, tmp_path):
     """(b) keep_adapters=1: a long request on v1 is still running when v2 loads, so both
     versions are loaded side by side; a request sent then gets v2. Each reports its own
@@ -492,6 +494,7 @@ def test_requests_keep_the_version_they_started_with(server, lora_setup, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_a_run_resumed_against_a_server_that_stayed_up_serves_its_versions(server, lora_setup,
                                                                            tmp_path):
     """(d) A trainer loads versions 1 and 2 and dies (nothing unloaded); the server stays up.
@@ -524,6 +527,7 @@ def test_a_run_resumed_against_a_server_that_stayed_up_serves_its_versions(serve
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_a_sync_moves_the_adapter_files_alone(server, base, lora_setup, tmp_path):
     """(c) The bytes a sync counts are the adapter dir's files, and a small fraction of a
     full-weight sync's (measured here on the same server: the base reloaded as it is)."""
@@ -556,6 +560,7 @@ def test_a_sync_moves_the_adapter_files_alone(server, base, lora_setup, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_rslora_adapters_serve_at_rl_tpus_scale(server, base, tmp_path):
     """use_rslora scales by alpha / sqrt(r); SGLang reads lora_alpha / r only, and the export
     makes up for it. Adapters on q/v/o and down only (a target set SGLang reads)."""
@@ -577,6 +582,7 @@ def test_rslora_adapters_serve_at_rl_tpus_scale(server, base, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_a_server_without_lora_is_refused_naming_the_flags(base, lora_setup, tmp_path):
     cfg, _, v1, _ = lora_setup
     with start_sglang_server(base[0]) as plain:
@@ -597,6 +603,7 @@ def test_a_server_without_lora_is_refused_naming_the_flags(base, lora_setup, tmp
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("rollout_servers")
+@pytest.mark.sglang_venv
 def test_stock_sglang_on_cpu_dies_building_lora_layers(base, tmp_path):
     """Without PIN_MEMORY_SHIM, SGLang 0.5.23 cannot serve LoRA on CPU at all (module doc).
     When this fails, a newer SGLang no longer pins unconditionally: drop the shim."""
