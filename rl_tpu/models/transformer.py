@@ -1,7 +1,8 @@
-"""One decoder for the Llama 3, Qwen2/2.5 and Qwen3 families, in Flax Linen.
+"""One decoder for the Llama 3, Qwen2/2.5, Qwen3 and Qwen3-MoE families, in Flax Linen.
 
-The three families differ only in switches of `ModelConfig`: QKV bias (Qwen2), per-head RMSNorm
-of q and k before RoPE (Qwen3), RoPE scaling (Llama 3.1+), tied embeddings (small Qwens).
+The families differ only in switches of `ModelConfig`: QKV bias (Qwen2), per-head RMSNorm
+of q and k before RoPE (Qwen3), RoPE scaling (Llama 3.1+), tied embeddings (small Qwens), and
+mixture-of-experts feed-forward layers (Qwen3-MoE: `moe`, moe.py).
 
 Shape letters used in names, comments and einsums:
   B batch, T query length, S key/value length (KV-cache slots), D model width,
@@ -32,11 +33,12 @@ from rl_tpu.models.blocked_attention import segment_causal_attention
 from rl_tpu.models.dense import dense_dot_general
 from rl_tpu.models.fused_attention import ATTENTION_IMPLS, segment_attention
 from rl_tpu.models.lora import LoraConfig, LoraDenseGeneral, is_on as lora_is_on
+from rl_tpu.models.moe import MoeConfig, MoeMLP
 from rl_tpu.models.recompute import after
 
 Array = jax.Array
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 REMAT_POLICIES = ("none", "full", "dots")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -92,6 +94,8 @@ class ModelConfig:
     cache_dtype: str = ""
     # Low-rank adapters on the projections `lora.targets` names (lora.py); None: no adapters.
     lora: Optional[LoraConfig] = None
+    # Mixture-of-experts feed-forward layers (arch qwen3_moe; moe.py); None: every layer dense.
+    moe: Optional[MoeConfig] = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -105,6 +109,15 @@ class ModelConfig:
                              f"{ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if (self.arch == "qwen3_moe") != (self.moe is not None):
+            raise ValueError(f"arch={self.arch!r} with moe={self.moe}: arch qwen3_moe needs a "
+                             "MoeConfig, and only it takes one")
+        if self.moe is not None and self.scan_layers:
+            raise ValueError("scan_layers=True with a mixture of experts is not supported yet: "
+                             "set model.scan_layers=False")
+        if self.moe is not None and self.lora is not None:
+            raise ValueError("LoRA on a mixture of experts is not supported yet: train it "
+                             "fully (model.lora.rank=0)")
         if self.rope_scaling.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_type {self.rope_scaling.rope_type!r} is not supported; "
@@ -140,9 +153,14 @@ class ModelConfig:
             attn += (n + 2 * k) * h
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * f + 2 * d
+        layers = self.num_layers * (attn + 3 * d * f + 2 * d)
+        if self.moe is not None:  # a sparse layer's router and experts in place of its MLP
+            m = self.moe
+            sparse = len(m.sparse_layers(self.num_layers))
+            layers += sparse * (d * m.num_experts + m.num_experts * 3 * d * m.intermediate_size
+                                - 3 * d * f)
         embed = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + d
+        return layers + embed + d
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -402,21 +420,35 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer. Signature fits `nn.scan`: (carry, *xs) -> (carry, ys)."""
+    """Pre-norm decoder layer. Signature fits `nn.scan`: (carry, *xs) -> (carry, ys).
+
+    `sparse`: the feed-forward is cfg.moe's mixture of experts (moe.py), which sows the
+    layer's router logits and chosen experts [B*T, ...] into the "intermediates" collection
+    and takes `replay` [B, T, k], experts to use instead of its router's top-k."""
 
     cfg: ModelConfig
     mesh: Any = None
     rules: Any = None
+    sparse: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, adapter_rows=None):
+    def __call__(self, x, positions, mask, cache, adapter_rows=None, replay=None):
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
         attn_out, new_cache = Attention(cfg, self.mesh, self.rules, name="attn")(
             norm("input_norm")(x), positions, mask, cache, adapter_rows)
         x = x + attn_out
-        x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x),
-                                                            adapter_rows)
+        if self.sparse:
+            m = cfg.moe
+            out, routing = MoeMLP(m.num_experts, m.top_k, m.intermediate_size, m.norm_topk_prob,
+                                  cfg.compute_dtype, cfg.params_dtype, name="mlp")(
+                norm("post_attn_norm")(x), replay)
+            self.sow("intermediates", "router_logits", routing["router_logits"])
+            self.sow("intermediates", "experts", routing["experts"])
+            x = x + out
+        else:
+            x = x + MLP(cfg, self.mesh, self.rules, name="mlp")(norm("post_attn_norm")(x),
+                                                                adapter_rows)
         x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         return x, new_cache
 
@@ -460,14 +492,17 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, self.mesh, self.rules)
         else:
-            self.layers = [block(cfg, self.mesh, self.rules, name=f"layers_{i}")
+            self.layers = [block(cfg, self.mesh, self.rules, name=f"layers_{i}",
+                                 sparse=cfg.moe is not None and cfg.moe.is_sparse(i))
                            for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _dense(cfg.vocab_size, -1, ("embed", "vocab"), cfg, "lm_head")
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, return_hidden=False,
-                 adapter_rows=None):
+                 adapter_rows=None, routing_replay=None):
+        """`routing_replay` [B, T, sparse layers, k]: a mixture of experts' experts per token
+        and sparse layer (in layer order), used instead of each router's own top-k."""
         cfg = self.cfg
         b, t = tokens.shape
         if positions is None:
@@ -484,10 +519,16 @@ class Transformer(nn.Module):
         if cfg.scan_layers:
             x, new_cache = self.layers(x, positions, mask, cache, adapter_rows)
         else:
-            written = []
+            written, sparse_index = [], 0
             for i, layer in enumerate(self.layers):
                 layer_cache = None if cache is None else {n: c[i] for n, c in cache.items()}
-                x, layer_cache = layer(x, positions, mask, layer_cache, adapter_rows)
+                if layer.sparse:
+                    replay = (None if routing_replay is None
+                              else routing_replay[:, :, sparse_index])
+                    sparse_index += 1
+                    x, layer_cache = layer(x, positions, mask, layer_cache, adapter_rows, replay)
+                else:
+                    x, layer_cache = layer(x, positions, mask, layer_cache, adapter_rows)
                 written.append(layer_cache)
             new_cache = None if cache is None else {
                 n: tuple(c[n] for c in written) for n in ("k", "v")}
