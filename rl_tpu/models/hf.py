@@ -29,12 +29,14 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from rl_tpu import parallel
+from rl_tpu.models.moe import MoeConfig
 from rl_tpu.models.transformer import ARCHITECTURES, ModelConfig, RopeScaling, Transformer
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # The same trunks under a bias-free `score` head [num_labels, D], no lm_head: reward models.
 HF_SEQUENCE_CLASSIFIERS = {a.replace("CausalLM", "SequenceClassification"): arch
@@ -59,9 +61,11 @@ class WeightRule:
     """One HF tensor <-> one rl_tpu param.
 
     Dims are comma-separated products of shape letters (D model, N heads, K kv heads, H head
-    dim, F mlp, V vocab): "NH,D" is a [N*H, D] matrix. `transpose` flips HF's [out, in]
-    matrices to our [in, ...out] kernels before reshaping. `{i}` in `hf` marks a per-layer rule
-    whose `path` is relative to the layer.
+    dim, F mlp, V vocab, X experts, M an expert's mlp): "NH,D" is a [N*H, D] matrix. `transpose`
+    flips HF's [out, in] matrices to our [in, ...out] kernels before reshaping. `{i}` in `hf`
+    marks a per-layer rule whose `path` is relative to the layer; `{e}` a per-expert one, whose
+    HF tensors (one per expert) are our param's rows [X, ...]. `layers`: which layers hold it
+    (all; the dense ones; the sparse ones of a mixture of experts, cfg.moe).
     """
 
     hf: str
@@ -70,10 +74,15 @@ class WeightRule:
     our_dims: str
     transpose: bool = False
     when: str = "always"
+    layers: str = "all"
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 _CONDITIONS = {
@@ -81,6 +90,7 @@ _CONDITIONS = {
     "untied": lambda cfg: not cfg.tie_word_embeddings,
     "qkv_bias": lambda cfg: cfg.qkv_bias,
     "qk_norm": lambda cfg: cfg.qk_norm,
+    "moe": lambda cfg: cfg.moe is not None,
 }
 
 _L = "model.layers.{i}."
@@ -99,18 +109,47 @@ WEIGHT_TABLE = (
     WeightRule(_L + "self_attn.v_proj.bias", "attn/v_proj/bias", "KH", "K,H", False, "qkv_bias"),
     WeightRule(_L + "self_attn.q_norm.weight", "attn/q_norm/scale", "H", "H", False, "qk_norm"),
     WeightRule(_L + "self_attn.k_norm.weight", "attn/k_norm/scale", "H", "H", False, "qk_norm"),
-    WeightRule(_L + "mlp.gate_proj.weight", "mlp/gate_proj/kernel", "F,D", "D,F", True),
-    WeightRule(_L + "mlp.up_proj.weight", "mlp/up_proj/kernel", "F,D", "D,F", True),
-    WeightRule(_L + "mlp.down_proj.weight", "mlp/down_proj/kernel", "D,F", "F,D", True),
+    WeightRule(_L + "mlp.gate_proj.weight", "mlp/gate_proj/kernel", "F,D", "D,F", True,
+               layers="dense"),
+    WeightRule(_L + "mlp.up_proj.weight", "mlp/up_proj/kernel", "F,D", "D,F", True,
+               layers="dense"),
+    WeightRule(_L + "mlp.down_proj.weight", "mlp/down_proj/kernel", "D,F", "F,D", True,
+               layers="dense"),
+    # Qwen3-MoE's sparse layers (moe.py): the router, and each expert's SwiGLU stacked [X, ...]
+    WeightRule(_L + "mlp.gate.weight", "mlp/router", "X,D", "D,X", True, "moe", "sparse"),
+    WeightRule(_L + "mlp.experts.{e}.gate_proj.weight", "mlp/gate_proj", "M,D", "D,M", True,
+               "moe", "sparse"),
+    WeightRule(_L + "mlp.experts.{e}.up_proj.weight", "mlp/up_proj", "M,D", "D,M", True, "moe",
+               "sparse"),
+    WeightRule(_L + "mlp.experts.{e}.down_proj.weight", "mlp/down_proj", "D,M", "M,D", True,
+               "moe", "sparse"),
 )
 # Present in some checkpoints, never needed: buffers HF recomputes, or a tied head saved anyway.
 _IGNORED = re.compile(r"(.*rotary_emb\.inv_freq$)")
 
 
-def _dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
+def table_dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """A WeightRule dims spec ("NH,D") as the shape it names for `cfg`."""
     size = {"D": cfg.hidden_size, "N": cfg.num_heads, "K": cfg.num_kv_heads,
             "H": cfg.head_dim, "F": cfg.intermediate_size, "V": cfg.vocab_size}
+    if cfg.moe is not None:
+        size.update(X=cfg.moe.num_experts, M=cfg.moe.intermediate_size)
     return tuple(math.prod(size[letter] for letter in part) for part in spec.split(","))
+
+
+def rule_layers(rule: WeightRule, cfg: ModelConfig) -> list[int]:
+    """The layers holding a per-layer rule's tensor (a mixture of experts' dense layers hold
+    the dense MLP, its sparse ones the router and experts)."""
+    if rule.layers == "all":
+        return list(range(cfg.num_layers))
+    sparse = set(cfg.moe.sparse_layers(cfg.num_layers)) if cfg.moe is not None else set()
+    return [i for i in range(cfg.num_layers) if (i in sparse) == (rule.layers == "sparse")]
+
+
+def our_shape(rule: WeightRule, cfg: ModelConfig) -> tuple[int, ...]:
+    """Our param's shape for one layer: a per-expert rule's tensors stacked [X, ...]."""
+    dims = table_dims(rule.our_dims, cfg)
+    return (cfg.moe.num_experts,) + dims if rule.per_expert else dims
 
 
 def active_rules(cfg: ModelConfig, head: str = CAUSAL_LM) -> list[WeightRule]:
@@ -126,17 +165,18 @@ def expected_tensors(cfg: ModelConfig, head: str = CAUSAL_LM
     """HF tensor name -> (rule, layer index or None) for every table tensor a dir must hold."""
     out = {}
     for rule in active_rules(cfg, head):
-        for i in (range(cfg.num_layers) if rule.per_layer else (None,)):
-            out[rule.hf.format(i=i)] = (rule, i)
+        for i in (rule_layers(rule, cfg) if rule.per_layer else (None,)):
+            for e in range(cfg.moe.num_experts) if rule.per_expert else (None,):
+                out[rule.hf.format(i=i, e=e)] = (rule, i)
     return out
 
 
 def hf_to_ours(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
-    return (x.T if rule.transpose else x).reshape(_dims(rule.our_dims, cfg))
+    return (x.T if rule.transpose else x).reshape(table_dims(rule.our_dims, cfg))
 
 
 def ours_to_hf(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
-    hf_shape = _dims(rule.hf_dims, cfg)
+    hf_shape = table_dims(rule.hf_dims, cfg)
     if rule.transpose:
         return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
     return x.reshape(hf_shape)
@@ -159,7 +199,7 @@ def hf_view(x: np.ndarray, rule: WeightRule, cfg: ModelConfig) -> np.ndarray:
     distinct = len(set(letters)) == len(letters)
     if any(len(d) != 1 for d in ours) or "".join(ours) != spelled or not distinct:
         return hf_to_ours(x, rule, cfg)
-    split = x.reshape(_dims(",".join(letters), cfg))
+    split = x.reshape(table_dims(",".join(letters), cfg))
     return split.transpose([letters.index(d) for d in ours])
 
 
@@ -226,10 +266,20 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides)
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos,
     )
+    if arch == "qwen3_moe":
+        kwargs["moe"] = MoeConfig(
+            # the hub's configs say num_experts; transformers 5 writes num_local_experts
+            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
     kwargs.update(overrides)
     try:
         return ModelConfig(**kwargs)
@@ -257,7 +307,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
         tie_word_embeddings=cfg.tie_word_embeddings,
         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
         bos_token_id=cfg.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
-        **hf_fields))
+        **_moe_fields(cfg), **hf_fields))
     out["architectures"] = [a for a, name in _HEADS[head][0].items() if name == cfg.arch]
     out["torch_dtype"] = out["dtype"] = torch_dtype
     out.setdefault("rope_theta", cfg.rope_theta)
@@ -265,6 +315,16 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
         out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
     return out
 
+
+
+def _moe_fields(cfg: ModelConfig) -> dict[str, Any]:
+    m = cfg.moe
+    if m is None:
+        return {}
+    return dict(num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                moe_intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob,
+                decoder_sparse_step=m.decoder_sparse_step, mlp_only_layers=list(m.mlp_only_layers),
+                router_aux_loss_coef=m.router_aux_loss_coef)
 
 
 def cache_root() -> str:
@@ -458,7 +518,7 @@ def check_tensors(files: SafetensorsDir, cfg: ModelConfig, path: str, head: str 
         problems.append(f"missing tensors {_few(missing)}")
     if extra:
         problems.append(f"unexpected tensors {_few(extra)} (not a {cfg.arch} checkpoint?)")
-    shapes = {**{n: _dims(r.hf_dims, cfg) for n, (r, _) in expected.items()}, **head_shapes}
+    shapes = {**{n: table_dims(r.hf_dims, cfg) for n, (r, _) in expected.items()}, **head_shapes}
     for name in sorted(wanted & set(files.entries)):
         want, got = tuple(shapes[name]), files.shape(name)
         if want != got:
@@ -482,7 +542,7 @@ def _locate(cfg: ModelConfig, head: str = CAUSAL_LM):
         elif cfg.scan_layers:
             out[("layers",) + parts] = (rule, "stacked")
         else:
-            for i in range(cfg.num_layers):
+            for i in rule_layers(rule, cfg):
                 out[(f"layers_{i}",) + parts] = (rule, i)
     return out
 
@@ -520,13 +580,12 @@ def read_params(files: SafetensorsDir, cfg: ModelConfig, abstract, shardings,
     """`abstract` (a Transformer's params, or a classifier's trunk) read from checked `files`,
     each param in its sharding by a callback that reads only its device's slice."""
     located = _locate(cfg, head)
-    hf_name = {(r, i): n for n, (r, i) in expected_tensors(cfg, head).items()}
     np_dtype = np.dtype(cfg.params_dtype)
 
     def make(key_path, leaf, sharding):
         key = tuple(k.key for k in key_path)
         rule, layer = located[key]
-        want = _dims(rule.our_dims, cfg)
+        want = our_shape(rule, cfg)
         if layer == "stacked":
             want = (cfg.num_layers,) + want
         if want != leaf.shape:  # table and model disagree: a bug here, not in the dir
@@ -535,11 +594,15 @@ def read_params(files: SafetensorsDir, cfg: ModelConfig, abstract, shardings,
         def read_slice(index):
             index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
             out = np.empty([len(range(n)[i]) for n, i in zip(leaf.shape, index)], np_dtype)
-            if layer != "stacked":
-                out[...] = hf_view(files.read(hf_name[(rule, layer)]), rule, cfg)[index]
-                return out
-            for j, i in enumerate(range(cfg.num_layers)[index[0]]):
-                out[j] = hf_view(files.read(hf_name[(rule, i)]), rule, cfg)[index[1:]]
+            if rule.per_expert:  # one HF tensor per expert: only this slice's experts read
+                for j, e in enumerate(range(cfg.moe.num_experts)[index[0]]):
+                    out[j] = hf_view(files.read(rule.hf.format(i=layer, e=e)), rule,
+                                     cfg)[index[1:]]
+            elif layer != "stacked":
+                out[...] = hf_view(files.read(rule.hf.format(i=layer)), rule, cfg)[index]
+            else:
+                for j, i in enumerate(range(cfg.num_layers)[index[0]]):
+                    out[j] = hf_view(files.read(rule.hf.format(i=i)), rule, cfg)[index[1:]]
             return out
 
         return jax.make_array_from_callback(leaf.shape, sharding, read_slice)
@@ -605,6 +668,10 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
                 tensors[key] = value
                 continue
             rule, layer = located[key]
+            if rule.per_expert:
+                for e in range(cfg.moe.num_experts):
+                    tensors[rule.hf.format(i=layer, e=e)] = ours_to_hf(value[e], rule, cfg)
+                continue
             for i in range(cfg.num_layers) if layer == "stacked" else (layer,):
                 tensors[rule.hf.format(i=i)] = ours_to_hf(
                     value[i] if layer == "stacked" else value, rule, cfg)

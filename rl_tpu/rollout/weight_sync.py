@@ -85,9 +85,7 @@ SGLANG_LORA_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qk
 
 def dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
     """A WEIGHT_TABLE dims spec (comma-separated products of shape letters) as a shape."""
-    size = {"D": cfg.hidden_size, "N": cfg.num_heads, "K": cfg.num_kv_heads,
-            "H": cfg.head_dim, "F": cfg.intermediate_size, "V": cfg.vocab_size}
-    return tuple(math.prod(size[c] for c in part) for part in spec.split(","))
+    return hf.table_dims(spec, cfg)
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -116,14 +114,14 @@ def params_mismatches(cfg: ModelConfig, params) -> list[str]:
               for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     expected = {}
     for rule in hf.active_rules(cfg):
-        shape = dims(rule.our_dims, cfg)
+        shape = hf.our_shape(rule, cfg)
         parts = tuple(rule.path.split("/"))
         if not rule.per_layer:
             expected[parts] = shape
         elif cfg.scan_layers:
             expected[("layers",) + parts] = (cfg.num_layers,) + shape
         else:
-            for i in range(cfg.num_layers):
+            for i in hf.rule_layers(rule, cfg):
                 expected[(f"layers_{i}",) + parts] = shape
     return [f"{'/'.join(k)} is {list(shapes[k]) if k in shapes else 'missing'}, the config "
             f"implies {list(v)}" for k, v in expected.items() if shapes.get(k) != v]

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from rl_tpu import parallel
 from rl_tpu.models import hf, tiny
+from rl_tpu.models.moe import MoeConfig
 from rl_tpu.models.tokenizer import load_tokenizer
 from rl_tpu.models.transformer import Transformer
 
@@ -223,14 +224,17 @@ def test_nonsense_dtype_is_named(tiny_dir, dtype):
 # --- views and scanned layers ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_hf_view_is_hf_to_ours_without_a_copy(arch):
     # Distinct sizes for every letter, so a wrong split or order cannot pass by symmetry.
-    cfg = tiny.tiny_config(arch, vocab_size=40, hidden_size=12, intermediate_size=20,
-                           num_heads=6, num_kv_heads=2, head_dim=8)
+    cfg = tiny.tiny_config("qwen3" if arch == "qwen3_moe" else arch, vocab_size=40,
+                           hidden_size=12, intermediate_size=20, num_heads=6, num_kv_heads=2,
+                           head_dim=8)
+    if arch == "qwen3_moe":  # 7 experts of width 9: letters X and M
+        cfg = cfg.replace(arch=arch, moe=MoeConfig(num_experts=7, top_k=2, intermediate_size=9))
     rng = np.random.default_rng(0)
     for rule in hf.active_rules(cfg):
-        x = rng.standard_normal(hf._dims(rule.hf_dims, cfg)).astype(np.float32)
+        x = rng.standard_normal(hf.table_dims(rule.hf_dims, cfg)).astype(np.float32)
         view = hf.hf_view(x, rule, cfg)
         np.testing.assert_array_equal(view, hf.hf_to_ours(x, rule, cfg), err_msg=rule.hf)
         assert np.shares_memory(view, x), rule.hf

@@ -2,7 +2,7 @@
 configs, 1e-4 max abs as the dense families' parity): logits, every sparse layer's router logits,
 the load-balancing loss as the HF model reports it, with a dense layer among the sparse ones
 (mlp_only_layers, decoder_sparse_step); routing replay through the whole model; the KV-cached
-path. The weights are mapped by hand here (HF checkpoint loading of MoE is the next step)."""
+path; the checkpoint read and written as the hub's (one safetensors tensor per expert)."""
 
 import jax
 import jax.numpy as jnp
@@ -36,42 +36,15 @@ def _configs(layers, step, mlp_only):
                        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                        rope_theta=hf_cfg.rope_parameters["rope_theta"],
                        rms_norm_eps=hf_cfg.rms_norm_eps,
+                       max_position_embeddings=hf_cfg.max_position_embeddings,
                        moe=MoeConfig(E, K, F_MOE, True, step, tuple(mlp_only), 0.01))
     return hf_cfg, ours
 
 
-def _nested_set(tree, path, value):
-    *parents, leaf = path.split("/")
-    for name in parents:
-        tree = tree.setdefault(name, {})
-    tree[leaf] = value
-
-
-def _params_of(model, cfg) -> dict:
-    """HF's in-memory tensors -> rl_tpu's params: the dense table's rules (hf.py) for all but
-    a sparse layer's MLP, whose router is transposed and experts split and transposed."""
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    params = {}
-    for rule in hf.active_rules(cfg):
-        for i in (range(cfg.num_layers) if rule.per_layer else (None,)):
-            name = rule.hf.format(i=i)
-            if i is not None and cfg.moe.is_sparse(i) and rule.path.startswith("mlp/"):
-                continue
-            path = rule.path if i is None else f"layers_{i}/{rule.path}"
-            _nested_set(params, path, jnp.asarray(hf.hf_to_ours(state[name], rule, cfg)))
-    for i in cfg.moe.sparse_layers(cfg.num_layers):
-        mlp = f"model.layers.{i}.mlp."
-        gate_up = state[mlp + "experts.gate_up_proj"]  # [E, 2F, D]
-        for name, value in (("router", state[mlp + "gate.weight"].T),
-                            ("gate_proj", gate_up[:, :F_MOE].transpose(0, 2, 1)),
-                            ("up_proj", gate_up[:, F_MOE:].transpose(0, 2, 1)),
-                            ("down_proj", state[mlp + "experts.down_proj"].transpose(0, 2, 1))):
-            _nested_set(params, f"layers_{i}/mlp/{name}", jnp.asarray(value))
-    return params
-
-
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def pair(request):
+def pair(request, tmp_path_factory):
+    """transformers' model, saved as the hub's checkpoints are (one tensor per expert), and
+    rl_tpu's hf.load of that directory."""
     hf_cfg, cfg = _configs(*LAYOUTS[request.param])
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(hf_cfg).eval()
@@ -81,7 +54,15 @@ def pair(request):
     ids = np.random.RandomState(1).randint(0, V, (2, 24)).astype(np.int32)
     with torch.no_grad():
         out = model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
-    return dict(cfg=cfg, params=_params_of(model, cfg), ids=ids, torch=out, hf_cfg=hf_cfg)
+    out_dir = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(out_dir)
+    loaded_cfg, params = hf.load(out_dir)
+    return dict(cfg=cfg, loaded_cfg=loaded_cfg, params=params, ids=ids, torch=out,
+                hf_cfg=hf_cfg, dir=out_dir)
+
+
+def test_config_json_reads_as_the_same_config(pair):
+    assert pair["loaded_cfg"] == pair["cfg"]
 
 
 def _apply(cfg, params, ids, **kw):
@@ -153,6 +134,32 @@ def test_rematerialised_layers_give_the_same_logits_and_gradients(pair, remat):
     np.testing.assert_allclose(float(again[0]), float(plain[0]), rtol=1e-6)
     for x, y in zip(jax.tree.leaves(again[1]), jax.tree.leaves(plain[1])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+
+
+def test_save_reloads_in_transformers_with_the_same_logits(pair, tmp_path):
+    hf.save(str(tmp_path / "out"), pair["cfg"], pair["params"])
+    with torch.no_grad():
+        reloaded = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+        logits = reloaded(torch.from_numpy(pair["ids"]).long()).logits.numpy()
+    np.testing.assert_array_equal(logits, pair["torch"].logits.numpy())
+    cfg, params = hf.load(str(tmp_path / "out"))  # and back: the same params
+    assert cfg == pair["cfg"]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(pair["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(pair, tmp_path):
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(pair["dir"], tmp_path / "m")
+    file = str(tmp_path / "m" / "model.safetensors")
+    tensors = load_file(file)
+    first = min(pair["cfg"].moe.sparse_layers(pair["cfg"].num_layers))
+    del tensors[f"model.layers.{first}.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(hf.CheckpointError,
+                       match=rf"missing tensors 'model.layers.{first}.mlp.experts.5.up_proj"):
+        hf.check_model_dir(str(tmp_path / "m"))
 
 
 def test_what_moe_does_not_support_yet_is_refused_by_name():
