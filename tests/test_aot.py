@@ -29,7 +29,15 @@ def test_presets_have_the_published_parameter_counts():
     assert preset_config("qwen3-8b").qk_norm
     with pytest.raises(ValueError, match="unknown model preset 'gpt-5'.*qwen2.5-7b"):
         preset_config("gpt-5")
-    assert len(PRESETS) == 7
+    # Qwen3-MoE as published, truncated: 30.5B total / 3.3B activated (ours: 30.53B / 3.35B,
+    # the embeddings and head counted), 235B / 22B (235.09B / 22.19B)
+    for name, total, active, unit in (("qwen3-30b-a3b", 305, 33, 1e8),
+                                      ("qwen3-235b-a22b", 235, 22, 1e9)):
+        moe = preset_config(name)
+        assert int(moe.num_params() / unit) == total, name
+        assert int(moe.num_active_params() / unit) == active, name
+        assert moe.moe.num_experts == 128 and moe.moe.top_k == 8 and moe.qk_norm
+    assert len(PRESETS) == 9
 
 
 def test_unknown_topology_names_the_chips():

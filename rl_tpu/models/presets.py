@@ -15,6 +15,13 @@ _QWEN25 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_ac
                rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
                bos_token_id=151643, eos_token_id=151645)
 
+_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  hidden_act="silu", vocab_size=151936, head_dim=128, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=40960,
+                  tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+
 PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": dict(_QWEN25, vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -40,6 +47,13 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                        rope_theta=1000000.0, max_position_embeddings=40960,
                        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    # Mixtures of experts: every layer sparse (decoder_sparse_step 1, no mlp_only_layers)
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94,
+                            num_attention_heads=64, num_key_value_heads=4),
     "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama",
                          hidden_act="silu", vocab_size=128256, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

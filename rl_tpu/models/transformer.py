@@ -162,6 +162,16 @@ class ModelConfig:
         embed = v * d * (1 if self.tie_word_embeddings else 2)
         return layers + embed + d
 
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (a mixture of experts' top-k of E experts per
+        sparse layer): the count a token's FLOPs follow. num_params() for a dense model."""
+        if self.moe is None:
+            return self.num_params()
+        m = self.moe
+        unused = (len(m.sparse_layers(self.num_layers)) * (m.num_experts - m.top_k)
+                  * 3 * self.hidden_size * m.intermediate_size)
+        return self.num_params() - unused
+
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     """[H/2] inverse frequencies, with the HF scaling rules of these families (float64 math)."""
