@@ -316,7 +316,6 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str, head: str = CAUSAL_LM,
     return out
 
 
-
 def _moe_fields(cfg: ModelConfig) -> dict[str, Any]:
     m = cfg.moe
     if m is None:

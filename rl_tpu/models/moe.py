@@ -94,7 +94,7 @@ def expert_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Arr
     x [N_tok, D]; experts, weights [N_tok, k]; gate, up [E, D, F]; down [E, F, D]. Every pair
     is computed: the pairs are sorted by expert (stable, so ties keep token order) and each
     expert's rows are one group of a ragged matmul."""
-    n, k = experts.shape
+    k = experts.shape[1]
     num_experts = gate.shape[0]
     flat = experts.reshape(-1)  # [M]
     order = jnp.argsort(flat, stable=True)
@@ -129,7 +129,7 @@ def load_balancing_loss(router_logits: Sequence[Array], top_k: int,
 
 
 class MoeMLP(nn.Module):
-    """Qwen3-MoE's sparse block: router `router/kernel` [D, E] (HF `mlp.gate.weight` [E, D],
+    """Qwen3-MoE's sparse block: router `router` [D, E] (HF `mlp.gate.weight` [E, D],
     transposed) and experts `gate_proj`, `up_proj` [E, D, F], `down_proj` [E, F, D] (HF's
     per-expert [F, D] / [D, F] matrices, transposed and stacked).
 
