@@ -6,6 +6,7 @@ import os
 
 import pytest
 from fake_devices import POOL_THREADS, xla_flags
+from suite_order import sglang_venv_tests_last
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,15 +78,6 @@ def pytest_collection_modifyitems(config, items):
             pass
 
     threading.Thread(target=install, name="sglang-venv-install", daemon=True).start()
-
-
-def sglang_venv_tests_last(items) -> bool:
-    """Moves the items marked sglang_venv to the end, in place, keeping each side's order;
-    whether there were any."""
-    needs_venv = [item for item in items if item.get_closest_marker("sglang_venv")]
-    marked = {id(item) for item in needs_venv}
-    items[:] = [item for item in items if id(item) not in marked] + needs_venv
-    return bool(needs_venv)
 
 
 def pytest_runtest_setup(item):

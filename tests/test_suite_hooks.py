@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import sglang_venv_tests_last
+from suite_order import sglang_venv_tests_last
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rollout"))
 from sglang_server import ensure_sglang_venv  # noqa: E402
