@@ -1,6 +1,6 @@
 """Test-wide set-up: 8 fake CPU devices (before jax is imported), fp32-exact matmuls, one
-persistent compilation cache for the run, quick CPU code generation, a run that ends when a worker dies, and real
-SGLang's venv installed in the background when its tests are collected."""
+persistent compilation cache for the run, quick CPU code generation, a run that ends when a
+worker dies, and real SGLang's venv installed in the background when its tests are collected."""
 
 import os
 

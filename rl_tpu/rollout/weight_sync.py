@@ -83,14 +83,10 @@ SGLANG_LORA_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qk
                        "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
-def dims(spec: str, cfg: ModelConfig) -> tuple[int, ...]:
-    """A WEIGHT_TABLE dims spec (comma-separated products of shape letters) as a shape."""
-    return hf.table_dims(spec, cfg)
-
-
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every tensor a checkpoint of `cfg` holds."""
-    return {name: dims(rule.hf_dims, cfg) for name, (rule, _) in hf.expected_tensors(cfg).items()}
+    return {name: hf.table_dims(rule.hf_dims, cfg)
+            for name, (rule, _) in hf.expected_tensors(cfg).items()}
 
 
 def shape_mismatches(ours: dict, served: dict, limit: int = 6) -> list[str]:

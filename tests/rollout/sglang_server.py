@@ -122,10 +122,10 @@ def ensure_sglang_venv(timeout: float = 3600.0) -> str:
                 with open(log_path, "w") as log:
                     subprocess.run([python, "-m", "pip", "install", "--upgrade", "pip"],
                                    stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-                    # byte-compiled here, by pip: with PYTHONDONTWRITEBYTECODE set (CI sets it)
-                    # no server start would ever write a .pyc, and each would compile torch's
-                    # and SGLang's sources again (3 processes a server; measured: ~100 s
-                    # server starts instead of ~37 s with `pip install --no-compile`)
+                    # byte-compiled here, by pip: with PYTHONDONTWRITEBYTECODE set (this
+                    # machine sets it) no server start would ever write a .pyc, and each would
+                    # compile torch's and SGLang's sources again (3 processes a server; one run
+                    # with `pip install --no-compile`: ~100 s server starts, not ~37 s)
                     done = subprocess.run([python, "-m", "pip", "install",
                                            f"sglang=={SGLANG_VERSION}"],
                                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout)

@@ -381,7 +381,7 @@ def _zeros_params(cfg):
             *parents, leaf = rule.path.split("/")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = np.full(weight_sync.dims(rule.our_dims, cfg), 0.01, np.float32)
+            node[leaf] = np.full(hf.table_dims(rule.our_dims, cfg), 0.01, np.float32)
     return params
 
 
