@@ -2,8 +2,9 @@
 
 Model code names the axes of every parameter and main activation logically (`embed`, `heads`,
 `vocab`, `act_batch`...). A short rule table maps logical names to the mesh axes
-`data` (pure data parallel), `fsdp` (data parallel with parameters sharded) and `tensor`
-(tensor/model parallel). The same model then runs on one CPU, a GPU, or a TPU pod slice,
+`data` (pure data parallel), `fsdp` (data parallel with parameters sharded), `expert` (a
+mixture of experts' experts split across it; for everything else another data axis) and
+`tensor` (tensor/model parallel). The same model then runs on one CPU, a GPU, or a TPU pod slice,
 only the mesh config changes.
 """
 
@@ -22,12 +23,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The axes a batch's rows are split over: every data-parallel one. `expert` is a data axis for
+# all but the experts, which gather their tokens over it (models/moe.py), as Megatron's
+# all-gather token dispatcher does.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated). First match wins.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     # activations
-    ("act_batch", ("data", "fsdp")),
+    ("act_batch", BATCH_AXES),
     ("act_len", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -41,6 +46,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("kv", None),
     ("mlp", "tensor"),
+    ("expert", "expert"),
     ("layers", None),
     ("norm", None),
 )
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 
 
 def make_mesh(axes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """Mesh over `devices` (default: all, across hosts) with axes data, fsdp, tensor.
+    """Mesh over `devices` (default: all, across hosts) with axes data, fsdp, expert, tensor.
 
     `axes` maps each of MESH_AXES to a size; missing axes are 1 and one axis may be -1
     (= all remaining devices). Example: {'fsdp': -1, 'tensor': 2}.
@@ -255,9 +261,15 @@ def require_main_thread(helper: str) -> None:
             "receives it).")
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+    """Ways a batch's rows are split over `mesh`: the product of its BATCH_AXES (the tensor
+    axis splits the model, not the rows)."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 def batch_spec(ndim: int) -> P:
     """Batch arrays are split on the leading dim over all data-parallel axes."""
-    return P(("data", "fsdp"), *([None] * (ndim - 1)))
+    return P(BATCH_AXES, *([None] * (ndim - 1)))
 
 
 def host_to_global(batch, mesh: Mesh):

@@ -214,7 +214,7 @@ def test_compile_check_gives_an_asynchronous_sampler_half_of_each_host():
                          "--programs", "score,sampler_decode", "--config.rollout.max_staleness=1",
                          "--config.train.tasks_per_step=8")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}" in out.stdout
+    assert "mesh {'data': 8, 'fsdp': 1, 'expert': 1, 'tensor': 1}" in out.stdout
     assert "learner programs on 8 of the 16 chips" in out.stdout
     assert "(one host's 2 chips)" in out.stdout
 

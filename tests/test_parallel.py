@@ -34,7 +34,10 @@ def model_dir(tmp_path_factory):
 
 def test_mesh_sizes_and_errors():
     mesh = parallel.make_mesh({"fsdp": -1, "tensor": 2})
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    mesh = parallel.make_mesh({"data": 2, "expert": -1})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert parallel.data_parallel_size(mesh) == 8  # the expert axis splits the rows too
     with pytest.raises(ValueError, match="needs 6 devices, there are 8"):
         parallel.make_mesh({"fsdp": 3, "tensor": 2})
     with pytest.raises(ValueError, match="unknown mesh axes \\['model'\\]"):

@@ -14,6 +14,15 @@ no capacity factor exists to tune; a capacity-based dispatch pads every expert t
 number of slots and drops the tokens beyond it, which changes the model's function with the
 batch's routing (and a sampler's and a learner's batches route differently).
 
+On a mesh whose `expert` axis is larger than one, each device holds num_experts / expert of the
+experts (their matrices split on `tensor` too, as a dense MLP's are) and the layer runs in
+`shard_map` (`expert_parallel_swiglu`): the tokens, split over every batch axis, expert
+included, are all-gathered over `expert`; each device computes its own experts' pairs of them;
+a reduce-scatter over `expert` (and a sum over `tensor`) brings every token its output back.
+That is Megatron's all-gather token dispatcher: no all-to-all and no capacity, so still no
+token is dropped; the tokens gathered are those of one expert group, the activations'
+share of the data-parallel batch times `expert`.
+
 Routing replay (R3, arXiv 2510.11370): `replay` [N_tok, k] names the experts to use instead of
 the router's own top-k (the experts the sampler chose for these tokens). The weights are still
 the learner's softmax probabilities at those experts (renormalised as above), so the router
@@ -33,6 +42,9 @@ from typing import Any, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from rl_tpu import parallel
 
 Array = jax.Array
 
@@ -108,6 +120,70 @@ def expert_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Arr
     return jnp.zeros_like(x).at[token_of].add(y)
 
 
+def _local_expert_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Array,
+                         down: Array, first: Array) -> Array:
+    """expert_swiglu over the pairs whose expert is one of this device's, gate/up/down
+    [E_local, ...] holding experts first .. first + E_local - 1; the other pairs add nothing.
+    The local pairs are sorted to the front by expert and the ragged matmuls' groups cover
+    only them (ragged_dot leaves rows past its groups zero)."""
+    k = experts.shape[1]
+    local_experts = gate.shape[0]
+    local = experts.reshape(-1) - first
+    mine = (local >= 0) & (local < local_experts)
+    key = jnp.where(mine, local, local_experts)  # the others sort last, in a group of their own
+    order = jnp.argsort(key, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+    rows = x[token_of]
+    g = jax.lax.ragged_dot(rows, gate, group_sizes)
+    u = jax.lax.ragged_dot(rows, up, group_sizes)
+    y = jax.lax.ragged_dot(nn.silu(g) * u, down, group_sizes)
+    pair_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
+    y = y * pair_weight[:, None].astype(y.dtype)
+    return jnp.zeros_like(x).at[token_of].add(y)
+
+
+def expert_parallel_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Array,
+                           down: Array, mesh, rules=None) -> Array:
+    """expert_swiglu with the experts split over `mesh`'s `expert` axis (module docstring).
+
+    x [N_tok, D], experts and weights [N_tok, k]: their rows split as the batch's are (the
+    `act_batch` rule); gate, up [E, D, F] and down [E, F, D] split on `expert` (and F on
+    `tensor`, where it divides); the weights' fsdp split, if any, is gathered at the boundary
+    as an fsdp layer's is."""
+    rules = parallel.DEFAULT_RULES if rules is None else rules
+    num_experts = gate.shape[0]
+    ep = mesh.shape["expert"]
+    if num_experts % ep:
+        raise ValueError(f"mesh.expert={ep} does not divide the {num_experts} experts; use a "
+                         "divisor of the expert count")
+    rows = parallel.logical_to_spec(("act_batch", None), mesh, rules, x.shape)[0]
+    row_axes = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    gathered = "expert" in row_axes  # else every expert device already holds the same tokens
+    f = gate.shape[2]
+    tensor = "tensor" if mesh.shape["tensor"] > 1 and f % mesh.shape["tensor"] == 0 else None
+    local_experts = num_experts // ep
+
+    def local(x, experts, weights, gate, up, down):
+        if gathered:
+            x, experts, weights = (jax.lax.all_gather(a, "expert", tiled=True)
+                                   for a in (x, experts, weights))
+        first = jax.lax.axis_index("expert") * local_experts
+        y = _local_expert_swiglu(x, experts, weights, gate, up, down, first)
+        if tensor:
+            y = jax.lax.psum(y, "tensor")
+        if gathered:
+            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, "expert")
+
+    row_spec = P(rows, None)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(row_spec, row_spec, row_spec, P("expert", None, tensor),
+                  P("expert", None, tensor), P("expert", tensor, None)),
+        out_specs=row_spec, check_vma=False)(x, experts, weights, gate, up, down)
+
+
 def load_balancing_loss(router_logits: Sequence[Array], top_k: int,
                         mask: Optional[Array] = None) -> Array:
     """transformers' load-balancing loss of the MoE layers' router_logits (each [N_tok, E]),
@@ -143,6 +219,8 @@ class MoeMLP(nn.Module):
     norm_topk_prob: bool
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    mesh: Any = None  # with an `expert` axis over one device: expert_parallel_swiglu
+    rules: Any = None
 
     @nn.compact
     def __call__(self, x: Array, replay: Optional[Array] = None):
@@ -162,7 +240,11 @@ class MoeMLP(nn.Module):
         logits = flat @ router  # [N_tok, E]
         weights, experts = route(logits, self.top_k, self.norm_topk_prob,
                                  None if replay is None else replay.reshape(b * t, self.top_k))
-        out = expert_swiglu(flat, experts, weights, gate, up, down)
+        if self.mesh is not None and self.mesh.shape["expert"] > 1:
+            out = expert_parallel_swiglu(flat, experts, weights, gate, up, down, self.mesh,
+                                         self.rules)
+        else:
+            out = expert_swiglu(flat, experts, weights, gate, up, down)
         return out.reshape(b, t, d), {"router_logits": logits, "experts": experts}
 
 

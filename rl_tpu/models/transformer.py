@@ -451,7 +451,8 @@ class Block(nn.Module):
         if self.sparse:
             m = cfg.moe
             out, routing = MoeMLP(m.num_experts, m.top_k, m.intermediate_size, m.norm_topk_prob,
-                                  cfg.compute_dtype, cfg.params_dtype, name="mlp")(
+                                  cfg.compute_dtype, cfg.params_dtype, self.mesh, self.rules,
+                                  name="mlp")(
                 norm("post_attn_norm")(x), replay)
             self.sow("intermediates", "router_logits", routing["router_logits"])
             self.sow("intermediates", "experts", routing["experts"])

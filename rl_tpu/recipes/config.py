@@ -106,10 +106,13 @@ def lora_block() -> ml_collections.ConfigDict:
 
 
 def mesh_block() -> ml_collections.ConfigDict:
-    """The device mesh's axes (rl_tpu/parallel.py): data, fsdp and tensor parallelism."""
+    """The device mesh's axes (rl_tpu/parallel.py): data, fsdp, expert and tensor parallelism."""
     b = ml_collections.ConfigDict()
     b.data = -1  # -1: every device not used by the other axes
     b.fsdp = 1
+    # a mixture of experts' experts split over this many devices (it must divide the number of
+    # experts); for the rest of the model another data axis
+    b.expert = 1
     b.tensor = 1
     return b
 

@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from rl_tpu import parallel
-from rl_tpu.recipes import placement, rollout_settings, sft, train_states
+from rl_tpu.recipes import rollout_settings, sft, train_states
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
 from rl_tpu.rewards.mix import RewardMix
@@ -199,7 +199,7 @@ def sequence_logps(chain: PolicyChain, params, examples: Sequence[Example]) -> n
     fn = steps.compile_logprob_fn(
         steps.make_logprob_fn(chain.model, steps.StepConfig(
             logprob_chunk=config.train.logprob_chunk)), params, chain.mesh)
-    dp = placement.data_parallel_size(chain.mesh)
+    dp = parallel.data_parallel_size(chain.mesh)
     size = -(-config.dpo.batch_size // dp) * dp
     buckets = sft.bucket_lengths(config, max(len(ids) for ids, _ in examples))
     out = []
@@ -248,9 +248,9 @@ def optimise(chain: PolicyChain, r: int, params, pairs: Sequence[Pair],
     """dpo.steps preference steps from `params`, checkpointed in W/round_r/dpo; returns the
     new params and the last step's metrics (dpo/*)."""
     config, d = chain.config, chain.config.dpo
-    if d.batch_size % placement.data_parallel_size(chain.mesh):
+    if d.batch_size % parallel.data_parallel_size(chain.mesh):
         raise ValueError(f"dpo.batch_size={d.batch_size} must divide by the data-parallel size "
-                         f"{placement.data_parallel_size(chain.mesh)}")
+                         f"{parallel.data_parallel_size(chain.mesh)}")
     num_steps = preference_steps(d, len(pairs))
     optim = train_states.optim_config(d.lr, config, num_steps, warmup_steps=0)
     state = train_states.new_state(params, optim)

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 def make_mesh(config: ml_collections.ConfigDict, devices=None) -> Mesh:
     """The training mesh over `devices` (default: every device of every host)."""
     m = config.mesh
-    return parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor},
-                              devices=devices)
+    return parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "expert": m.expert,
+                               "tensor": m.tensor}, devices=devices)
 
 
 def split_devices(config: ml_collections.ConfigDict, devices: Optional[list] = None,
@@ -97,9 +97,3 @@ def check_hosts(config: ml_collections.ConfigDict) -> None:
             "other. Set rollout.deterministic=False (free-running: every token's version "
             "is tracked), rollout.max_staleness=0, or use the embedded JAX sampler "
             "(--rollout_urls unset)")
-
-
-def data_parallel_size(mesh: Mesh) -> int:
-    """Ways the learner's batch is split over `mesh`: its data and fsdp axes (each row of a
-    batch on one of them; the tensor axis splits the model, not the rows)."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]

@@ -50,7 +50,7 @@ from rl_tpu.data.jsonl import split_rows
 from rl_tpu.data.pairs import read_preference_pairs
 from rl_tpu.data.tasks import eval_tasks
 from rl_tpu.models import lora, reward_model
-from rl_tpu.recipes import placement, policy_io, rollout_settings, sft, train_states
+from rl_tpu.recipes import policy_io, rollout_settings, sft, train_states
 from rl_tpu.recipes.dpo import Pair, PairBatches, online_pairs
 from rl_tpu.recipes.experience import read_json, sample, write_json
 from rl_tpu.recipes.policy_chain import PolicyChain
@@ -201,9 +201,9 @@ def optimise(chain: PolicyChain, r: int, model, params, pairs: Sequence) -> tupl
         raise ValueError("no preference pairs to train the reward model on: every task's "
                          "replies tied (raise loop.samples_per_task or reward_model.prompts, "
                          "or give reward_model.data_path)")
-    if rm.batch_size % placement.data_parallel_size(chain.mesh):
+    if rm.batch_size % parallel.data_parallel_size(chain.mesh):
         raise ValueError(f"reward_model.batch_size={rm.batch_size} must divide by the "
-                         f"data-parallel size {placement.data_parallel_size(chain.mesh)}")
+                         f"data-parallel size {parallel.data_parallel_size(chain.mesh)}")
     num_steps = (max(1, math.ceil(rm.epochs * len(pairs) / rm.batch_size)) if rm.epochs > 0
                  else rm.steps)
     optim = train_states.optim_config(rm.lr, config, num_steps, warmup_steps=0)

@@ -260,9 +260,9 @@ def train(state: TrainState, model, mesh, data: Iterator[dict], *, num_steps: in
 def example_batches(config: ml_collections.ConfigDict, examples: Sequence[Example], mesh,
                     batch_size: int, max_length: int) -> ExampleBatches:
     """The config's SFT batches of `examples` for this host (sft.group_by_length, seed)."""
-    if batch_size % placement.data_parallel_size(mesh):
+    if batch_size % parallel.data_parallel_size(mesh):
         raise ValueError(f"the SFT batch size {batch_size} must divide by the data-parallel "
-                         f"size {placement.data_parallel_size(mesh)}")
+                         f"size {parallel.data_parallel_size(mesh)}")
     return ExampleBatches(examples, batch_size, bucket_lengths(config, max_length), config.seed,
                           host=(jax.process_index(), jax.process_count()),
                           group_by_length=config.sft.group_by_length)

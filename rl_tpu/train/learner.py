@@ -129,7 +129,7 @@ class Learner:
         self.reference_params = reference_params
         self._batch_sharding = NamedSharding(mesh, parallel.batch_spec(1))
         self._replicated = NamedSharding(mesh, P())
-        self._data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+        self._data_parallel = parallel.data_parallel_size(mesh)
         self._advantages = jax.jit(self._advantages_fn, out_shardings=self._batch_sharding)
         self._programs: dict[tuple, Any] = {}  # (phase, micro-batches) -> jitted function
         self._ahead: Optional[concurrent.futures.Future] = None  # compile_ahead's, until read

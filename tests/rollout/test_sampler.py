@@ -356,7 +356,7 @@ def test_tensor_parallel_sampler_equals_one_device_and_gathers_no_weight(setup):
     decode all-gathers only activations (a row's vocab shards for sampling), never a weight:
     nothing as large as the smallest kernel."""
     mesh = parallel.sampler_mesh(jax.devices(), setup["cfg"].num_kv_heads)
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
     tp = JaxSampler(setup["cfg"], setup["params"], mesh=mesh, tokenizer=setup["tok"])
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=8, **GREEDY)) for p in PROMPTS]
     expected = setup["sampler"].generate(requests)
