@@ -2,7 +2,8 @@
 environment, loads a model sharded over the global mesh, computes logits of a global batch to
 which this host contributes its own rows, and (process 0) saves them for the test to compare.
 
-  python tests/multihost_logits.py MODEL_DIR OUT.npy   (with JAX_COORDINATOR_ADDRESS etc. set)
+  python tests/multihost_logits.py MODEL_DIR OUT.npy [MESH]   (with JAX_COORDINATOR_ADDRESS
+  etc. set; MESH the mesh's axes, default fsdp=4,tensor=2)
 """
 
 import os
@@ -24,10 +25,11 @@ def global_batch():
     return np.random.RandomState(0).randint(0, 320, (8, 12)).astype(np.int32)
 
 
-def main(model_dir, out_file):
+def main(model_dir, out_file, mesh_axes="fsdp=4,tensor=2"):
     assert parallel.maybe_initialize_distributed()
     assert jax.device_count() == 8 and jax.local_device_count() == 4, jax.devices()
-    mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+    mesh = parallel.make_mesh({axis: int(size) for axis, size in
+                               (item.split("=") for item in mesh_axes.split(","))})
     cfg, params = hf.load(model_dir, mesh=mesh)
     held = sum(parallel.bytes_per_device(params).values())  # this host's devices only
     rows = global_batch()
@@ -48,4 +50,4 @@ if __name__ == "__main__":
 
     os.environ["XLA_FLAGS"] = xla_flags(4)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -155,6 +155,19 @@ def test_two_processes_form_one_mesh(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_split_a_mixture_of_experts_one_expert_a_device(tmp_path):
+    """Qwen3-MoE's 8 experts over an expert axis of 8 devices on 2 processes (the tokens
+    all-gathered across both hosts, the outputs reduce-scattered back) = one device."""
+    model_dir = str(tmp_path / "moe")
+    tiny.write_tiny_model(model_dir, "qwen3_moe", vocab_size=320, init_scale=0.1)
+    cfg, single = hf.load(model_dir)
+    expected = np.asarray(Transformer(cfg).apply({"params": single}, global_batch()))
+    out = str(tmp_path / "logits.npy")
+    run_two_hosts("multihost_logits.py", model_dir, out, "expert=8")
+    np.testing.assert_allclose(np.load(out), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_weight_sync_across_two_hosts_moves_nothing_through_host_memory(model_dir, tmp_path):
     """A trainer sharded over 2 hosts x 4 devices feeds each host's own sampler by
     `parallel.host_copies` under a transfer guard that refuses any host <-> device copy; both

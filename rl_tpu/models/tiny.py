@@ -15,11 +15,13 @@ import numpy as np
 
 from rl_tpu import parallel
 from rl_tpu.models import hf
+from rl_tpu.models.moe import MoeConfig
 from rl_tpu.models.tiny_tokenizer import IM_END, build_tokenizer
 from rl_tpu.models.transformer import ModelConfig, RopeScaling, Transformer
 
 # Each family's distinguishing switches at toy size: GQA (4 query heads on 2 kv heads), several
-# layers, Llama 3.1 rope scaling for llama, QKV bias for qwen2, q/k norm + tied embeddings for qwen3.
+# layers, Llama 3.1 rope scaling for llama, QKV bias for qwen2, q/k norm + tied embeddings for qwen3,
+# 8 experts of which each token takes 2 in every layer for qwen3_moe (untied, as Qwen3-30B-A3B).
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
 FAMILY_SWITCHES = {
@@ -28,6 +30,8 @@ FAMILY_SWITCHES = {
         original_max_position_embeddings=256)),
     "qwen2": dict(rope_theta=1000000.0, qkv_bias=True),
     "qwen3": dict(rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True),
+    "qwen3_moe": dict(rope_theta=1000000.0, qk_norm=True, moe=MoeConfig(
+        num_experts=8, top_k=2, intermediate_size=32)),
 }
 
 
