@@ -538,8 +538,9 @@ def _locate(cfg: ModelConfig, head: str = CAUSAL_LM):
         parts = tuple(rule.path.split("/"))
         if not rule.per_layer:
             out[parts] = (rule, None)
-        elif cfg.scan_layers:
-            out[("layers",) + parts] = (rule, "stacked")
+        elif cfg.scan_layers:  # every layer holds it, or (a dense MLP in all-sparse) none
+            if rule_layers(rule, cfg):
+                out[("layers",) + parts] = (rule, "stacked")
         else:
             for i in rule_layers(rule, cfg):
                 out[(f"layers_{i}",) + parts] = (rule, i)
@@ -593,7 +594,12 @@ def read_params(files: SafetensorsDir, cfg: ModelConfig, abstract, shardings,
         def read_slice(index):
             index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
             out = np.empty([len(range(n)[i]) for n, i in zip(leaf.shape, index)], np_dtype)
-            if rule.per_expert:  # one HF tensor per expert: only this slice's experts read
+            if rule.per_expert and layer == "stacked":  # [L, X, ...]: this slice's alone
+                for j, i in enumerate(range(cfg.num_layers)[index[0]]):
+                    for m, e in enumerate(range(cfg.moe.num_experts)[index[1]]):
+                        out[j, m] = hf_view(files.read(rule.hf.format(i=i, e=e)), rule,
+                                            cfg)[index[2:]]
+            elif rule.per_expert:  # one HF tensor per expert: only this slice's experts read
                 for j, e in enumerate(range(cfg.moe.num_experts)[index[0]]):
                     out[j] = hf_view(files.read(rule.hf.format(i=layer, e=e)), rule,
                                      cfg)[index[1:]]
@@ -667,13 +673,11 @@ def save(path: str, cfg: ModelConfig, params, tokenizer=None, dtype: Optional[st
                 tensors[key] = value
                 continue
             rule, layer = located[key]
-            if rule.per_expert:
-                for e in range(cfg.moe.num_experts):
-                    tensors[rule.hf.format(i=layer, e=e)] = ours_to_hf(value[e], rule, cfg)
-                continue
             for i in range(cfg.num_layers) if layer == "stacked" else (layer,):
-                tensors[rule.hf.format(i=i)] = ours_to_hf(
-                    value[i] if layer == "stacked" else value, rule, cfg)
+                one = value[i] if layer == "stacked" else value
+                for e in range(cfg.moe.num_experts) if rule.per_expert else (None,):
+                    tensors[rule.hf.format(i=i, e=e)] = ours_to_hf(
+                        one if e is None else one[e], rule, cfg)
         file = ("model.safetensors" if len(shards) == 1
                 else f"model-{k:05d}-of-{len(shards):05d}.safetensors")
         if writer:

@@ -251,7 +251,12 @@ class MoeMLP(nn.Module):
 def sown_routing(intermediates: dict, num_layers: int) -> tuple[list[Array], Optional[Array]]:
     """(router logits of each sparse layer [N_tok, E], in layer order; their chosen experts
     stacked [N_tok, sparse layers, k], or None without sparse layers) from the "intermediates"
-    a Transformer's apply(..., mutable=["intermediates"]) returns."""
+    a Transformer's apply(..., mutable=["intermediates"]) returns (scanned layers sow theirs
+    stacked [L, ...] under "layers")."""
+    if "layers" in intermediates:
+        stacked = intermediates["layers"]
+        return (list(stacked["router_logits"][0]),
+                jnp.moveaxis(stacked["experts"][0], 0, 1))
     logits, experts = [], []
     for i in range(num_layers):
         sown = intermediates.get(f"layers_{i}", {})

@@ -112,9 +112,12 @@ class ModelConfig:
         if (self.arch == "qwen3_moe") != (self.moe is not None):
             raise ValueError(f"arch={self.arch!r} with moe={self.moe}: arch qwen3_moe needs a "
                              "MoeConfig, and only it takes one")
-        if self.moe is not None and self.scan_layers:
-            raise ValueError("scan_layers=True with a mixture of experts is not supported yet: "
-                             "set model.scan_layers=False")
+        if (self.moe is not None and self.scan_layers
+                and len(self.moe.sparse_layers(self.num_layers)) != self.num_layers):
+            raise ValueError(  # a scan repeats one block: every layer must be the same kind
+                "scan_layers=True needs every layer of a mixture of experts sparse (as Qwen3-MoE "
+                f"releases have); this one has dense layers {self._dense_layers()} "
+                "(mlp_only_layers, decoder_sparse_step): set model.scan_layers=False")
         if self.moe is not None and self.lora is not None:
             raise ValueError("LoRA on a mixture of experts is not supported yet: train it "
                              "fully (model.lora.rank=0)")
@@ -143,6 +146,10 @@ class ModelConfig:
     @property
     def kv_dtype(self):
         return jnp.dtype(self.cache_dtype or self.dtype)
+
+    def _dense_layers(self) -> list[int]:
+        sparse = set(self.moe.sparse_layers(self.num_layers)) if self.moe else set()
+        return [i for i in range(self.num_layers) if i not in sparse]
 
     def num_params(self) -> int:
         """Parameter count, for MFU and memory estimates."""
@@ -497,11 +504,14 @@ class Transformer(nn.Module):
         )
         block = _block_class(cfg)
         if cfg.scan_layers:
+            # xs: the cache [L, ...] and a mixture of experts' routing replay [B, T, L, k];
+            # what a sparse block sows is stacked [L, ...] as its params are
             self.layers = nn.scan(
-                block, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=cfg.num_layers,
+                block, variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 2), length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, self.mesh, self.rules)
+            )(cfg, self.mesh, self.rules, sparse=cfg.moe is not None)
         else:
             self.layers = [block(cfg, self.mesh, self.rules, name=f"layers_{i}",
                                  sparse=cfg.moe is not None and cfg.moe.is_sparse(i))
@@ -528,7 +538,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         x = parallel.constrain(x, ("act_batch", "act_len", "act_embed"), self.mesh, self.rules)
         if cfg.scan_layers:
-            x, new_cache = self.layers(x, positions, mask, cache, adapter_rows)
+            x, new_cache = self.layers(x, positions, mask, cache, adapter_rows, routing_replay)
         else:
             written, sparse_index = [], 0
             for i, layer in enumerate(self.layers):

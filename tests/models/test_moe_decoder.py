@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from rl_tpu.models import hf
 from rl_tpu.models.moe import MoeConfig, load_balancing_loss, sown_routing
-from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache
+from rl_tpu.models.transformer import ModelConfig, Transformer, init_cache, unstack_layers
 
 TOL = 1e-4
 V, D, F_DENSE, F_MOE, E, K = 96, 32, 48, 16, 8, 2
@@ -162,10 +162,52 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(pair, tmp_path):
         hf.check_model_dir(str(tmp_path / "m"))
 
 
+def test_scanned_layers_read_route_replay_train_and_save_as_the_unscanned(pair, tmp_path):
+    """Every layer sparse: the hub's checkpoint read into scanned layers ([L, X, ...] experts)
+    gives transformers' logits and router logits, the same gradients as the unscanned
+    layers, replays routing alike, and saves the hub's tensors back; dense layers among
+    the sparse ones cannot scan and are refused naming them."""
+    cfg, ids = pair["cfg"], jnp.asarray(pair["ids"])
+    if len(cfg.moe.sparse_layers(cfg.num_layers)) != cfg.num_layers:
+        with pytest.raises(ValueError, match=r"this one has dense layers \[\d"):
+            cfg.replace(scan_layers=True)
+        return
+    scan_cfg, scanned = hf.load(pair["dir"], scan_layers=True)
+    assert scanned["layers"]["mlp"]["gate_proj"].shape == (cfg.num_layers, E, D, F_MOE)
+    logits, state = _apply(scan_cfg, scanned, ids)
+    np.testing.assert_allclose(np.asarray(logits), pair["torch"].logits.numpy(), atol=TOL, rtol=0)
+    router_logits, experts = sown_routing(state["intermediates"], cfg.num_layers)
+    want_logits, want_state = _apply(cfg, pair["params"], ids)
+    want_router, want_experts = sown_routing(want_state["intermediates"], cfg.num_layers)
+    for ours, theirs in zip(router_logits, want_router, strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(want_experts))
+    shifted = ((experts + 1) % E).reshape(ids.shape + experts.shape[1:])
+    np.testing.assert_allclose(np.asarray(_apply(scan_cfg, scanned, ids, routing_replay=shifted)[0]),
+                               np.asarray(_apply(cfg, pair["params"], ids,
+                                                 routing_replay=shifted)[0]), atol=TOL, rtol=0)
+
+    def loss(params, c):
+        return jnp.sum(Transformer(c).apply({"params": params}, ids) ** 2)
+
+    grads = unstack_layers(jax.grad(loss)(scanned, scan_cfg), cfg.num_layers)
+    want = jax.grad(loss)(pair["params"], cfg)
+    for path, g in jax.tree_util.tree_leaves_with_path(want):
+        got = grads
+        for key in path:
+            got = got[key.key]
+        # float32 sums in another order (a scan's loop): 1e-6 of the tensor's largest entry
+        scale = float(np.abs(np.asarray(g)).max())
+        np.testing.assert_allclose(np.asarray(got), np.asarray(g), atol=1e-6 * scale, rtol=0,
+                                   err_msg=jax.tree_util.keystr(path))
+    hf.save(str(tmp_path / "out"), scan_cfg, scanned)
+    _, again = hf.load(str(tmp_path / "out"))
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(pair["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_what_moe_does_not_support_yet_is_refused_by_name():
     _, cfg = _configs(2, 1, ())
-    with pytest.raises(ValueError, match="scan_layers=True with a mixture of experts"):
-        cfg.replace(scan_layers=True)
     with pytest.raises(ValueError, match="arch qwen3_moe needs a MoeConfig"):
         cfg.replace(moe=None)
     with pytest.raises(ValueError, match="top_k=9 must be in"):

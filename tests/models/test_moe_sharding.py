@@ -93,6 +93,29 @@ def test_experts_split_over_the_mesh_equal_one_device(params, mesh_name, rows, l
                                    err_msg=jax.tree_util.keystr(path))
 
 
+def test_scanned_layers_split_over_the_mesh_equal_one_device():
+    """Scanned layers (every one sparse) run the expert-parallel layer inside the scan."""
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoeConfig(E, K, 16, True, 1, (), 0.01),
+                         "scan_layers": True})
+    ids = jnp.asarray(_inputs(8, 12, seed=0)[0])
+    mesh = parallel.make_mesh(MESHES["fsdp2_expert2_tensor2"])
+    params = parallel.init_params(Transformer(cfg, mesh=mesh), mesh, parallel.DEFAULT_RULES,
+                                  jax.random.key(1), ids)
+    assert params["layers"]["mlp"]["gate_proj"].sharding.spec[:2] == (None, "expert")
+
+    def loss(model, p):
+        return jnp.mean(model.apply({"params": p}, ids) ** 2)
+
+    got = jax.jit(jax.value_and_grad(lambda p: loss(Transformer(cfg, mesh=mesh), p)))(params)
+    want = jax.jit(jax.value_and_grad(lambda p: loss(Transformer(cfg), p)))(
+        jax.device_get(params))
+    np.testing.assert_allclose(got[0], want[0], rtol=TOL)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        scale = float(np.abs(np.asarray(w)).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=TOL * scale)
+
+
 def test_an_expert_axis_that_does_not_divide_the_experts_is_refused(params):
     mesh = parallel.make_mesh({"data": 1, "expert": 8, "tensor": 1})
     small = ModelConfig(**{**CFG.__dict__, "moe": MoeConfig(4, K, 16, True, 1, (1,), 0.01)})
