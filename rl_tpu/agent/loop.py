@@ -104,6 +104,7 @@ class Episode:
         self.rewards: list[float] = []
         self.weight_versions: list = []
         self.logprob_convention = "full"
+        self.routing: Optional[np.ndarray] = None  # int32 [ids so far (or fewer), S, k]
         self.step_infos: list[dict] = []
         self.success: Optional[bool] = None  # last `success` an env info reported
         self.finish: Optional[str] = None
@@ -134,6 +135,29 @@ class Episode:
         self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(ids))
         self.versions.extend(list(versions) if generated else [NO_VERSION] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
+
+    def record_routing(self, rows) -> None:
+        """Merges an engine's routed experts (rows for this episode's ids from position 0,
+        -1 where its pass computed none) into the episode's. A later pass's record wins: it
+        computed the context the latest turn was sampled from (without prefix reuse a turn's
+        prefill recomputes the ids before it; with reuse it computes only the new ones)."""
+        rows = np.asarray(rows, np.int32)
+        if self.routing is None:
+            self.routing = np.full((0,) + rows.shape[1:], -1, np.int32)
+        if len(self.routing) < len(rows):
+            pad = np.full((len(rows) - len(self.routing),) + rows.shape[1:], -1, np.int32)
+            self.routing = np.concatenate([self.routing, pad])
+        recorded = (rows >= 0).all(axis=(1, 2))
+        self.routing[:len(rows)][recorded] = rows[recorded]
+
+    def routed_experts(self) -> Optional[np.ndarray]:
+        """[len(tokens), S, k], -1 where nothing was recorded (ids never fed to the engine:
+        each turn's last one, the final observation); None when no engine recorded any."""
+        if self.routing is None:
+            return None
+        missing = len(self.tokens) - len(self.routing)
+        return np.concatenate([self.routing, np.full((missing,) + self.routing.shape[1:], -1,
+                                                     np.int32)])
 
     def end(self, finish: str, error: Optional[str] = None):
         self.finish = finish
@@ -525,6 +549,12 @@ def _add_generation(ep: Episode, request: GenerateRequest, result: GenerateResul
     versions = token_versions(len(ids), result.weight_version,
                               result.info.get("weight_versions"))
     ep.extend(ids, generated=True, turn=turn, logprobs=logprobs, versions=versions)
+    if result.routed_experts is not None:
+        ep.record_routing(result.routed_experts)
+    elif request.sampling.return_routed_experts:
+        raise RuntimeError(f"request {request.request_id} asked for routed experts and the "
+                           "engine returned none: it cannot record them (routing replay needs "
+                           "the embedded sampler and a mixture-of-experts policy)")
     ep.turn_left -= len(ids)
     if result.logprob_convention != "full":
         ep.logprob_convention = result.logprob_convention
@@ -646,5 +676,6 @@ def _finalize(ep: Episode, reward_reduce, max_turns: int, max_new_tokens_per_tur
         num_turns=len(ep.rewards), weight_versions=list(ep.weight_versions),
         logprob_convention=ep.logprob_convention,
         token_versions=np.asarray(ep.versions, np.int32),
+        routed_experts=ep.routed_experts(),
         task_id=ep.task.task_id, group_id=ep.group_id, finish=ep.finish or "env_error",
         messages=ep.messages, info=ep.info)

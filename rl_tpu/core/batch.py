@@ -1,6 +1,7 @@
 """The rollout batch: every array an RL step moves from the host to the learner, declared once.
 
-Shape letters: B rows, T length bucket, M turn slots (TL-GRPO's branch turns).
+Shape letters: B rows, T length bucket, M turn slots (TL-GRPO's branch turns), S a mixture of
+experts' sparse layers, K its experts per token.
 
 `FIELDS` says, for each array, its dtype, its shape kind (per token [B, T], per row [B] or per
 turn slot [B, M]) and which learner program reads it. Everything else reads that table: the
@@ -34,10 +35,14 @@ from typing import Any, Iterable, Iterator, Optional
 import jax
 import numpy as np
 
-TOKEN, ROW, TURN = "token", "row", "turn"  # shape kinds: [B, T], [B], [B, M]
+# shape kinds: [B, T], [B], [B, M], [B, T, S, K]
+TOKEN, ROW, TURN, ROUTING = "token", "row", "turn", "routing"
 POLICY, VALUE = "policy", "value"  # the update programs that read a field
 ROLLOUT, RECIPE, LEARNER = "rollout", "recipe", "learner"  # who makes a field
 MODEL_INPUTS = ("tokens", "positions", "segment_ids")  # what a forward pass reads
+# what a mixture of experts' forward also reads under routing replay (Transformer's
+# `routing_replay`: the experts the sampler chose, -1 where it recorded none)
+ROUTING_INPUT = "routed_experts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,9 @@ FIELDS: dict[str, FieldSpec] = {
     "rewards": FieldSpec(_F32, ROW, doc="the episode's final reward"),
     "group_ids": FieldSpec(_I32, ROW, doc="the task's global stream index; -1: no group"),
     "valid": FieldSpec(_BOOL, ROW, doc="a scored row (not padding, error or filler)"),
+    "routed_experts": FieldSpec(_I32, ROUTING, (POLICY,), doc=(
+        "a mixture of experts' experts the sampler chose per token and sparse layer (-1: not "
+        "recorded); only with algo.routing_replay or algo.log_routing_mismatch")),
     # added by the recipes (algorithms.batch_arrays, the Dr.GRPO budget)
     "turn_rewards": FieldSpec(_F32, TURN, doc="TL-GRPO: each branch slot's reward",
                               made_by=RECIPE),
@@ -111,6 +119,7 @@ class RolloutBatch(Mapping):
     rewards: Any = None
     group_ids: Any = None
     valid: Any = None
+    routed_experts: Any = None
     turn_rewards: Any = None
     turn_group_ids: Any = None
     length_normalizer: Any = None
@@ -195,7 +204,8 @@ class RolloutBatch(Mapping):
 
 jax.tree_util.register_dataclass(RolloutBatch, data_fields=list(FIELDS), meta_fields=[])
 
-SHAPE_LETTERS = {TOKEN: ("B", "T"), ROW: ("B",), TURN: ("B", "M")}
+SHAPE_LETTERS = {TOKEN: ("B", "T"), ROW: ("B",), TURN: ("B", "M"),
+                 ROUTING: ("B", "T", "S", "K")}
 REQUIRED = tuple(name for name, spec in FIELDS.items() if spec.required)
 assert [f.name for f in dataclasses.fields(RolloutBatch)] == list(FIELDS), \
     "RolloutBatch's fields and FIELDS must list the same arrays in the same order"
@@ -215,16 +225,21 @@ def update_fields(program: str, present: Iterable[str] = ()) -> list[str]:
 
 
 def abstract_batch(rows: int, length: int, sharding, names: Iterable[str],
-                   turns: Optional[int] = None) -> RolloutBatch:
+                   turns: Optional[int] = None,
+                   routing: Optional[tuple[int, int]] = None) -> RolloutBatch:
     """ShapeDtypeStructs of a batch carrying `names`, in FIELDS' dtypes and shapes ([rows,
-    length], [rows], or [rows, turns]), sharded by `sharding`: what a program is lowered
-    against when nothing is to run."""
-    sizes = {"B": rows, "T": length, "M": turns}
+    length], [rows], [rows, turns], or [rows, length, *routing] with routing = (sparse
+    layers, top-k)), sharded by `sharding`: what a program is lowered against when nothing
+    is to run."""
+    sizes = {"B": rows, "T": length, "M": turns, "S": None, "K": None}
+    if routing is not None:
+        sizes["S"], sizes["K"] = routing
 
     def one(name: str):
         letters = SHAPE_LETTERS[FIELDS[name].kind]
         if any(sizes[k] is None for k in letters):
-            raise ValueError(f"an abstract {name!r} needs the number of turn slots (turns=)")
+            raise ValueError(f"an abstract {name!r} needs the number of turn slots (turns=) "
+                             "or of sparse layers and experts a token (routing=)")
         return jax.ShapeDtypeStruct(tuple(sizes[k] for k in letters), FIELDS[name].dtype,
                                     sharding=sharding)
 

@@ -53,6 +53,9 @@ class SamplingParams:
     ignore_eos: bool = False  # as in SGLang: also turns off stop_token_ids (not stop strings)
     n: int = 1  # samples per prompt (results come prompt-major: p0s0, p0s1, p1s0...)
     seed: Optional[int] = None
+    # a mixture of experts' chosen experts on the result (GenerateResult.routed_experts), as
+    # SGLang's request field of that name; an engine that cannot record them refuses it
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -110,6 +113,12 @@ class GenerateResult:
     prompt_tokens: int = 0
     info: dict = dataclasses.field(default_factory=dict)
     logprob_convention: str = "full"  # one of LOGPROB_CONVENTIONS
+    # A mixture of experts' routing (the embedded sampler records it): int32
+    # [prompt + output - 1, sparse layers, k], row p the experts chosen for the token at
+    # position p of prompt_ids + output_ids in the pass that computed its K/V, -1 where this
+    # call computed none (a reused prefix); the last output id, never fed, has no row. None
+    # for a dense model or an engine that does not report it.
+    routed_experts: Optional[Any] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

@@ -96,6 +96,9 @@ class Trajectory:
     # int32[T]: the weight version that sampled each id (NO_VERSION where the policy did not);
     # None from code that predates it: every generated id then has its turn's version.
     token_versions: Optional[np.ndarray] = None
+    # int32[T, S, k]: a mixture of experts' experts the engine chose for each id and sparse
+    # layer (-1 where it recorded none); None unless the run asked for them (routing replay)
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if self.token_versions is None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rl_tpu.core.batch import ROUTING_INPUT
 from rl_tpu.models.dense import dense_dot_general
+from rl_tpu.models.moe import sown_routing
 from rl_tpu.models.transformer import ModelConfig, Transformer, lm_head_kernel
 
 
@@ -37,19 +39,43 @@ def logprobs_of(logits, targets, with_entropy: bool = True):
 
 
 def token_logprobs(model: Transformer, params, batch, chunk: int = 128, temperature: float = 1.0,
-                   with_entropy: bool = True):
+                   with_entropy: bool = True, routing_replay: bool = False):
     """Log-prob (and entropy) of every token given the tokens before it.
 
     batch: `tokens` [B, T] and optionally `positions`, `segment_ids` [B, T], and
-    `dropout_rng` (a training step's key for LoRA dropout; without one, no dropout).
+    `dropout_rng` (a training step's key for LoRA dropout; without one, no dropout);
+    with `routing_replay` (a mixture of experts) `routed_experts` [B, T, S, k], the experts
+    to use instead of the routers' own choice (-1: the router's).
     Returns (logprobs [B, T], entropy [B, T] or None), aligned with the tokens: entry t belongs
     to token t (so a loss mask over generated tokens applies directly); entry 0 is 0.
     """
+    lp, ent, _ = token_logprobs_and_routing(model, params, batch, chunk, temperature,
+                                            with_entropy, routing_replay)
+    return lp, ent
+
+
+def token_logprobs_and_routing(model: Transformer, params, batch, chunk: int = 128,
+                               temperature: float = 1.0, with_entropy: bool = True,
+                               routing_replay: bool = False):
+    """token_logprobs, and a mixture of experts' routing in that pass: (router logits of each
+    sparse layer [B*T, E], experts chosen [B*T, S, k]) as moe.sown_routing gives them, or
+    None for a dense model."""
     tokens = batch["tokens"]
     rngs = {"dropout": batch["dropout_rng"]} if "dropout_rng" in batch else None
-    hidden = model.apply({"params": params}, tokens, batch.get("positions"),
-                         batch.get("segment_ids"), return_hidden=True, rngs=rngs)  # [B, T, D]
-    b, t, d = hidden.shape
+    inputs = (tokens, batch.get("positions"), batch.get("segment_ids"))
+    routing = None
+    if model.cfg.moe is None:
+        hidden = model.apply({"params": params}, *inputs, return_hidden=True, rngs=rngs)
+    else:
+        if routing_replay and ROUTING_INPUT not in batch:
+            raise ValueError(f"routing replay needs the batch's {ROUTING_INPUT!r} (the "
+                             f"sampler's experts); it has {sorted(batch)}")
+        hidden, state = model.apply(
+            {"params": params}, *inputs, return_hidden=True, rngs=rngs,
+            routing_replay=batch[ROUTING_INPUT] if routing_replay else None,
+            mutable=["intermediates"])
+        routing = sown_routing(state["intermediates"], model.cfg.num_layers)
+    b, t, d = hidden.shape  # [B, T, D]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     c = min(chunk, t)
     n = -(-t // c)
@@ -73,4 +99,4 @@ def token_logprobs(model: Transformer, params, batch, chunk: int = 128, temperat
         x = x.swapaxes(0, 1).reshape(b, n * c)[:, :t]
         return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
 
-    return align(lp), (align(ent) if with_entropy else None)
+    return align(lp), (align(ent) if with_entropy else None), routing

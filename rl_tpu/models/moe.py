@@ -84,15 +84,16 @@ def route(router_logits: Array, top_k: int, norm_topk_prob: bool,
           replay: Optional[Array] = None) -> tuple[Array, Array]:
     """(weights [N_tok, k] float32, experts [N_tok, k] int32) of router_logits [N_tok, E]:
     the router's own top-k, or the `replay` experts [N_tok, k] weighted by the router's
-    probabilities there."""
+    probabilities there. A token whose replay holds a negative id (nothing was recorded for
+    it: a sampler's reused prefix, a sequence's last id, padding) takes the router's own."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    if replay is None:
-        weights, experts = jax.lax.top_k(probs, top_k)
-    else:
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if replay is not None:
         if replay.shape != probs.shape[:-1] + (top_k,):
             raise ValueError(f"routing replay of shape {replay.shape}: expected "
                              f"{probs.shape[:-1] + (top_k,)} (tokens, top-k)")
-        experts = replay.astype(jnp.int32)
+        recorded = jnp.all(replay >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(recorded, replay.astype(jnp.int32), experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -246,6 +247,23 @@ class MoeMLP(nn.Module):
         else:
             out = expert_swiglu(flat, experts, weights, gate, up, down)
         return out.reshape(b, t, d), {"router_logits": logits, "experts": experts}
+
+
+def routing_mismatch(router_logits: Sequence[Array], recorded: Array, top_k: int,
+                     mask: Array) -> tuple[Array, Array]:
+    """(share, count): of the token-layer routings `recorded` [B, T, S, k] (a sampler's
+    experts, -1 where none) on tokens where `mask` [B, T] is set, the share whose expert set
+    differs from the router's own top-k of `router_logits` (each sparse layer's [B*T, E]),
+    and how many were compared. Sets, not orders: top-k's order is that of the probabilities,
+    which a replay does not keep."""
+    b, t, s, k = recorded.shape
+    own = jnp.stack([jax.lax.top_k(logits.astype(jnp.float32), top_k)[1]
+                     for logits in router_logits], axis=1).reshape(b, t, s, k)
+    same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded, axis=-1), axis=-1)
+    counted = jnp.all(recorded >= 0, axis=-1) & mask.astype(bool)[:, :, None]
+    count = jnp.sum(counted)
+    share = jnp.sum(counted & ~same) / jnp.maximum(count, 1)
+    return share.astype(jnp.float32), count.astype(jnp.float32)
 
 
 def sown_routing(intermediates: dict, num_layers: int) -> tuple[list[Array], Optional[Array]]:

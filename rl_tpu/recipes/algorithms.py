@@ -45,7 +45,7 @@ import numpy as np
 from rl_tpu import agent
 
 from rl_tpu.agent import branching
-from rl_tpu.core.batch import FIELDS, LEARNER, REQUIRED, ROLLOUT
+from rl_tpu.core.batch import FIELDS, LEARNER, REQUIRED, ROLLOUT, ROUTING_INPUT
 from rl_tpu.rl.advantages import ADVANTAGES, estimator_inputs
 from rl_tpu.rl.bapo import BapoConfig
 from rl_tpu.rl.importance import LOGPROB_GAP_THRESHOLD
@@ -111,7 +111,25 @@ def shared_algo_block() -> ml_collections.ConfigDict:
     # False: no proximal forward; the behaviour log-probs stand in for it. Exact on-policy
     # with full-distribution log-probs, and whenever the ratio is against behaviour.
     c.recompute_proximal = True
+    # A mixture-of-experts policy (docs/models.md): "rollout" replays the experts the embedded
+    # sampler chose for each token in the learner's forward passes (R3, arXiv 2510.11370),
+    # "none" lets the learner's router choose. log_routing_mismatch: carry the sampler's
+    # choice to the learner and log train/routing_mismatch (the share of token-layer routings
+    # where the learner's own top-k differs) even without replaying it.
+    c.routing_replay = "none"
+    c.log_routing_mismatch = False
     return c
+
+
+ROUTING_REPLAY = ("none", "rollout")
+
+
+def records_routing(algo: ml_collections.ConfigDict) -> bool:
+    """Whether the run's rollouts must record a mixture of experts' routing."""
+    if algo.routing_replay not in ROUTING_REPLAY:
+        raise ValueError(f"algo.routing_replay={algo.routing_replay!r}; choose one of "
+                         f"{ROUTING_REPLAY}")
+    return algo.routing_replay == "rollout" or bool(algo.log_routing_mismatch)
 
 
 # ----------------------------------------------------------------------------- records
@@ -285,7 +303,8 @@ def update_config(config: ml_collections.ConfigDict) -> UpdateConfig:
         score_micro_batches=t.score_micro_batches or t.minibatches * t.micro_batches,
         tokens_per_device=t.tokens_per_device, score_tokens_per_device=t.score_tokens_per_device,
         step=steps.StepConfig(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk,
-                              temperature=config.rollout.temperature),
+                              temperature=config.rollout.temperature,
+                              routing_replay=algo.routing_replay == "rollout"),
         advantage=algo.advantage, advantage_options=advantage_options(algo),
         value_clip=algo.value_clip or None, use_reference=uses_reference(algo),
         reward_kl_coef=algo.reward_kl_coef if estimator_use(algo.advantage).reward_kl else 0.0,
@@ -414,7 +433,8 @@ def batch_keys(trajectories: Sequence[Trajectory], algo) -> list[str]:
     estimator_use(algo.advantage)  # an unknown estimator: the error that lists them
     reads = [k for k in estimator_inputs(algo.advantage)
              if k in FIELDS and FIELDS[k].made_by != LEARNER]
-    updates = [k for k, spec in FIELDS.items() if spec.made_by == ROLLOUT and spec.read_by]
+    updates = [k for k, spec in FIELDS.items() if spec.made_by == ROLLOUT and spec.read_by
+               and (k != ROUTING_INPUT or records_routing(algo))]
     keys = list(dict.fromkeys([*REQUIRED, *reads, *updates]))
     truncated = any(t.logprob_convention != "full" for t in trajectories)
     if not truncated:

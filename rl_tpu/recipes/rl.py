@@ -163,6 +163,12 @@ class Trainer:
         path = policy_io.model_path(config, workdir)
         self.model_cfg, model, params, self.tokenizer = policy_io.load_policy(
             config, path, self.mesh)
+        if algorithms.records_routing(config.algo) and self.model_cfg.moe is None:
+            raise ValueError(
+                f"algo.routing_replay={config.algo.routing_replay!r} / "
+                f"algo.log_routing_mismatch={config.algo.log_routing_mismatch}: the policy "
+                f"({self.model_cfg.arch}) is not a mixture of experts, it has no routing to "
+                "record; turn them off, or train a Qwen3-MoE")
         self.make_env = env_factory.make_env_factory(config)
         # every episode failing, step after step, stops the run (and W/env_errors.log)
         self.env_failures = EnvFailureWatch(workdir, config.env.max_failed_steps,

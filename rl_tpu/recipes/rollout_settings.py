@@ -12,6 +12,7 @@ import numpy as np
 
 from rl_tpu import schedules
 from rl_tpu.core.engine import SamplingParams
+from rl_tpu.recipes.algorithms import records_routing
 
 
 def step_seed(seed: int, step: int, what: int = 0) -> int:
@@ -21,9 +22,11 @@ def step_seed(seed: int, step: int, what: int = 0) -> int:
 
 def sampling_params(config: ml_collections.ConfigDict, seed: Optional[int]) -> SamplingParams:
     """The `rollout.*` sampling of a request (temperature, top-p, top-k) with `seed` (None:
-    the engine's own; greedy evals pass their own temperature)."""
+    the engine's own; greedy evals pass their own temperature), asking for a mixture of
+    experts' routed experts when the algorithm replays or measures them."""
     r = config.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
+                          return_routed_experts=records_routing(config.algo))
 
 
 def horizon_at(config: ml_collections.ConfigDict, step: int) -> int:

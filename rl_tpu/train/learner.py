@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
-from rl_tpu.core.batch import (MODEL_INPUTS, POLICY, VALUE, RolloutBatch, abstract_batch,
-                               update_fields)
+from rl_tpu.core.batch import (MODEL_INPUTS, POLICY, ROUTING_INPUT, VALUE, RolloutBatch,
+                               abstract_batch, update_fields)
 from rl_tpu.models import lora
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
@@ -228,7 +228,7 @@ class Learner:
         needs = () if self.cfg.recompute_proximal else ("behaviour_logprobs",)
         batch = RolloutBatch.of(batch).check(needs, why="recompute_proximal=False: the "
                                              "engine's log-probs stand in for the proximal")
-        inputs = {k: batch[k] for k in MODEL_INPUTS}
+        inputs = {k: batch[k] for k in self.model_inputs()}
         shape = batch.tokens.shape
         out = {}
         if self.proximal_from_step:
@@ -294,6 +294,19 @@ class Learner:
 
     # -- compiling ahead ------------------------------------------------------------------
 
+    def model_inputs(self) -> tuple[str, ...]:
+        """What the score pass's forwards read: the tokens' arrays, and under routing replay
+        the sampler's routed experts."""
+        return MODEL_INPUTS + ((ROUTING_INPUT,) if self.cfg.step.routing_replay else ())
+
+    def routing_shape(self) -> Optional[tuple[int, int]]:
+        """(sparse layers, experts a token) of a mixture-of-experts policy, else None: the
+        trailing dims of a batch's routed_experts."""
+        moe = getattr(self.model.cfg, "moe", None)
+        if moe is None:
+            return None
+        return len(moe.sparse_layers(self.model.cfg.num_layers)), moe.top_k
+
     def update_keys(self, batch_keys) -> list[str]:
         """The batch fields the policy update reads, given the fields a batch carries: those
         FIELDS says it reads (always, or when present), old_logprobs only when no step takes
@@ -326,13 +339,16 @@ class Learner:
         nothing runs and nothing is allocated. What aot.check measures on a TPU topology and
         `compile_ahead` compiles here."""
         sharding = self._batch_sharding
-        inputs = dict(abstract_batch(rows, length, sharding, MODEL_INPUTS))
+        routing = self.routing_shape()
+        inputs = dict(abstract_batch(rows, length, sharding, self.model_inputs(),
+                                     routing=routing))
         # the key as `update` passes it: uncommitted (a committed replicated one is another
         # jit cache entry, so the program compiled ahead would go unused)
         key = jax.eval_shape(lambda: jax.random.key(0))
         program = self.program(phase, rows, length)
         if phase == "policy_update":
-            batch = abstract_batch(rows, length, sharding, self.update_keys(batch_keys))
+            batch = abstract_batch(rows, length, sharding, self.update_keys(batch_keys),
+                                   routing=routing)
             return program.lower(_abstract(self.policy), batch, key)
         if phase in ("logprobs", "ref_logprobs"):
             params = self.policy.params if phase == "logprobs" else self.reference()

@@ -19,6 +19,9 @@ rl_tpu/core/batch.py FIELDS):
 - Padding rows: B is rounded up to a multiple of `row_multiple` (data-parallel size x
   minibatches x micro-batches) with rows whose mask is all zero.
 - `positions`, `segment_ids`: 0..T-1 and 1 on real tokens (0 on padding).
+- `routed_experts` [B, T, S, K] when the trajectories carry a mixture of experts' routing (the
+  sampler's, for routing replay): -1 wherever nothing was recorded, padding included, which
+  the model reads as "route this token yourself".
 """
 
 from __future__ import annotations
@@ -92,7 +95,26 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], *, length_buckets:
     return RolloutBatch(tokens=tokens, positions=positions, segment_ids=segment_ids,
                         loss_mask=loss_mask, behaviour_logprobs=behaviour, turn_ids=turn_ids,
                         token_versions=versions, token_rewards=token_rewards, rewards=rewards,
-                        group_ids=out_ids, valid=valid)
+                        group_ids=out_ids, valid=valid,
+                        routed_experts=_stack_routing(trajectories, b, t_len))
+
+
+def _stack_routing(trajectories: Sequence[Trajectory], rows: int, length: int
+                   ) -> Optional[np.ndarray]:
+    """[rows, length, S, K] of the trajectories' routed experts, -1 where absent; None when
+    none carries any (a dense policy, or a run that did not ask for them)."""
+    recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    if not recorded:
+        return None
+    shapes = {r.shape[1:] for r in recorded}
+    if len(shapes) != 1:
+        raise ValueError(f"trajectories carry routed experts of different shapes {shapes} "
+                         "(sparse layers, experts a token): one policy's rollouts must agree")
+    out = np.full((rows, length) + shapes.pop(), -1, FIELDS["routed_experts"].dtype)
+    for i, traj in enumerate(trajectories):
+        if traj.routed_experts is not None:
+            out[i, :len(traj)] = traj.routed_experts
+    return out
 
 
 def sampled_budgets(trajectories: Sequence[Trajectory], rows: int, default: int) -> np.ndarray:

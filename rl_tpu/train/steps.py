@@ -47,7 +47,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_tpu import parallel
-from rl_tpu.models.logprobs import token_logprobs
+from rl_tpu.core.batch import MODEL_INPUTS, ROUTING_INPUT
+from rl_tpu.models.logprobs import token_logprobs, token_logprobs_and_routing
+from rl_tpu.models.moe import load_balancing_loss, routing_mismatch
 from rl_tpu.models.reward_model import sequence_scores
 from rl_tpu.models.transformer import Transformer
 from rl_tpu.models.value import ValueModel
@@ -70,6 +72,9 @@ class StepConfig:
     # batch's old_logprobs: exact when the step's params are those a score pass would have
     # used, i.e. one epoch of one minibatch (Learner.proximal_from_step).
     proximal_from_step: bool = False
+    # A mixture of experts' forward passes replay the batch's routed_experts (the sampler's
+    # choice) instead of routing each token themselves (algo.routing_replay="rollout").
+    routing_replay: bool = False
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -211,17 +216,37 @@ def make_logprob_fn(model: Transformer, cfg: StepConfig = StepConfig(), with_ent
     def fn(params, batch):
         if cfg.micro_batches == 1:
             return token_logprobs(model, params, batch, cfg.logprob_chunk, cfg.temperature,
-                                  with_entropy)
-        micro = split_micro_batches(_model_inputs(batch), cfg.micro_batches)
+                                  with_entropy, cfg.routing_replay)
+        micro = split_micro_batches(_model_inputs(batch, cfg), cfg.micro_batches)
         lp, ent = jax.lax.map(lambda mb: token_logprobs(
-            model, params, mb, cfg.logprob_chunk, cfg.temperature, with_entropy), micro)
+            model, params, mb, cfg.logprob_chunk, cfg.temperature, with_entropy,
+            cfg.routing_replay), micro)
         unsplit = lambda x: x.swapaxes(0, 1).reshape(-1, x.shape[-1])  # noqa: E731
         return unsplit(lp), (None if ent is None else unsplit(ent))
     return fn
 
 
-def _model_inputs(batch):
-    return {k: batch[k] for k in ("tokens", "positions", "segment_ids") if k in batch}
+def _model_inputs(batch, cfg: StepConfig):
+    names = MODEL_INPUTS + ((ROUTING_INPUT,) if cfg.routing_replay else ())
+    return {k: batch[k] for k in names if k in batch}
+
+
+def _routing_terms(model: Transformer, routing, micro) -> tuple[Any, dict[str, Metric]]:
+    """A mixture of experts' additions to the policy loss and its metrics: the routers'
+    load-balancing loss (times the checkpoint's router_aux_loss_coef, as transformers adds it
+    to the LM loss) over the real tokens; and, when the batch carries the sampler's routing,
+    routing_mismatch: the share of token-layer routings (the policy's tokens) where this
+    forward's own router picks other experts than the sampler did."""
+    moe_cfg = model.cfg.moe
+    router_logits, _ = routing
+    real = micro["segment_ids"] > 0 if "segment_ids" in micro else None
+    aux = load_balancing_loss(router_logits, moe_cfg.top_k, real)
+    metrics = {"router_aux_loss": Metric.of(aux)}
+    if ROUTING_INPUT in micro:
+        share, count = routing_mismatch(router_logits, micro[ROUTING_INPUT], moe_cfg.top_k,
+                                        micro["loss_mask"])
+        metrics["routing_mismatch"] = Metric.of(share, weight=count)
+    return moe_cfg.router_aux_loss_coef * aux, metrics
 
 
 def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
@@ -236,13 +261,19 @@ def make_policy_step(model: Transformer, loss_cfg: PolicyLossConfig,
     kind = POLICY_LOSSES.get(loss_cfg.kind)
 
     def loss_fn(params, micro, batch_stats):
-        lp, entropy = token_logprobs(model, params, micro, cfg.logprob_chunk, cfg.temperature)
+        lp, entropy, routing = token_logprobs_and_routing(
+            model, params, micro, cfg.logprob_chunk, cfg.temperature,
+            routing_replay=cfg.routing_replay)
         old = jax.lax.stop_gradient(lp) if cfg.proximal_from_step else micro["old_logprobs"]
-        return policy_loss(
+        loss, metrics = policy_loss(
             lp, old, micro["advantages"], micro["loss_mask"], loss_cfg,
             behaviour_logprobs=micro.get("behaviour_logprobs"),
             ref_logprobs=micro.get("ref_logprobs"), entropy=entropy, batch_stats=batch_stats,
             normalizer=micro.get("length_normalizer"))  # [B]: a budget schedule's, traced
+        if routing is None:
+            return loss, metrics
+        router_loss, router_metrics = _routing_terms(model, routing, micro)
+        return loss + router_loss, {**metrics, **router_metrics}
 
     def step(state: TrainState, batch):
         _require(batch, ["tokens", "loss_mask", "advantages"]

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from rl_tpu.core import batch as core_batch
-from rl_tpu.core.batch import (FIELDS, POLICY, REQUIRED, ROW, TOKEN, TURN, VALUE, RolloutBatch,
-                               abstract_batch, update_fields)
+from rl_tpu.core.batch import (FIELDS, POLICY, REQUIRED, ROUTING, ROW, TOKEN, TURN, VALUE,
+                               RolloutBatch, abstract_batch, update_fields)
 from rl_tpu.core.trajectory import Trajectory
 from rl_tpu.recipes import algorithms
 from rl_tpu.rl.advantages import BATCH_KEYS, estimator_inputs
 from rl_tpu.train import steps
 from rl_tpu.train.rollout_batch import trajectories_to_batch
 
-B, T, M = 4, 6, 2
-SIZES = {TOKEN: (B, T), ROW: (B,), TURN: (B, M)}
+B, T, M, S, K = 4, 6, 2, 3, 2
+SIZES = {TOKEN: (B, T), ROW: (B,), TURN: (B, M), ROUTING: (B, T, S, K)}
 
 
 def _array(name, rows=B):
@@ -55,12 +55,14 @@ def test_trajectories_to_batch_makes_every_array_as_declared():
 
 
 def test_abstract_batch_follows_the_declaration():
-    abstract = abstract_batch(B, T, None, FIELDS, turns=M)
+    abstract = abstract_batch(B, T, None, FIELDS, turns=M, routing=(S, K))
     for name, spec in FIELDS.items():
         assert abstract[name].shape == SIZES[spec.kind], name
         assert abstract[name].dtype == spec.dtype, name
     with pytest.raises(ValueError, match="'turn_rewards' needs the number of turn slots"):
         abstract_batch(B, T, None, ["turn_rewards"])
+    with pytest.raises(ValueError, match="'routed_experts' needs .* \\(routing=\\)"):
+        abstract_batch(B, T, None, ["routed_experts"])
 
 
 def test_update_fields_follow_the_declaration():

@@ -142,6 +142,23 @@ def test_replayed_experts_are_weighted_by_the_learners_probabilities():
     assert not (own == replay.reshape(-1, K)).all()  # the replay changed the selection
 
 
+def test_tokens_with_nothing_recorded_take_the_routers_own_experts():
+    """-1 (a reused prefix, a last id, padding): those tokens route as without replay, the
+    others take the replayed experts."""
+    block, x = _hf_block(True), jnp.asarray(_x())
+    params = {"params": _our_params(block)}
+    own_out, own = _ours(True).apply(params, x)
+    replay = np.broadcast_to(np.array([6, 3], np.int32), (B, T, K)).copy()
+    replay[:, ::2] = -1  # every second token unrecorded
+    out, aux = _ours(True).apply(params, x, jnp.asarray(replay))
+    got, own_experts = np.asarray(aux["experts"]).reshape(B, T, K), np.asarray(
+        own["experts"]).reshape(B, T, K)
+    np.testing.assert_array_equal(got[:, ::2], own_experts[:, ::2])
+    np.testing.assert_array_equal(got[:, 1::2], replay[:, 1::2])
+    np.testing.assert_allclose(np.asarray(out)[:, ::2], np.asarray(own_out)[:, ::2],
+                               atol=1e-6, rtol=0)
+
+
 def test_no_pair_is_dropped_when_every_token_picks_the_same_experts():
     """The worst imbalance a capacity-based dispatch drops tokens in: all pairs on expert 0
     and 1. Ragged dispatch computes each of them: the output equals every token's own sum."""

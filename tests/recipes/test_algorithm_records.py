@@ -20,7 +20,9 @@ _SHARED = {"aggregation": "token_mean", "bapo": _BAPO, "behaviour_is": "none",
            "log_kl": False, "logprob_gap_threshold": 0.1, "mechanism_metrics": False,
            "max_refill_rounds": 3, "overlong_buffer": 0, "overlong_penalty": 1.0,
            "ratio_against": "proximal", "recompute_proximal": True, "reward_kl_coef": 0.0,
-           "std_ddof": 1, "value_clip": 0.2, "value_lr": 1e-05, "whiten_advantages": False}
+           "std_ddof": 1, "value_clip": 0.2, "value_lr": 1e-05, "whiten_advantages": False,
+           # added after the records (mixtures of experts), off for every algorithm
+           "routing_replay": "none", "log_routing_mismatch": False}
 _OWN = {
     "ppo": {"advantage": "gae", "loss": "ppo", "lam": 0.95, "whiten_advantages": True},
     "grpo": {"advantage": "grpo", "loss": "ppo", "aggregation": "seq_mean_token_mean"},
@@ -38,10 +40,10 @@ _KEYS = ["advantage", "aggregation", "bapo", "behaviour_is", "behaviour_is_cap",
          "behaviour_is_level",
          "branch_sample", "branch_turn", "clip_high", "clip_low", "dual_clip",
          "dynamic_sampling", "entropy_coef", "gamma", "kl_coef", "kl_estimator", "lam",
-         "log_kl", "logprob_gap_threshold", "loss",
+         "log_kl", "log_routing_mismatch", "logprob_gap_threshold", "loss",
          "max_refill_rounds", "mechanism_metrics", "name", "overlong_buffer", "overlong_penalty", "ratio_against",
-         "recompute_proximal", "reward_kl_coef", "std_ddof", "value_clip", "value_lr",
-         "whiten_advantages"]
+         "recompute_proximal", "reward_kl_coef", "routing_replay", "std_ddof", "value_clip",
+         "value_lr", "whiten_advantages"]
 
 
 def _typed(tree):

@@ -59,6 +59,26 @@ def test_base_config_is_locked_and_checked():
         c.train.steps = "abc"
 
 
+def test_routed_experts_reach_the_learner_only_when_replayed_or_measured():
+    from rl_tpu.recipes.config_checks import check
+    from rl_tpu.recipes.rollout_settings import sampling_params
+    c = base_config("grpo")
+    assert "routed_experts" not in algorithms.batch_keys([traj(1, 0)], c.algo)
+    assert not sampling_params(c, seed=0).return_routed_experts
+    for key, value in (("routing_replay", "rollout"), ("log_routing_mismatch", True)):
+        c = base_config("grpo")
+        c.algo[key] = value
+        assert "routed_experts" in algorithms.batch_keys([traj(1, 0)], c.algo)
+        assert sampling_params(c, seed=0).return_routed_experts
+        c.rollout.engine, c.rollout.urls = "sglang", "http://127.0.0.1:1"
+        with pytest.raises(ValueError, match="come only from the embedded sampler"):
+            check(c)
+    c = base_config("grpo")
+    c.algo.routing_replay = "sampler"
+    with pytest.raises(ValueError, match=r"routing_replay='sampler'; choose one of \('none'"):
+        algorithms.records_routing(c.algo)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "cispo"])
 def test_each_algorithm_trains_a_step(tmp_path, name):
