@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rl_tpu.core.engine import GenerateRequest, GenerateResult
 from rl_tpu.rollout.decoding import DecodeState, decode, prefill
 from rl_tpu.rollout.pool_programs import (Ladders, empty_pool, end_rows, fit, grow_pool,
-                                          read_rows, scatter_rows)
+                                          read_experts, read_rows, scatter_rows)
 from rl_tpu.rollout.prefix_cache import next_power_of_two
 from rl_tpu.rollout.sampler import JaxSampler
 
@@ -235,6 +235,8 @@ class ContinuousBatcher:
                                   min_chunk=max(1, self.decode_chunk // 4))
                     for f in [f for f in ladders.group if f <= rows]:  # (F, rows, slots)
                         jax.block_until_ready(read_rows(pool, np.zeros((f,), np.int32)))
+                        if pool.experts is not None:
+                            jax.block_until_ready(read_experts(pool, np.zeros((f,), np.int32)))
                         if sampler.prefix_cache is not None:
                             sampler.prefix_cache.warm_save(pool.cache, np.zeros((f,), np.int32))
                     pool = end_rows(pool, np.zeros((rows,), bool))
@@ -480,17 +482,22 @@ class ContinuousBatcher:
         pool = empty_pool(self.sampler.model, rows, slots, width)
         return jax.device_put(pool, NamedSharding(self.sampler.mesh, PartitionSpec()))
 
-    def _read(self, pool: DecodeState, slots: list[int]) -> tuple[np.ndarray, ...]:
-        """(tokens, logprobs [len(slots), S], stopped) of those pool rows, a group at a time
-        (each padded to a rung of the group ladder with its first row)."""
+    def _read(self, pool: DecodeState, slots: list[int], experts: bool = False
+              ) -> tuple[Optional[np.ndarray], ...]:
+        """(tokens, logprobs [len(slots), S], stopped, and with `experts` a mixture of experts'
+        routing [len(slots), S, sparse layers, k], else None) of those pool rows, a group at
+        a time (each padded to a rung of the group ladder with its first row)."""
         parts = []
         step = self.ladders.group[-1]
+        with_experts = experts and pool.experts is not None
         for i in range(0, len(slots), step):
             part = slots[i:i + step]
             take = np.full((fit(self.ladders.group, len(part)),), part[0], np.int32)
             take[:len(part)] = part
-            parts.append([np.asarray(x)[:len(part)] for x in read_rows(pool, take)])
-        return tuple(np.concatenate(x) for x in zip(*parts))
+            arrays = read_rows(pool, take) + ((read_experts(pool, take),) if with_experts else ())
+            parts.append([np.asarray(x)[:len(part)] for x in arrays])
+        out = tuple(np.concatenate(x) for x in zip(*parts))
+        return out if with_experts else out + (None,)
 
     def _collect(self, force_aborted: bool) -> None:
         """Answers the rows that ended (and, with force_aborted, those aborted) and frees
@@ -507,7 +514,9 @@ class ContinuousBatcher:
             self._stream([row for row in rows if not done[row.slot]])
         if not ended:
             return
-        tokens, logprobs, stopped = self._read(pool, [row.slot for row in ended])
+        tokens, logprobs, stopped, experts = self._read(
+            pool, [row.slot for row in ended],
+            experts=any(row.request.sampling.return_routed_experts for row in ended))
         if aborted:
             mask = np.zeros((self._rows(),), bool)
             mask[[row.slot for row in aborted]] = True
@@ -523,7 +532,8 @@ class ContinuousBatcher:
             try:
                 result = self.sampler.result(
                     row.request, tokens[i, :count], logprobs[i, :count],
-                    bool(stopped[i]) and row not in aborted, row in aborted, row.spans)
+                    bool(stopped[i]) and row not in aborted, row in aborted, row.spans,
+                    None if experts is None else experts[i])
             except Exception as err:  # noqa: BLE001 - this request's reply alone fails
                 log.exception("request %s: its result could not be built",
                               row.request.request_id)
@@ -537,7 +547,7 @@ class ContinuousBatcher:
         rows = [row for row in rows if row.ticket.on_tokens is not None and not row.aborted]
         if not rows:
             return
-        tokens, logprobs, _ = self._read(self._pool, [row.slot for row in rows])
+        tokens, logprobs, _, _ = self._read(self._pool, [row.slot for row in rows])
         for i, row in enumerate(rows):
             count = int(self._counts[row.slot])
             try:

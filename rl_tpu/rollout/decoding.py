@@ -11,6 +11,11 @@ r's token at position p sits in cache slot p, so rows of different prompt length
 by side with no left padding. Decode is a `lax.while_loop` over up to `chunk` tokens that ends
 as soon as every row has stopped.
 
+A mixture-of-experts policy's samples also record which experts routed every token they
+computed (`DecodeState.experts`), for the trainer to replay that routing (R3, arXiv
+2510.11370: the learner's router would otherwise pick other experts for some tokens than the
+ones that sampled them, and the ratios of those tokens are off); a dense model carries none.
+
 Log-probs are computed exactly as the trainer computes them (`rl_tpu.models.logprobs`): the
 final hidden state through `logits_from_hidden`, divided by the temperature, log-softmax
 ('full' convention: before top-p/top-k truncation). Tokens are drawn from exactly that
@@ -25,14 +30,17 @@ import contextlib
 import functools
 import math
 import threading
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_tpu.models.logprobs import logits_from_hidden, logprobs_of
-from rl_tpu.models.transformer import Transformer, cache_slots, init_cache
+from rl_tpu.models.moe import sown_routing
+from rl_tpu.models.transformer import ModelConfig, Transformer, cache_slots, init_cache
 from rl_tpu.rollout import compile_count
 from rl_tpu.rollout.prefix_cache import gather_pages
 
@@ -178,6 +186,64 @@ class DecodeState:
     ban_ids: jax.Array  # [B, X] ids masked before min_new (eos + stop_token_ids, -1 = none)
     keys: jax.Array  # [B] PRNG keys
     adapter: jax.Array  # [B] i32 the LoRA slot each row samples with (a serving model's; 0)
+    # [B, S, sparse layers, k] i32, a mixture of experts' only (None: dense): experts[r, p] are
+    # the experts that routed row r's token at position p in the forward pass that computed
+    # its K/V here; -1 where this state computed none (a reused prefix, positions not reached,
+    # and the last sampled token, never fed back)
+    experts: Optional[jax.Array] = None
+
+
+def routing_shape(cfg: ModelConfig) -> Optional[tuple[int, int]]:
+    """(sparse layers, k) of the experts a token of this model is routed to; None for a dense
+    model (or one whose layers are all dense), whose programs then record nothing."""
+    if cfg.moe is None or not cfg.moe.sparse_layers(cfg.num_layers):
+        return None
+    return len(cfg.moe.sparse_layers(cfg.num_layers)), cfg.moe.top_k
+
+
+def empty_experts(cfg: ModelConfig, rows: int, slots: int) -> Optional[jax.Array]:
+    """`DecodeState.experts` of rows that have computed nothing yet (None: a dense model)."""
+    shape = routing_shape(cfg)
+    return None if shape is None else jnp.full((rows, slots) + shape, -1, jnp.int32)
+
+
+def row_routing(cfg: ModelConfig, experts: Optional[np.ndarray], length: int
+                ) -> Optional[np.ndarray]:
+    """`GenerateResult.routed_experts` of a row: its `DecodeState.experts` [S, ...] (on the
+    host; None: a row that never ran, all -1) at its sequence's first `length` positions,
+    prompt_ids + output_ids but the last output id (sampled, never fed: nothing routed it);
+    None for a dense model. (max_new_tokens=0 reports no output: the prompt's own last id
+    then has no row either.)"""
+    shape = routing_shape(cfg)
+    if shape is None:
+        return None
+    if experts is None:
+        return np.full((length,) + shape, -1, np.int32)
+    # a copy: a view would keep the whole batch's buffer alive as long as the result
+    return np.array(experts[:length], np.int32)
+
+
+def _forward(model: Transformer, params, ids, positions, cache, adapter):
+    """(final hidden [B, T, D], the cache with ids' K/V written, the experts that routed each
+    token [B, T, sparse layers, k] i32, or None for a dense model). A dense model's call is
+    the plain apply: its programs stay what they were, no routing collected."""
+    if routing_shape(model.cfg) is None:
+        hidden, cache = model.apply({"params": params}, ids, positions, cache=cache,
+                                    return_hidden=True, adapter_rows=adapter)
+        return hidden, cache, None
+    (hidden, cache), sown = model.apply({"params": params}, ids, positions, cache=cache,
+                                        return_hidden=True, adapter_rows=adapter,
+                                        mutable=["intermediates"])
+    _, experts = sown_routing(sown["intermediates"], model.cfg.num_layers)
+    return hidden, cache, experts.reshape(ids.shape + experts.shape[1:])
+
+
+def _write_experts(buffer, experts, positions, valid):
+    """buffer [B, S, ...] with experts [B, T, ...] written at positions [B, T] where valid
+    [B, T]; the rest is dropped (padding must not overwrite a real token's routing)."""
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    at = jnp.where(valid, positions, buffer.shape[1])  # past the buffer: dropped
+    return buffer.at[rows, at].set(experts, mode="drop")
 
 
 def _emit(model: Transformer, params, hidden, state: DecodeState, index):
@@ -199,7 +265,8 @@ def _emit(model: Transformer, params, hidden, state: DecodeState, index):
 def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, last, chunk: int,
                    adapter):
     """(hidden [B, D] of each row's token at index last [B] of prompt_ids [B, P], the cache
-    with every prompt token's K/V written at positions [B, P]).
+    with every prompt token's K/V written at positions [B, P], the experts that routed every
+    prompt token [B, P, sparse layers, k], or None for a dense model).
 
     chunk > 0 (dividing P): the prompt runs `chunk` tokens at a time in a scan, each chunk
     attending to the cache the chunks before it wrote: the same attention over the same slots
@@ -208,9 +275,8 @@ def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, las
     """
     b, t = prompt_ids.shape
     if not chunk or t <= chunk:
-        hidden, cache = model.apply({"params": params}, prompt_ids, positions, cache=cache,
-                                    return_hidden=True, adapter_rows=adapter)
-        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache
+        hidden, cache, experts = _forward(model, params, prompt_ids, positions, cache, adapter)
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache, experts
     if t % chunk:
         raise ValueError(f"prefill chunk {chunk} does not divide the prompt bucket {t}; use a "
                          f"power of two (prompt buckets are powers of two)")
@@ -219,19 +285,20 @@ def _prompt_hidden(model: Transformer, params, prompt_ids, positions, cache, las
     def one_chunk(carry, xs):
         cache, picked = carry
         k, ids, pos = xs
-        hidden, cache = model.apply({"params": params}, ids, pos, cache=cache,
-                                    return_hidden=True, adapter_rows=adapter)
+        hidden, cache, experts = _forward(model, params, ids, pos, cache, adapter)
         local = last - k * chunk  # the wanted token's index inside this chunk, if it is here
         here = (local >= 0) & (local < chunk)
         mine = jnp.take_along_axis(hidden, jnp.clip(local, 0, chunk - 1)[:, None, None],
                                    axis=1)[:, 0]
-        return (cache, jnp.where(here[:, None], mine, picked)), None
+        return (cache, jnp.where(here[:, None], mine, picked)), experts
 
     split = lambda x: x.reshape(b, n, chunk).swapaxes(0, 1)  # noqa: E731  [n, B, C]
     picked = jnp.zeros((b, model.cfg.hidden_size), model.cfg.compute_dtype)
-    (cache, picked), _ = jax.lax.scan(one_chunk, (cache, picked),
-                                      (jnp.arange(n), split(prompt_ids), split(positions)))
-    return picked, cache
+    (cache, picked), experts = jax.lax.scan(one_chunk, (cache, picked),
+                                            (jnp.arange(n), split(prompt_ids), split(positions)))
+    if experts is not None:  # [n, B, C, ...] -> [B, P, ...]
+        experts = experts.swapaxes(0, 1).reshape((b, t) + experts.shape[3:])
+    return picked, cache, experts
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_steps", "chunk"))
@@ -251,6 +318,9 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
 
     chunk: prefill `chunk` prompt tokens at a time (0 = the whole prompt at once), see
     `_prompt_hidden`.
+
+    A mixture of experts' state records the prompt tokens' experts at their positions, those
+    of a reused prefix left -1 (computed by an earlier call, whose routing is not kept).
     """
     b, t = prompt_ids.shape
     adapter = jnp.zeros((b,), jnp.int32) if adapter is None else adapter
@@ -262,15 +332,19 @@ def prefill(model: Transformer, params, prompt_ids, prompt_lens, max_new, min_ne
     # decode overwrites before any query can see them.
     positions = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32),
                             cache_slots(cache) - 1)
-    last, cache = _prompt_hidden(model, params, prompt_ids, positions, cache,
-                                 prompt_lens - starts - 1, chunk, adapter)
+    last, cache, prompt_experts = _prompt_hidden(model, params, prompt_ids, positions, cache,
+                                                 prompt_lens - starts - 1, chunk, adapter)
+    experts = empty_experts(model.cfg, b, cache_slots(cache))
+    if experts is not None:
+        real = jnp.arange(t)[None, :] < (prompt_lens - starts)[:, None]
+        experts = _write_experts(experts, prompt_experts, positions, real)
     state = DecodeState(
         step=jnp.int32(1), token=jnp.zeros((b,), jnp.int32), cache=cache,
         tokens=jnp.zeros((b, max_steps), jnp.int32),
         logprobs=jnp.zeros((b, max_steps), jnp.float32), count=jnp.ones((b,), jnp.int32),
         done=jnp.zeros((b,), bool), stopped=jnp.zeros((b,), bool), prompt_lens=prompt_lens,
         max_new=max_new, min_new=min_new, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys, adapter=adapter)
+        stop_ids=stop_ids, ban_ids=ban_ids, keys=keys, adapter=adapter, experts=experts)
     token, logprob, is_stop = _emit(model, params, last, state, jnp.zeros((b,), jnp.int32))
     return state.replace(token=token, tokens=state.tokens.at[:, 0].set(token),
                          logprobs=state.logprobs.at[:, 0].set(logprob), stopped=is_stop,
@@ -289,6 +363,9 @@ def decode(model: Transformer, params, state: DecodeState, chunk, min_chunk=None
     (continuous.py); in a batch that started together every live row's count is `step`.
     Decoding in chunks lets the host look in between (aborts, pauses, a weight swap, rows
     joining and leaving) at the cost of one tiny device->host read per chunk.
+
+    A mixture of experts' live rows record the experts of the token each step feeds (their
+    last sampled one) at its position; done rows, whose step only recomputes, record nothing.
     """
     capacity = state.tokens.shape[1]
     rows = jnp.arange(state.tokens.shape[0])
@@ -303,10 +380,12 @@ def decode(model: Transformer, params, state: DecodeState, chunk, min_chunk=None
     def body(carry):
         i, st = carry
         pos = (st.prompt_lens + st.count - 1)[:, None]
-        hidden, cache = model.apply({"params": params}, st.token[:, None], pos, cache=st.cache,
-                                    return_hidden=True, adapter_rows=st.adapter)
+        hidden, cache, experts = _forward(model, params, st.token[:, None], pos, st.cache,
+                                          st.adapter)
         new, logprob, is_stop = _emit(model, params, hidden[:, 0], st, st.count)
         live = ~st.done
+        if experts is not None:
+            st = st.replace(experts=_write_experts(st.experts, experts, pos, live[:, None]))
         at = jnp.where(live, st.count, capacity)  # done rows write nothing (dropped)
         count = st.count + live
         return i + 1, st.replace(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_tpu.models.transformer import Transformer, init_cache
-from rl_tpu.rollout.decoding import DecodeState
+from rl_tpu.rollout.decoding import DecodeState, empty_experts
 
 
 @functools.partial(jax.jit, static_argnames=("model", "rows", "slots", "width"))
@@ -32,7 +32,8 @@ def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeS
         stopped=none(dtype=bool), prompt_lens=none(), max_new=none(), min_new=none(),
         temperature=none(dtype=f32), top_p=none(dtype=f32), top_k=none(),
         stop_ids=none(width), ban_ids=none(width),
-        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32)), adapter=none()),
+        keys=jax.vmap(jax.random.key)(jnp.zeros((0,), jnp.uint32)), adapter=none(),
+        experts=empty_experts(model.cfg, 0, slots)),
         rows, slots, width)
 
 
@@ -40,10 +41,11 @@ def empty_pool(model: Transformer, rows: int, slots: int, width: int) -> DecodeS
 def scatter_rows(pool: DecodeState, new: DecodeState, rows) -> DecodeState:
     """`pool` with the A prefilled rows of `new` written at pool rows `rows` [A] (a row index
     past the pool, a padding row, is dropped). new's cache has the pool's S slots; its output
-    buffer [A, 1] (the first token) is padded to the pool's [B, S]."""
+    buffer [A, 1] (the first token) is padded to the pool's [B, S]; a mixture of experts'
+    routing, [A, S, ...] as the cache, goes in whole (tree.map: a dense model's is None)."""
     put = lambda p, n: p.at[rows].set(n, mode="drop")  # noqa: E731
     out_pad = pool.tokens.shape[1] - new.tokens.shape[1]
-    fields = {f.name: put(getattr(pool, f.name), getattr(new, f.name))
+    fields = {f.name: jax.tree.map(put, getattr(pool, f.name), getattr(new, f.name))
               for f in dataclasses.fields(DecodeState)
               if f.name not in ("step", "cache", "tokens", "logprobs")}
     return pool.replace(
@@ -57,6 +59,14 @@ def read_rows(pool: DecodeState, rows):
     """(tokens, logprobs [F, S], stopped [F]) of the pool rows `rows` [F], in one program
     (indexing eagerly costs a dispatch and Python work per array)."""
     return pool.tokens[rows], pool.logprobs[rows], pool.stopped[rows]
+
+
+@jax.jit
+def read_experts(pool: DecodeState, rows):
+    """A mixture of experts' routing [F, S, sparse layers, k] of the pool rows `rows` [F]: a
+    program of its own, read only for rows that ended (`read_rows` also serves every streamed
+    chunk, which needs no routing, and this is the pool's largest per-row read)."""
+    return pool.experts[rows]
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -86,7 +96,9 @@ def grow_pool(pool: DecodeState, rows: int, slots: int, width: int) -> DecodeSta
         temperature=pad(pool.temperature), top_p=pad(pool.top_p, 1.0),
         top_k=pad(pool.top_k, -1), stop_ids=pad(pool.stop_ids, -1, x),
         ban_ids=pad(pool.ban_ids, -1, x), keys=jnp.concatenate([pool.keys, fresh_keys]),
-        adapter=pad(pool.adapter))
+        adapter=pad(pool.adapter),
+        experts=jax.tree.map(lambda e: jnp.pad(e, ((0, r), (0, s), (0, 0), (0, 0)),
+                                               constant_values=-1), pool.experts))
 
 
 def ladder(low: int, high: int, step: int) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from rl_tpu.models.transformer import ModelConfig, Transformer
 from rl_tpu.rollout.adapter_slots import AdapterSlots
 from rl_tpu.rollout.adapter_weights import AdapterWeights
 from rl_tpu.rollout.compile_count import CompileCounter
-from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill
+from rl_tpu.rollout.decoding import DecodeAhead, decode, prefill, row_routing
 from rl_tpu.core.engine import (GenerateRequest, GenerateResult, RolloutEngine,
                                    check_stop_token_ids)
 from rl_tpu.rollout.own_copy import OwnCopy
@@ -374,10 +374,12 @@ class JaxSampler(RolloutEngine):
         self._decode_ahead.start(self.model, params, call, self.decode_chunk)
         return call(), matches
 
-    def result(self, req, tokens, logprobs, stopped, aborted, spans) -> GenerateResult:
+    def result(self, req, tokens, logprobs, stopped, aborted, spans,
+               experts=None) -> GenerateResult:
         """The GenerateResult of one row of `req`: its output ids and log-probs (numpy, as
         decoded), whether it stopped on a stop id or was aborted, and its weight-version
-        spans [(version, first output index)]; stop strings cut here."""
+        spans [(version, first output index)]; stop strings cut here. `experts`: a mixture of
+        experts' `DecodeState.experts` row (numpy), None for a row that never ran."""
         s = req.sampling
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         if s.max_new_tokens == 0:
@@ -398,7 +400,10 @@ class JaxSampler(RolloutEngine):
         return GenerateResult(output_ids=tokens, logprobs=logprobs, finish_reason=finish,
                               weight_version=used[-1]["version"], matched_stop=matched,
                               prompt_tokens=len(req.prompt_ids), info={"weight_versions": used},
-                              logprob_convention="full")
+                              logprob_convention="full",
+                              routed_experts=(row_routing(
+                                  self.cfg, experts, len(req.prompt_ids) + len(tokens) - 1)
+                                  if s.return_routed_experts else None))
 
     # -- internals -----------------------------------------------------------------------
 
@@ -480,6 +485,11 @@ class JaxSampler(RolloutEngine):
                 state = decode(self.model, params, state, chunk=self.decode_chunk)
             tokens, logprobs, count, stopped = (np.asarray(x) for x in (
                 state.tokens, state.logprobs, state.count, state.stopped))
+            # the routing buffer crosses to the host only when a request asked for it
+            # (Qwen3-30B-A3B: 1.5 KB a slot)
+            wanted = any(req.sampling.return_routed_experts for req, _ in rows)
+            experts = (np.asarray(state.experts) if wanted and state.experts is not None
+                       else None)
             if matches is not None:
                 # Slots 0..len+count-2 hold K/V: the prompt and every output id but the last
                 # (sampled, never fed back). Raw ids: a stop-string cut changes nothing here.
@@ -488,7 +498,8 @@ class JaxSampler(RolloutEngine):
                 self._prefix.insert(seqs, [m.hashes for m in matches], state.cache, generation,
                                     salts=self._salts(sampling, n))
         return [self.result(rows[i][0], tokens[i, :count[i]], logprobs[i, :count[i]],
-                             bool(stopped[i]), bool(aborted[i]), spans) for i in range(n)]
+                             bool(stopped[i]), bool(aborted[i]), spans,
+                             None if experts is None else experts[i]) for i in range(n)]
 
     def stop_width(self, requests) -> int:
         """X, the stop (and banned) ids a row of these requests holds: a power of two from 4,

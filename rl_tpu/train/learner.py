@@ -317,9 +317,11 @@ class Learner:
     def carried_fields(self, behaviour: bool = True) -> list[str]:
         """The fields a trainer's batch brings to this learner's update beyond those it always
         reads: ref_logprobs (its score pass adds them with a KL reference), Dr.GRPO's
-        length_normalizer (the fixed_normalizer aggregation divides by it) and, with
-        `behaviour` (the engine reports full-distribution log-probs), behaviour_logprobs."""
+        length_normalizer (the fixed_normalizer aggregation divides by it), the sampler's
+        routed_experts under routing replay and, with `behaviour` (the engine reports
+        full-distribution log-probs), behaviour_logprobs."""
         fields = ["behaviour_logprobs"] if behaviour else []
+        fields += [ROUTING_INPUT] if self.cfg.step.routing_replay else []
         fields += ["ref_logprobs"] if self.reference_params is not None else []
         fields += (["length_normalizer"] if self.loss_cfg.aggregation == "fixed_normalizer"
                    else [])
