@@ -230,8 +230,12 @@ def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatc
                              "--config.model.lora.rank=4", "--config.sft.steps=30"), 2),
     ("bapo_offpolicy.py:bapo,s2,smoke", ("--config.train.steps=4", "--config.sft.steps=30",
                                          "--config.model.lora.rank=4"), 2),
+    # a mixture of experts replaying the sampler's routing, asynchronous at staleness 2: the
+    # learner's mesh (one device a host) is an expert axis across the two hosts
+    ("moe_replay.py:replay,smoke", ("--config.train.steps=4", "--config.sft.steps=30",
+                                    "--config.mesh.expert=2"), 2),
 ], ids=["rl_sync", "sync_replay", "ppo_critic", "tl_grpo", "lora", "lora_ppo_critic",
-        "lora_async"])
+        "lora_async", "moe_replay_async"])
 def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides, devices):
     _run_like_one(tmp_path, name, *overrides, devices=devices)
 

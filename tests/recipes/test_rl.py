@@ -27,7 +27,8 @@ CONFIGS = ["quickstart", "countdown_grpo", "babyai_grpo", "textcraft_bapo", "sci
            "agentgym:searchqa", "bapo_offpolicy:clip,replay",
            "tl_grpo_babyai", "siri_arithmetic", "babyai_cpu", "code_grpo", "tool_calling",
            "lora_largest:r8", "bapo_entropy:bapo,s8", "tl_grpo_guess:tl_grpo",
-           "scaling_maze:hidden,staged", "siri_arithmetic:steps,siri", "real_gsm"]
+           "scaling_maze:hidden,staged", "siri_arithmetic:steps,siri", "real_gsm",
+           "moe_replay:replay"]
 
 
 def config(name, variant="smoke"):
