@@ -65,6 +65,9 @@ setup(
                 "sglang-router==0.3.2", "wandb>=0.17",
                 # LoRA adapters are exported and imported in PEFT's format, checked against
                 # peft itself (tests/models/test_peft_format.py).
-                "peft==0.21.2"] + ENVS,
+                "peft==0.21.2",
+                # launch.pod's JobSet manifests, read back and checked against the JobSet
+                # CRD's schema (tests/test_pod_manifest.py).
+                "PyYAML>=6", "jsonschema>=4.18"] + ENVS,
     },
 )

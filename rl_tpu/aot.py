@@ -131,8 +131,10 @@ class Report:
 
     @property
     def fsdp_chips(self) -> int:
-        """The chips the learner's params could shard over."""
-        return self.learner_chips or self.chips
+        """The fsdp size that shards the learner's params over all its chips: its chips over
+        the axes that must stay (an expert axis splits experts, tensor the heads)."""
+        kept = self.mesh.get("expert", 1) * self.mesh.get("tensor", 1)
+        return (self.learner_chips or self.chips) // kept
 
 
 def topology_devices(name: str) -> tuple[list, int]:
