@@ -13,6 +13,10 @@ and a sampler's disagree. One of:
   replay  algo.routing_replay=rollout: the update's and the score pass's forwards use the
           experts the sampler chose for every token (R3, arXiv 2510.11370)
   none    the learner's routers choose for themselves (the control)
+and one of:
+  s2      staleness exactly 2 (the default)
+  s0      on-policy: the learner's weights are the sampler's, so what differs is numerics
+          (bfloat16 against float32, a decode step against a whole-sequence forward)
 Both log train/routing_mismatch (the share of token-layer routings, on the policy's tokens,
 where the learner's own top-k differs from the sampler's), train/logprob_gap_* (proximal
 against behaviour log-probs), train/router_aux_loss and the entropy. Variants are
@@ -33,11 +37,14 @@ from rl_tpu.recipes.variants import parse_variant
 VARIANT_HELP = {
     "replay": "the update replays the sampler's experts (algo.routing_replay=rollout)",
     "none": "the learner's routers choose (the control)",
+    "s2": "rollouts exactly 2 versions old (an asynchronous producer in lock-step)",
+    "s0": "on-policy: only numerics (bf16 sampling, decode against a whole forward) differ",
 }
 
 
 def get_config(arg: str = ""):
-    chosen, smoke = parse_variant(arg, {"routing": ("replay", "none")}, numbered={"seed": 0})
+    chosen, smoke = parse_variant(arg, {"routing": ("replay", "none"), "staleness": ("s2", "s0")},
+                                  numbered={"seed": 0})
     c = largest_task(base_config("grpo"))
     c.seed = chosen["seed"]
     c.model.tiny_arch = "qwen3_moe"
@@ -46,8 +53,9 @@ def get_config(arg: str = ""):
     c.algo.log_routing_mismatch = True
     c.algo.ratio_against = "behaviour"
     c.algo.aggregation = "token_mean"
-    c.rollout.max_staleness = 2
-    c.rollout.deterministic = True
+    if chosen["staleness"] == "s2":
+        c.rollout.max_staleness = 2
+        c.rollout.deterministic = True
     c.eval.num_tasks = 200
     if smoke:
         shrink_for_smoke(c, warm_start_steps=4, eval_tasks=8)
