@@ -231,9 +231,13 @@ def test_free_running_with_replay_loses_and_repeats_no_task(tmp_path, monkeypatc
     ("bapo_offpolicy.py:bapo,s2,smoke", ("--config.train.steps=4", "--config.sft.steps=30",
                                          "--config.model.lora.rank=4"), 2),
     # a mixture of experts replaying the sampler's routing, asynchronous at staleness 2: the
-    # learner's mesh (one device a host) is an expert axis across the two hosts
+    # learner's mesh (one device a host) is an expert axis across the two hosts. The sampler
+    # in float32 and without tensor parallelism: one process's sampler has 2 devices, each
+    # host's here 1, and partial sums in another order round otherwise (a router's near-tie
+    # then routes a token elsewhere)
     ("moe_replay.py:replay,smoke", ("--config.train.steps=4", "--config.sft.steps=30",
-                                    "--config.mesh.expert=2"), 2),
+                                    "--config.mesh.expert=2", "--config.model.sampler_dtype=",
+                                    "--config.rollout.sampler_tensor=1"), 2),
 ], ids=["rl_sync", "sync_replay", "ppo_critic", "tl_grpo", "lora", "lora_ppo_critic",
         "lora_async", "moe_replay_async"])
 def test_deterministic_recipes_train_like_one_process(tmp_path, name, overrides, devices):
