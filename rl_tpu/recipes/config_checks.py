@@ -271,19 +271,6 @@ def _check_lora(config: ml_collections.ConfigDict) -> None:
     lora_config(config)
 
 
-def _check_routing(config: ml_collections.ConfigDict) -> None:
-    """algo.routing_replay / log_routing_mismatch: only the embedded sampler records a
-    mixture of experts' routing (SGLang 0.5.23 can return its own, with
-    --enable-return-routed-experts, but rl_tpu's SGLang client does not read it yet)."""
-    if records_routing(config.algo) and config.rollout.engine != "jax":
-        raise ValueError(
-            f"algo.routing_replay={config.algo.routing_replay!r} / algo.log_routing_mismatch="
-            f"{config.algo.log_routing_mismatch} with rollout.engine="
-            f"{config.rollout.engine!r}: the sampler's routed experts come only from the "
-            "embedded sampler yet (SGLang's are not read); use rollout.engine=jax, or "
-            "algo.routing_replay=none and algo.log_routing_mismatch=false")
-
-
 def _check_reward_model(config: ml_collections.ConfigDict) -> None:
     rm = config.reward_model
     for key in ("prompts", "eval_prompts", "steps", "batch_size", "calibration_bins",
@@ -341,7 +328,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if config.recipe not in RECIPES:
         raise ValueError(f"recipe={config.recipe!r}; choose one of {RECIPES}")
     _check_lora(config)
-    _check_routing(config)
+    records_routing(config.algo)  # algo.routing_replay: a known mode
     _check_loop(config)
     _check_reward_model(config)
     _check_reward(config)

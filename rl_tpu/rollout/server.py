@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from rl_tpu.core.engine import GenerateRequest, GenerateResult, SamplingParams
 from rl_tpu.models import hf
 from rl_tpu.models.tokenizer import ChatTokenizer
+from rl_tpu.rollout import routed_experts
 from rl_tpu.rollout.adapter_slots import AdapterSlotsError
 from rl_tpu.rollout.continuous import ContinuousBatcher, Ticket, TokensCallback
 from rl_tpu.rollout.sampler import JaxSampler
@@ -185,6 +186,12 @@ class RolloutService:
             raise BadRequest(f"'rid': {len(rids)} ids for {len(prompts)} prompts; send one "
                              "a prompt")
         rids = [text_field(r, "rid") if r else uuid.uuid4().hex for r in rids]
+        if body.get("return_routed_experts") is not None and flag_field(
+                body["return_routed_experts"], "return_routed_experts"):
+            if self.sampler.cfg.moe is None:
+                raise BadRequest("'return_routed_experts': this server's model is not a "
+                                 "mixture of experts, it routes nothing")
+            sampling = [dataclasses.replace(s, return_routed_experts=True) for s in sampling]
         context = min(self.sampler.cfg.max_position_embeddings, self.batcher.slot_tokens)
         self.limits.check(prompts, sampling, context)
         return Prepared([GenerateRequest(p, s, r) for p, s, r in zip(prompts, sampling, rids)],
@@ -290,6 +297,8 @@ class RolloutService:
             meta["output_token_logprobs"] = [[lp, t, text_of(t)]
                                              for lp, t in zip(res.logprobs, res.output_ids)]
             meta["input_token_logprobs"] = []  # prompt scoring is the trainer's job
+        if res.routed_experts is not None:  # SGLang's layout (routed_experts.py)
+            meta["routed_experts"] = routed_experts.encode(res.routed_experts, self.sampler.cfg)
         text = self.text_of(res, bool(raw_params.get("skip_special_tokens", True)),
                             bool(raw_params.get("no_stop_trim")))
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}

@@ -77,7 +77,7 @@ import jax
 
 from rl_tpu.models import lora
 from rl_tpu.models.transformer import ModelConfig
-from rl_tpu.rollout import logprob_probe
+from rl_tpu.rollout import logprob_probe, routed_experts
 from rl_tpu.core.engine import (FINISH_REASONS, GenerateRequest, GenerateResult,
                                    RolloutEngine, RolloutError, SamplingParams)
 from rl_tpu.rollout.http_transport import HttpTransport, ServerDown
@@ -271,6 +271,9 @@ class SGLangEngine(RolloutEngine):
                     "return_logprob": True, "logprob_start_len": -1}
             if n == 1 and all(r.request_id for r in requests):
                 body["rid"] = [str(r.request_id) for r in requests]
+        routed = any(r.sampling.return_routed_experts for r in requests)
+        if routed:  # one flag for the whole request, as SGLang takes it
+            body["return_routed_experts"] = True
         if adapter is not None:  # SGLang repeats one name for every prompt and sample
             body["lora_path"] = self.weight_sync.adapter_name(adapter)
         try:
@@ -288,6 +291,9 @@ class SGLangEngine(RolloutEngine):
             raise RolloutError(f"POST {url}/generate: expected {len(requests) * n} samples "
                                f"({len(requests)} prompts x n={n}), got {got}", url)
         results = [self.parse_sample(item, url) for item in reply]
+        if routed:
+            for result in results:
+                self._read_routing(result, url)
         meaning = self.server_logprobs(url)  # the server just answered: probe it if new
         for k, request in enumerate(requests):
             if meaning.refuses(request.sampling):
@@ -303,6 +309,26 @@ class SGLangEngine(RolloutEngine):
                     result.info["weight_versions"] = [
                         {"version": adapter, "start": 0, "end": len(result.output_ids)}]
         return [results[k * n:(k + 1) * n] for k in range(len(requests))]
+
+    def _read_routing(self, result: GenerateResult, url: str) -> None:
+        """result.routed_experts from the reply's meta_info.routed_experts (kept in
+        result.info by parse_sample), in the trainer's model's layers."""
+        text = result.info.pop("routed_experts", None)
+        if text is None:
+            raise RolloutError(
+                f"POST {url}/generate: the request asked for routed experts and the reply has "
+                "none: launch SGLang with --enable-return-routed-experts (0.5.23 records them "
+                "on NVIDIA GPUs only: its capturer registers host memory with CUDA) and serve a "
+                "mixture of experts", url)
+        cfg = self.model_config
+        if cfg is None or cfg.moe is None:
+            raise RolloutError("reading routed experts needs the trainer's mixture-of-experts "
+                               "config (SGLangEngine(model_config=...))", url)
+        try:
+            result.routed_experts = routed_experts.decode(
+                text, result.prompt_tokens + len(result.output_ids) - 1, cfg)
+        except ValueError as err:
+            raise RolloutError(f"POST {url}/generate: {err}", url) from err
 
     @staticmethod
     def _temperature_message(url: str, sp: SamplingParams, what: str) -> str:
@@ -347,6 +373,8 @@ class SGLangEngine(RolloutEngine):
             info["message"] = finish["message"]
         if "text" in item:
             info["text"] = item["text"]
+        if "routed_experts" in meta:  # decoded by the engine, which knows the model's layers
+            info["routed_experts"] = meta["routed_experts"]
         version = meta.get("weight_version")
         return GenerateResult(
             output_ids=ids, logprobs=logprobs, finish_reason=kind,
