@@ -66,7 +66,7 @@ def test_asynchronous_learner_and_sampler_split_each_hosts_chips():
     assert [d.id for d in p.sampler_devices] == [0, 1]
     assert {d.process_index for d in p.learner_devices} == {0, 1, 2, 3}
     assert not {d.id for d in p.learner_devices} & {d.id for d in p.sampler_devices}
-    assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     assert p.rows == 256
     _, p = _plan("textcraft_bapo", "", "v5p:2x2x4", rollout__sampler_devices=1)
     assert (p.learner_chips, p.sampler_chips) == (12, 1)
