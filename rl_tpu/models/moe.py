@@ -106,19 +106,8 @@ def expert_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Arr
 
     x [N_tok, D]; experts, weights [N_tok, k]; gate, up [E, D, F]; down [E, F, D]. Every pair
     is computed: the pairs are sorted by expert (stable, so ties keep token order) and each
-    expert's rows are one group of a ragged matmul."""
-    k = experts.shape[1]
-    num_experts = gate.shape[0]
-    flat = experts.reshape(-1)  # [M]
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k  # the token of each sorted pair
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    rows = x[token_of]  # [M, D]
-    g = jax.lax.ragged_dot(rows, gate, group_sizes)
-    u = jax.lax.ragged_dot(rows, up, group_sizes)
-    y = jax.lax.ragged_dot(nn.silu(g) * u, down, group_sizes)  # [M, D]
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-    return jnp.zeros_like(x).at[token_of].add(y)
+    expert's rows are one group of a ragged matmul (one device holding every expert)."""
+    return _local_expert_swiglu(x, experts, weights, gate, up, down, first=0)
 
 
 def _local_expert_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Array,
