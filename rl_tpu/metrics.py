@@ -225,7 +225,10 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Closes the file and the TensorBoard writer. After a failed write (raised already),
-        their final flushes fail the same way: that is logged at DEBUG, not raised again."""
+        or while another error is on its way out (a checkpoint the full disk refused, closed
+        from an `except` or `finally`), their final flushes fail the same way: that is logged
+        at DEBUG, not raised over the error the user must read."""
+        failed_already = self._failed or sys.exc_info()[1] is not None
         for name in ("_file", "_tb", "_wandb"):
             writer, _ = getattr(self, name), setattr(self, name, None)
             if writer is None:
@@ -233,11 +236,11 @@ class MetricsWriter:
             try:
                 writer.close()
             except OSError:
-                if not self._failed:
+                if name == "_tb":  # or its exit hook flushes (and fails) again
+                    _abandon_event_files(writer)
+                if not failed_already:
                     raise
                 log.debug("closing %s after a failed write", name, exc_info=True)
-                if name == "_tb":
-                    _abandon_event_files(writer)
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -247,7 +250,7 @@ class MetricsWriter:
 
 
 def _abandon_event_files(summary_writer) -> None:
-    """tensorboardX's close failed (its flush hit the failure already raised): its logger
+    """tensorboardX's close failed (its flush met a full or failing disk): its logger
     threads are stopped and its event files marked closed, so its exit hook does not flush
     into the same failure again and print a traceback after the run's error."""
     for file_writer in (getattr(summary_writer, "all_writers", None) or {}).values():

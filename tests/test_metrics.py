@@ -4,6 +4,7 @@ import glob
 import io
 import json
 import logging
+import errno
 import os
 import struct
 
@@ -274,3 +275,48 @@ def test_the_first_line_says_what_runs_where_and_on_what(capsys):
     assert capsys.readouterr().out == line + "\n"
     assert announce_start(config, "/w", 5, "SFT steps", what="sft (on x)").startswith(
         "rl_tpu: starting sft (on x) in /w: 5 SFT steps, ")
+
+
+def _swap_for_dev_full(path_part: str) -> None:
+    """Every descriptor of this process open on a path containing path_part now writes to
+    /dev/full (ENOSPC on every write), as the file would on a full disk."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if path_part in target:
+                os.dup2(full, int(fd))
+    finally:
+        os.close(full)
+
+
+@pytest.mark.parametrize("error_in_flight", [False, True], ids=["alone", "beside_an_error"])
+def test_a_close_that_meets_a_full_disk_never_hides_the_error_being_raised(tmp_path,
+                                                                           error_in_flight):
+    """The warm start's checkpoint meets a full disk; the trainer closes its metrics writer on
+    the way out, and TensorBoard's buffered events meet the same full disk. The user must read
+    the checkpoint's one-line error, not the flush's OSError (seen in a full-suite run: exit 1
+    and a traceback instead of the one line and exit 2). A close failing on its own still
+    raises."""
+    if not os.path.exists("/dev/full") or not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /dev/full and /proc")
+    writer = MetricsWriter(str(tmp_path), tensorboard=True)
+    writer.write(1, {"rollout/reward": 0.5})  # TensorBoard buffers it
+    _swap_for_dev_full("events.out.tfevents")
+    checkpoint_error = RunWriteError("checkpoint step 2", str(tmp_path / "checkpoints" / "2"),
+                                     OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    if not error_in_flight:
+        with pytest.raises(OSError, match="No space left on device") as raised:
+            writer.close()
+        assert raised.value is not checkpoint_error
+        return
+    with pytest.raises(RunWriteError) as raised:
+        try:
+            raise checkpoint_error
+        except RunWriteError:
+            writer.close()
+            raise
+    assert raised.value is checkpoint_error
