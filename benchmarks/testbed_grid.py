@@ -14,7 +14,9 @@ it, then compare_runs.py's table and figure.
    the variant).
 2. Each `variant,seedS` in its own process (`nice -n 10`), one after another; a workdir that
    holds a finished run is not run again, so an interrupted grid resumes.
-3. compare_runs.py over the runs (its table; the figure with --out).
+3. compare_runs.py over the runs (its table; the figure with --out). Its statistics flags
+   pass through: `--control grpo --best --totals --metric train/clip_frac` (compare_runs.py's
+   docstring).
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ def grid(config: str, root: str, runs: list[str], seeds: list[int],
     return out
 
 
-def compare(root: str, runs: list[str], panels: str, x: str, last: int, out: str) -> None:
+def compare(root: str, runs: list[str], panels: str, x: str, last: int, out: str,
+            table_flags: list[str]) -> None:
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "compare_runs.py"),
                     *[f"--runs={v}={os.path.join(root, v.replace(',', '_') + '_seed*')}"
                       for v in runs],
-                    "--panels", panels, "--x", x, "--last", str(last), "--out", out],
-                   cwd=REPO, check=True)
+                    "--panels", panels, "--x", x, "--last", str(last), "--out", out,
+                    *table_flags], cwd=REPO, check=True)
 
 
 def main():
@@ -79,10 +82,10 @@ def main():
                         choices=("step", "tokens", "solver_tokens", "env_steps"))
     parser.add_argument("--last", type=int, default=3, help="evals averaged for the table")
     parser.add_argument("--out", default="", help="the figure (.png); none if empty")
-    args = parser.parse_args()
+    args, table_flags = parser.parse_known_args()  # the rest: compare_runs.py's table flags
     grid(args.config, args.root, args.runs, [int(s) for s in args.seeds.split(",")],
          args.base_variant)
-    compare(args.root, args.runs, args.panels, args.x, args.last, args.out)
+    compare(args.root, args.runs, args.panels, args.x, args.last, args.out, table_flags)
 
 
 if __name__ == "__main__":
