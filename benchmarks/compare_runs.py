@@ -12,8 +12,9 @@ each method's seed-mean as a line and its seeds as faint lines. The table (markd
 per method, each seed's mean of its last `--last` evals (`--key`, default eval/success), their
 mean over seeds with its standard error, the final entropy and reward (means of the last 5
 steps) and the seconds per step; with `--control NAME`, each method's paired per-seed
-difference from that method (seeds matched by the `seed<N>` their workdirs end with), its 90%
-interval and the verdict the rule in benchmarks/seed_stats.py gives. Every further number a
+difference from that method (seeds matched by the `seed<N>` their workdirs end with, else by
+sorted order), its 90% interval and the verdict the rule in benchmarks/seed_stats.py gives.
+Every further number a
 doc quotes comes from a flag, per seed, then mean ± standard error:
 
     --best                 the best eval of each run
@@ -35,8 +36,9 @@ import json
 import math
 import os
 import statistics
+import sys
 
-from seed_stats import SeedMean, last_mean, paired_difference, seed_of, value_at
+from seed_stats import SeedMean, last_mean, paired_difference, seed_keys, value_at
 
 PANELS = (("eval/success", "held-out greedy success"), ("train/entropy", "policy entropy"),
           ("rollout/reward", "rollout reward"), ("train/bapo_c_high", "BAPO c_high (c_low dashed)"))
@@ -73,9 +75,17 @@ def read_methods(specs: list[str]) -> dict[str, list[list[dict]]]:
 
 def read_arms(specs: list[str]) -> dict[str, dict[int, list[dict]]]:
     """{name: {seed: records}}: each workdir keyed by the seed its name ends with, so that an
-    arm's seed s is paired with the control's seed s."""
-    return {spec.partition("=")[0]: {seed_of(d): read(d) for d in run_dirs(spec)}
-            for spec in specs}
+    arm's seed s is paired with the control's seed s; an arm whose names carry no seeds is
+    keyed by sorted order, and a line on stderr says it is paired that way."""
+    arms = {}
+    for spec in specs:
+        name, dirs = spec.partition("=")[0], run_dirs(spec)
+        keys, named = seed_keys(dirs)
+        if not named:
+            print(f"--runs {name}: workdir names do not end in distinct seed<N>; its runs are "
+                  "paired with --control's by sorted order", file=sys.stderr)
+        arms[name] = {k: read(d) for k, d in zip(keys, dirs)}
+    return arms
 
 
 def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:

@@ -20,7 +20,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from scipy import stats
 
@@ -28,16 +28,21 @@ CONFIDENCE = 0.90
 _SEED_IN_NAME = re.compile(r"seed(\d+)$")
 
 
-def seed_of(workdir: str) -> int:
+def seed_of(workdir: str) -> Optional[int]:
     """The seed a workdir's name ends with (testbed_grid.py's `<variant>_seed<S>`, or any
-    `...seed<S>`): the key that pairs an arm's run with its control's."""
-    name = workdir.rstrip("/").rsplit("/", 1)[-1]
-    match = _SEED_IN_NAME.search(name)
-    if match is None:
-        raise SystemExit(f"{workdir!r}: its name does not end in seed<N>, so it cannot be "
-                         "paired with a control's run of the same seed; name the workdirs "
-                         "<anything>seed<N> (testbed_grid.py does)")
-    return int(match.group(1))
+    `...seed<S>`): the key that pairs an arm's run with its control's; None if it ends in no
+    such number."""
+    match = _SEED_IN_NAME.search(workdir.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def seed_keys(workdirs: Sequence[str]) -> tuple[list[int], bool]:
+    """Each workdir's pairing key and whether they are seeds: the seeds their names end with,
+    or, where a name ends in none (or two share one), their sorted order 0, 1, ... (False)."""
+    seeds = [seed_of(d) for d in workdirs]
+    if None in seeds or len(set(seeds)) < len(seeds):
+        return list(range(len(workdirs))), False
+    return seeds, True
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
-from seed_stats import SeedMean, paired_difference, seed_of, value_at  # noqa: E402
+from seed_stats import SeedMean, paired_difference, seed_keys, seed_of, value_at  # noqa: E402
 
 # Student-t quantiles t(0.95, df), from a table
 T95 = {1: 6.3138, 3: 2.3534}
@@ -60,11 +60,14 @@ def test_one_seed_against_the_rule_is_unclear_however_large_the_mean():
     assert single.text() == "+0.800 n/a (+0.800)"
 
 
-def test_seeds_pair_by_the_name_and_unpaired_runs_are_refused():
+def test_seeds_pair_by_the_name_else_by_sorted_order():
     assert seed_of("/tmp/maze/hidden_staged_seed12") == 12
     assert seed_of("/tmp/maze/hidden_staged_seed3/") == 3
-    with pytest.raises(SystemExit, match="seed<N>"):
-        seed_of("/tmp/maze/hidden_staged")
+    assert seed_of("/tmp/maze/hidden_staged") is None
+    assert seed_keys(["/w/a_seed3", "/w/a_seed1"]) == ([3, 1], True)
+    # docs' own globs such as W/full_s? name no seed: paired in sorted order
+    assert seed_keys(["/w/full_s0", "/w/full_s1"]) == ([0, 1], False)
+    assert seed_keys(["/w/x/seed1", "/w/y/seed1"]) == ([0, 1], False)  # a seed twice
     d = paired_difference({0: 0.5, 1: 0.6, 2: 0.7}, {1: 0.5, 2: 0.5, 5: 0.0})
     assert d.seeds == (1, 2) and d.differences == pytest.approx((0.1, 0.2))
     with pytest.raises(SystemExit, match="no seed in common"):
