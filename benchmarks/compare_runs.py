@@ -14,8 +14,7 @@ mean over seeds with its standard error, the final entropy and reward (means of 
 steps) and the seconds per step; with `--control NAME`, each method's paired per-seed
 difference from that method (seeds matched by the `seed<N>` their workdirs end with, else by
 sorted order), its 90% interval and the verdict the rule in benchmarks/seed_stats.py gives.
-Every further number a
-doc quotes comes from a flag, per seed, then mean ± standard error:
+Every further number a doc quotes comes from a flag, per seed, then mean ± standard error:
 
     --best                 the best eval of each run
     --at X                 the last eval at or before X on the --x axis (equal tokens, equal
