@@ -72,15 +72,15 @@ def read_methods(specs: list[str]) -> dict[str, list[list[dict]]]:
     return {spec.partition("=")[0]: [read(d) for d in run_dirs(spec)] for spec in specs}
 
 
-def read_arms(specs: list[str]) -> dict[str, dict[int, list[dict]]]:
+def read_arms(specs: list[str], pairing: bool = False) -> dict[str, dict[int, list[dict]]]:
     """{name: {seed: records}}: each workdir keyed by the seed its name ends with, so that an
     arm's seed s is paired with the control's seed s; an arm whose names carry no seeds is
-    keyed by sorted order, and a line on stderr says it is paired that way."""
+    keyed by sorted order, and (when `pairing`) a line on stderr says it is paired that way."""
     arms = {}
     for spec in specs:
         name, dirs = spec.partition("=")[0], run_dirs(spec)
         keys, named = seed_keys(dirs)
-        if not named:
+        if pairing and not named:
             print(f"--runs {name}: workdir names do not end in distinct seed<N>; its runs are "
                   "paired with --control's by sorted order", file=sys.stderr)
         arms[name] = {k: read(d) for k, d in zip(keys, dirs)}
@@ -197,7 +197,7 @@ def main():
     args = parser.parse_args()
     panels = [(key, TITLES.get(key, key)) for key in args.panels.split(",") if key]
 
-    arms = read_arms(args.runs)
+    arms = read_arms(args.runs, pairing=bool(args.control))
     print("\n".join(table(arms, args)))
     methods = {name: list(runs.values()) for name, runs in arms.items()}
 
