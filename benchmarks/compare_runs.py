@@ -83,7 +83,7 @@ def read_arms(specs: list[str], pairing: bool = False) -> dict[str, dict[int, li
         if pairing and not named:
             print(f"--runs {name}: workdir names do not end in distinct seed<N>; its runs are "
                   "paired with --control's by sorted order", file=sys.stderr)
-        arms[name] = {k: read(d) for k, d in zip(keys, dirs)}
+        arms[name] = {k: read(d) for k, d in sorted(zip(keys, dirs))}  # seed 2 before 10
     return arms
 
 

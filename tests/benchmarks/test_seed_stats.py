@@ -95,11 +95,12 @@ def _write_run(path, evals, tokens_a_step=100.0, clip=0.1):
 
 
 def test_the_table_prints_seed_means_paired_differences_and_every_flag_column(tmp_path):
-    # method: last-2 means 0.55 (seed 0), 0.75 (seed 1); control: 0.25, 0.35
-    _write_run(tmp_path / "method_seed0", [0.1, 0.2, 0.5, 0.6])
-    _write_run(tmp_path / "method_seed1", [0.1, 0.9, 0.7, 0.8])
-    _write_run(tmp_path / "control_seed0", [0.1, 0.2, 0.2, 0.3])
-    _write_run(tmp_path / "control_seed1", [0.1, 0.3, 0.3, 0.4])
+    # method: last-2 means 0.55 (seed 2), 0.75 (seed 10); control: 0.25, 0.35
+    # seeds 2 and 10: a glob lists seed10 first, the table goes by seed
+    _write_run(tmp_path / "method_seed2", [0.1, 0.2, 0.5, 0.6])
+    _write_run(tmp_path / "method_seed10", [0.1, 0.9, 0.7, 0.8])
+    _write_run(tmp_path / "control_seed2", [0.1, 0.2, 0.2, 0.3])
+    _write_run(tmp_path / "control_seed10", [0.1, 0.3, 0.3, 0.4])
     out = subprocess.run(
         [sys.executable, os.path.join(BENCHMARKS, "compare_runs.py"),
          f"--runs=method={tmp_path}/method_seed*", f"--runs=control={tmp_path}/control_seed*",
